@@ -259,6 +259,16 @@ class GPT(nn.Module):
             logits, _ = self(nxt, cache=cache)
         return idx
 
+    def linearize(self, dims, feature_map="prf", chunk_size=64):
+        """Replace every layer's softmax core by LinearAttention with dims[l] features (shared by the layer's heads).
+        Projections, rotary and everything else stay the checkpoint's; only the new feature maps can train."""
+        c = self.config
+        if len(dims) != c.n_layer or min(dims) < 1:
+            raise ModelError(f"linearize needs {c.n_layer} feature dimensions of at least 1, got {list(dims)}")
+        for block, m in zip(self.h, dims):
+            block.attn.core = LinearAttention(c.n_head, c.n_kv_head, c.head_dim, int(m), feature_map, chunk_size)
+        return self.to(self.wte.weight.device)
+
     @classmethod
     def from_pretrained(cls, name_or_path, device="cpu", dtype=torch.float32):
         """Load a checkpoint: a local directory (config.json + model.safetensors or a sharded index), a .gguf file
