@@ -24,6 +24,7 @@ import unicodedata
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -325,6 +326,132 @@ def load_safetensors(path):
         return load_file(path)
     except Exception as e:
         raise ModelError(f"{path} is truncated or not a safetensors file ({e}); download it again") from None
+
+
+# GGUF tensor name -> Hugging Face LlamaForCausalLM key ('{i}' is the layer index, 'blk.{i}' in GGUF)
+GGUF_LLAMA_KEYS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_SUPPORTED_ARCHS = ("llama",)
+
+
+def _unpermute_qk(w, n_head):
+    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `LlamaModel.permute`).
+
+    Hugging Face's rotary is rotate-half: within a head, row j pairs with row j + D/2. llama.cpp's rotary pairs
+    adjacent rows (2j, 2j+1), so its converter reorders each head's rows from [first half | second half] to
+    interleaved pairs. Here the rows of each head go back from (D/2, 2) order to (2, D/2) order.
+    w: (n_head * D, C) numpy array in the GGUF (interleaved) order -> same shape in HF (rotate-half) order.
+    """
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _f32(x):
+    """A float32 metadata value as the short decimal it was written from (9.99999975e-06 -> 1e-05)."""
+    return float(str(np.float32(x)))
+
+
+def read_gguf(path):
+    """Read a llama-architecture GGUF file -> (hf_config, state_dict).
+
+    hf_config is a dict shaped like a LlamaConfig config.json; state_dict maps Hugging Face LlamaForCausalLM keys
+    to fp32 tensors with HF's shapes (every quantisation the `gguf` package knows is dequantised, Q/K rows
+    un-permuted). lm_head.weight is present only when the file has its own output.weight (else the head is tied).
+    Raises ModelError for a missing, truncated or foreign file, another architecture or an unknown quantisation.
+    """
+    try:
+        import gguf  # lazy: only GGUF loading needs it
+    except ImportError:
+        raise ModelError(f"reading {path} needs the gguf package; install it with `pip install gguf`") from None
+    if not os.path.isfile(path):
+        raise ModelError(f"GGUF file {path} does not exist")
+    try:
+        reader = gguf.GGUFReader(path)  # memory-maps the file; fails on a short or foreign file
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise ModelError(f"{path} is truncated or not a GGUF file ({e}); re-download it") from None
+
+    def meta(key, default=None):
+        field = reader.fields.get(key)
+        if field is None:
+            if default is None:
+                raise ModelError(f"{path} lacks the GGUF metadata key {key}; it is not a complete llama checkpoint")
+            return default
+        return field.contents()
+
+    arch = meta("general.architecture", "unknown")
+    if arch not in GGUF_SUPPORTED_ARCHS:
+        raise ModelError(f"{path} holds a '{arch}' model; supported GGUF architectures: "
+                         f"{', '.join(GGUF_SUPPORTED_ARCHS)}")
+    if meta(f"{arch}.rope.scaling.type", "none") not in ("none", ""):
+        raise ModelError(f"{path} uses rope scaling '{meta(f'{arch}.rope.scaling.type')}', which is not supported")
+    n_head, n_embd = int(meta(f"{arch}.attention.head_count")), int(meta(f"{arch}.embedding_length"))
+    n_kv_head = int(meta(f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(meta(f"{arch}.attention.key_length", n_embd // n_head))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab_size = int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else 0
+    cfg = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+        vocab_size=int(meta(f"{arch}.vocab_size", vocab_size)),
+        hidden_size=n_embd,
+        intermediate_size=int(meta(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(meta(f"{arch}.block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv_head,
+        head_dim=head_dim,
+        max_position_embeddings=int(meta(f"{arch}.context_length")),
+        rms_norm_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=int(meta("tokenizer.ggml.bos_token_id", 1)),
+        eos_token_id=int(meta("tokenizer.ggml.eos_token_id", 2)),
+        attention_bias=False, mlp_bias=False,
+    )
+
+    # the HF key and shape every GGUF tensor must have (GGUF lists dims fastest-first, i.e. reversed)
+    V, C, F, q, kv = cfg["vocab_size"], n_embd, cfg["intermediate_size"], n_head * head_dim, n_kv_head * head_dim
+    expect = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),
+              "output_norm.weight": ("model.norm.weight", (C,))}
+    if not cfg["tie_word_embeddings"]:
+        expect["output.weight"] = ("lm_head.weight", (V, C))
+    shapes = dict(attn_norm=(C,), ffn_norm=(C,), attn_q=(q, C), attn_k=(kv, C), attn_v=(kv, C),
+                  attn_output=(C, q), ffn_gate=(F, C), ffn_up=(F, C), ffn_down=(C, F))
+    for i in range(cfg["num_hidden_layers"]):
+        for g, hf in GGUF_LLAMA_KEYS.items():
+            expect[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}.weight", shapes[g])
+    missing, extra = sorted(set(expect) - set(tensors)), sorted(set(tensors) - set(expect))
+    if missing or extra:
+        what = [f"missing tensors {missing[:3]}"] * bool(missing) + [f"unexpected tensors {extra[:3]}"] * bool(extra)
+        raise ModelError(f"{path} does not hold a plain llama model ({', '.join(what)})")
+
+    sd = {}
+    for name, (key, shape) in expect.items():
+        t = tensors[name]
+        got = tuple(int(d) for d in reversed(t.shape))
+        if got != shape:
+            raise ModelError(f"{path}: tensor {name} has shape {list(got)} where its metadata implies {list(shape)}")
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy, fp32 for every supported type
+        except NotImplementedError:
+            raise ModelError(f"{path}: tensor {name} uses the {t.tensor_type.name} quantisation, "
+                             f"which the gguf package cannot dequantise") from None
+        w = np.asarray(w, dtype=np.float32).reshape(shape)
+        if name.endswith("attn_q.weight"):
+            w = _unpermute_qk(w, n_head)
+        elif name.endswith("attn_k.weight"):
+            w = _unpermute_qk(w, n_kv_head)
+        if not w.flags.writeable or not w.flags.c_contiguous:  # views into the memory-mapped file
+            w = np.ascontiguousarray(w).copy()
+        sd[key] = torch.from_numpy(w)
+    return cfg, sd
 
 
 def read_checkpoint(name):
