@@ -150,6 +150,222 @@ class SoftmaxAttention(nn.Module):
                                               enable_gqa=k.size(1) != q.size(1))
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Linear attention: feature maps, a chunked causal scan, and constant-memory decoding.
+# Softmax attention y_i = sum_{j<=i} K(q_i, k_j) v_j / sum_{j<=i} K(q_i, k_j), K(q, k) = exp(q.k / sqrt(d)), becomes
+# linear in T once K(q, k) ~ phi(q).phi(k) for non-negative features phi (B, H, T, d) -> (B, H, T, M):
+#     y_i = phi(q_i) S_i / phi(q_i) s_i,   S_i = sum_{j<=i} phi(k_j) v_j^T  (M x D),   s_i = sum_{j<=i} phi(k_j)  (M).
+
+KEY_SHIFT = 32.0  # beta: PRF key features are exp(beta - |k~ - z|^2 / 2) <= e^32 ~ 8e13, far below fp32's 3e38
+
+
+class PRF(nn.Module):
+    """Learned positive random features (the paper's). Per head, with x~ = x / d^(1/4) and m = 1..M:
+
+        Phi(x)_m = sqrt(alpha_m / M) exp(z_m.x~ - |x~|^2 / 2),   z_m ~ N(0, I_d), alpha_m = exp(log_alpha_m) = 1 at init,
+
+    so that E_z[Phi(q).Phi(k)] = exp(q.k / sqrt(d)). `log_features(x)` is log Phi(x), exactly as written.
+
+    `forward(x, is_query)` gives fp32 features rescaled so that nothing overflows, while the normalised attention
+    (the only thing the scan computes) is exactly unchanged and no token's features depend on another token:
+
+        keys:     phi_k,m = exp(beta - |k~ - z_m|^2 / 2)                                  in (0, e^beta]
+        queries:  phi_q,m = exp(a_m - max_m' a_m'),  a_m = log alpha_m + z_m.q~ + |z_m|^2 / 2   in (0, 1], max 1
+
+    Expanding |k~ - z_m|^2 gives phi_q,m phi_k,m = M Phi(q)_m Phi(k)_m * exp(|q~|^2/2 + beta - max a), so
+    phi(q).phi(k) = K^(q, k) * c(q): a factor of the query alone (the per-query max, and the per-feature key
+    bound exp(|z_m|^2/2) moved onto the query side, where the max absorbs it). c(q) cancels between numerator and
+    denominator; a shift of each key by its own amount would not (it reweights key j), so keys get only the
+    token-independent per-feature bound and the constant beta. Limit: a key far from every z_m
+    (|k~ - z_m|^2 / 2 > beta + 87 for all m) underflows to zero features and drops out; if all of a query's keys
+    do, its output is 0 (see `eps` in causal_linear_attention), never NaN.
+    """
+
+    def __init__(self, n_head, head_dim, M):
+        super().__init__()
+        self.head_dim, self.M = head_dim, M
+        self.z = nn.Parameter(torch.randn(n_head, M, head_dim))  # (H, M, d)
+        self.log_alpha = nn.Parameter(torch.zeros(n_head, M))    # (H, M)
+
+    def _project(self, x):
+        """x (B, H, T, d) -> z_m.x~ (B, H, T, M), |x~|^2 / 2 (B, H, T, 1), z (H, M, d); fp32 for bf16 inputs."""
+        dt = torch.promote_types(x.dtype, torch.float32)
+        x, z, r = x.to(dt), self.z.to(dt), self.head_dim ** -0.25                     # x~ = r x
+        return x @ (r * z).mT, 0.5 * (r * x.norm(dim=-1, keepdim=True)).square(), z
+
+    def log_features(self, x):
+        zx, half_x2, _ = self._project(x)
+        log_w = 0.5 * (self.log_alpha.to(zx.dtype) - math.log(self.M))               # (H, M)
+        return zx - half_x2 + log_w[:, None]                                           # (B, H, T, M)
+
+    def forward(self, x, is_query):
+        zx, half_x2, z = self._project(x)
+        half_z2 = 0.5 * z.square().sum(-1)[:, None]                                    # (H, 1, M)
+        # in place (_): these are the big (B, H, T, M) tensors, and each pass over them costs as much as the matmul
+        if is_query:
+            a = zx.add_(half_z2 + self.log_alpha.to(zx.dtype)[:, None])                # (B, H, T, M)
+            return a.sub_(a.detach().amax(-1, keepdim=True)).exp_()  # the max cancels: no gradient through it
+        return zx.add_(KEY_SHIFT - half_z2).sub_(half_x2).exp_()                       # exp(beta - |k~ - z|^2/2)
+
+
+def orthogonal_gaussian(n_head, M, d):
+    """(H, M, d) Performer features: blocks of d orthogonal rows (QR of a Gaussian matrix, Haar-distributed), each
+    row rescaled to an independent chi(d) norm (the norm of a Gaussian vector), so every row is N(0, I_d)."""
+    q, r = torch.linalg.qr(torch.randn(n_head, -(-M // d), d, d))                   # (H, nb, d, d)
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]             # sign fix: exactly Haar
+    rows = q.mT.reshape(n_head, -1, d)[:, :M]                                           # (H, M, d) unit rows
+    return rows * torch.randn(n_head, M, d).norm(dim=-1, keepdim=True)
+
+
+class Performer(PRF):
+    """FAVOR+ (Choromanski et al. 2021): the PRF map above with fixed orthogonal random z (a buffer, not trained)
+    and equal weights 1/M (alpha = 1); same stabilisation."""
+
+    def __init__(self, n_head, head_dim, M):
+        nn.Module.__init__(self)
+        self.head_dim, self.M = head_dim, M
+        self.register_buffer("z", orthogonal_gaussian(n_head, M, head_dim))       # (H, M, d)
+        self.register_buffer("log_alpha", torch.zeros(n_head, M))                  # (H, M)
+
+
+def dct_matrix(d):
+    """Orthonormal DCT-II matrix C (d, d), C[k, n] = s_k cos(pi k (2n + 1) / 2d); scipy's dct(eye(d), axis=0, 'ortho')."""
+    k, n = torch.arange(d, dtype=torch.float64)[:, None], torch.arange(d, dtype=torch.float64)
+    C = torch.cos(math.pi * k * (2 * n + 1) / (2 * d)) * math.sqrt(2 / d)
+    C[0] /= math.sqrt(2)
+    return C
+
+
+class DiJiang(nn.Module):
+    """DiJiang's feature map (Chen et al. 2024, arXiv 2403.19928), as in the authors' modeling_gpt_neox.py:
+
+        phi(x) = softmax(x P),   P = C diag(Phi^-1(u))   (d x M),   the same for queries and keys,
+
+    C the orthonormal DCT matrix, Phi^-1 the standard normal quantile, u a scrambled Sobol (quasi-Monte-Carlo)
+    sequence, as the paper has it (the authors' code draws u with torch.rand). No 1/sqrt(d) scaling, as there.
+    P is fixed (a buffer). The authors' P is d x d; for M != d we concatenate ceil(M/d) blocks C diag(Phi^-1(u_b)),
+    each with fresh points u_b, and keep the first M columns. Features sum to 1 per token. DiJiang's decay
+    masks (D1, D2) and output gate (W_G, GroupNorm) change the architecture, not the feature map: left out here.
+    """
+
+    def __init__(self, n_head, head_dim, M):
+        super().__init__()
+        nb = -(-M // head_dim)
+        sobol = torch.quasirandom.SobolEngine(1, scramble=True, seed=int(torch.randint(2 ** 31, ())))
+        u = sobol.draw(nb * head_dim, dtype=torch.float64).view(nb, 1, head_dim)
+        w = torch.special.ndtri(u.clamp(1e-7, 1 - 1e-7))                                # (nb, 1, d)
+        P = (dct_matrix(head_dim) * w).transpose(0, 1).reshape(head_dim, nb * head_dim)  # [C diag(w_1) | ...]
+        self.register_buffer("proj", P[:, :M].float().contiguous())                      # (d, M)
+
+    def log_features(self, x):
+        dt = torch.promote_types(x.dtype, torch.float32)
+        return F.log_softmax(x.to(dt) @ self.proj.to(dt), dim=-1)                      # (B, H, T, M)
+
+    def forward(self, x, is_query=True):
+        return self.log_features(x).exp()  # softmax is already shift-stable; queries and keys alike
+
+
+FEATURE_MAPS = {"prf": PRF, "performer": Performer, "dijiang": DiJiang}
+
+
+def linear_attention_reference(phi_q, phi_k, v):
+    """The plain masked T x T form: y_i = sum_{j<=i} (phi_q,i . phi_k,j) v_j / sum_{j<=i} phi_q,i . phi_k,j."""
+    dt = torch.promote_types(v.dtype, torch.float32)
+    A = (phi_q.to(dt) @ phi_k.to(dt).mT).tril()                                         # (B, H, T, T)
+    return (A @ v.to(dt)) / A.sum(-1, keepdim=True)                                     # (B, H, T, D)
+
+
+def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
+    """One token of the recurrence: S += phi_k v^T, s += phi_k, y = phi_q S / phi_q.s.
+    phi_q, phi_k (B, H, M); v (B, H, D); S (B, H, M, D); s (B, H, M) -> y (B, H, D), S, s."""
+    dt = torch.promote_types(v.dtype, torch.float32)
+    phi_q, phi_k, v = phi_q.to(dt), phi_k.to(dt), v.to(dt)
+    S = S + phi_k[..., :, None] * v[..., None, :]                                       # (B, H, M, D)
+    s = s + phi_k                                                                       # (B, H, M)
+    num = (phi_q[..., :, None] * S).sum(-2)  # a tiny product: elementwise beats a threaded bmm on CPU
+    y = num / (phi_q * s).sum(-1, keepdim=True).clamp_min(eps)
+    return y, S, s
+
+
+def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=None, return_state=False):
+    """Chunked causal linear attention, y_i = sum_{j<=i} (phi_q,i . phi_k,j) v_j / sum_{j<=i} phi_q,i . phi_k,j.
+    phi_q, phi_k (B, H, T, M), v (B, H, T, D) -> y (B, H, T, D); any T (padded to a multiple of chunk_size).
+
+    v gets a column of ones, so numerator and denominator come out of the same products. In chunk c:
+    y = phi_q (S_0 + sum_{c' < c} phi_k,c'^T v_c') + tril(phi_q phi_k^T) v_c: the masked quadratic form inside
+    the chunk, the per-chunk states summed over earlier chunks by one cumsum (no loop over tokens or chunks).
+    Accumulates in fp32 (fp64 stays fp64). `state` = (S (B, H, M, D), s (B, H, M)) continues from earlier tokens;
+    return_state=True returns (y, S, s) after the last token. A denominator below eps (all keys underflowed) gives 0.
+    """
+    B, H, T, M = phi_q.shape
+    D, C = v.size(-1), chunk_size
+    N = -(-T // C)
+    dt = torch.promote_types(v.dtype, torch.float32)
+    pad = lambda x: F.pad(x.to(dt), (0, 0, 0, N * C - T)) if N * C > T else x.to(dt)
+    q, k = pad(phi_q).view(B, H, N, C, M), pad(phi_k).view(B, H, N, C, M)
+    v1 = pad(torch.cat((v, v.new_ones(B, H, T, 1)), -1)).view(B, H, N, C, D + 1)     # [v | 1]
+    U = k.mT @ v1                                                                      # (B, H, N, M, D+1)
+    P = torch.cat((torch.zeros_like(U[:, :, :1]), U[:, :, :-1]), 2).cumsum_(2)        # sum over earlier chunks
+    if state is not None:
+        P = P + torch.cat((state[0], state[1][..., None]), -1).to(dt)[:, :, None]     # (B, H, 1, M, D+1)
+    out = (q @ P).add_((q @ k.mT).tril_() @ v1)                                       # (B, H, N, C, D+1)
+    out = out.view(B, H, N * C, D + 1)[:, :, :T]
+    y = out[..., :D] / out[..., D:].clamp_min(eps)                                     # (B, H, T, D)
+    if not return_state:
+        return y
+    last = P[:, :, -1] + U[:, :, -1]                                                   # (B, H, M, D+1)
+    return y, last[..., :D], last[..., D]
+
+
+class LinearAttention(nn.Module):
+    """The student's core: y = causal linear attention with M features per head, replacing softmax attention.
+    forward(q (B, H, T, D), k, v (B, Hkv, T, D), cache=None) -> (B, H, T, D); q and k are after rotary.
+    k and v are repeated to H heads (GQA, as HF's repeat_kv) and keys are centred by the buffer key_mean (H, D),
+    zero unless distillation sets it (q.(k - mu) shifts every logit of a query equally: softmax unchanged).
+    With a cache dict, decoding keeps only the state S (B, H, M, D), s (B, H, M) there: fixed size, no KV cache.
+    """
+
+    def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
+        super().__init__()
+        if feature_map not in FEATURE_MAPS:
+            raise ValueError(f"unknown feature map {feature_map!r}; choose one of {', '.join(FEATURE_MAPS)}")
+        self.n_head, self.n_kv_head, self.M, self.chunk_size = n_head, n_kv_head, M, chunk_size
+        self.feature_map = FEATURE_MAPS[feature_map](n_head, head_dim, M)
+        self.register_buffer("key_mean", torch.zeros(n_head, head_dim))                # (H, D)
+
+    def _repeat(self, x):
+        return x.repeat_interleave(self.n_head // self.n_kv_head, dim=1)                # (B, Hkv, T, D) -> (B, H, T, D)
+
+    def features(self, q, k):
+        """(phi_q, phi_k), each (B, H, T, M) fp32, for queries q (B, H, T, D) and keys k (B, Hkv, T, D)."""
+        k = self._repeat(k) - self.key_mean[:, None].to(k.dtype)
+        return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+
+    def scores(self, q, k):
+        """The student's normalised causal attention matrix (B, H, T, T): row i = phi_q,i . phi_k,j / sum_j<=i."""
+        phi_q, phi_k = self.features(q, k)
+        A = (phi_q @ phi_k.mT).tril()
+        return A / A.sum(-1, keepdim=True)
+
+    def forward(self, q, k, v, cache=None):
+        phi_q, phi_k = self.features(q, k)                                               # (B, H, T, M)
+        v = self._repeat(v)                                                              # (B, H, T, D)
+        if cache is None:
+            return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
+        if "S" not in cache:
+            B, H, _, D = v.shape
+            cache["S"] = phi_q.new_zeros(B, H, self.M, D)
+            cache["s"] = phi_q.new_zeros(B, H, self.M)
+        if q.size(2) == 1:
+            y, cache["S"], cache["s"] = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
+                                                              cache["S"], cache["s"])
+            y = y[:, :, None]
+        else:
+            y, cache["S"], cache["s"] = causal_linear_attention(phi_q, phi_k, v, self.chunk_size,
+                                                                state=(cache["S"], cache["s"]), return_state=True)
+        return y.to(q.dtype)
+
+
 class Attention(nn.Module):
     """Projections and rotary around an attention core: x (B, T, C) -> (B, T, C)."""
 
