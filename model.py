@@ -328,7 +328,7 @@ class LinearAttention(nn.Module):
     def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
         super().__init__()
         if feature_map not in FEATURE_MAPS:
-            raise ValueError(f"unknown feature map {feature_map!r}; choose one of {', '.join(FEATURE_MAPS)}")
+            raise ModelError(f"unknown feature map {feature_map!r}; choose one of {', '.join(FEATURE_MAPS)}")
         self.n_head, self.n_kv_head, self.M, self.chunk_size = n_head, n_kv_head, M, chunk_size
         self.feature_map = FEATURE_MAPS[feature_map](n_head, head_dim, M)
         self.register_buffer("key_mean", torch.zeros(n_head, head_dim))                # (H, D)
