@@ -612,7 +612,7 @@ def main(argv=None):
     n_feat = sum(d * mc.n_head for d in dims)
     print(f"teacher {cfg.model}: {L} layers, {mc.n_head} heads of {mc.head_dim}; data {cfg.data} "
           f"({meta['tokens']['train']:,} train tokens)")
-    print(f"dims ({'--dims' if cfg.dims else cfg.alloc}, budget {cfg.budget}, mean {np.mean(dims):.2f}): {dims}"
+    print(f"dims ({'--dims' if cfg.dims else f'{cfg.alloc}, budget {cfg.budget}'}, mean {np.mean(dims):.2f}): {dims}"
           + (f"  [DoF in {t_dims:.1f}s: {', '.join(f'{v:.1f}' for v in layer_dof)}]" if layer_dof else ""))
     print(f"student: {cfg.feature_map} features ({n_feat} per token over all heads), {trainable:,} trainable "
           f"parameters; loss {cfg.loss}; {B}x{T} tokens x {cfg.grad_accum} per step; device {device}"

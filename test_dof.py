@@ -1036,6 +1036,29 @@ def test_unknown_feature_map_is_a_clear_error():
         LinearAttention(2, 2, 16, 8, "cosformer")
 
 
+@pytest.mark.parametrize("family", ["llama", "neox"])
+def test_linearized_generation_equals_full_forward_greedy(family):
+    """Token-by-token decoding with the fixed-size state gives exactly the tokens of greedy decoding that re-runs
+    the whole sequence through the chunked scan at every step."""
+    from model import GPT, Cache, GPTConfig
+    torch.manual_seed(0)
+    cfg = GPTConfig(family=family, vocab_size=300, n_layer=2, n_head=4, n_kv_head=2 if family == "llama" else 4,
+                    n_embd=64, head_dim=16, block_size=256, rotary_dim=16 if family == "llama" else 8,
+                    parallel_residual=family == "neox", tie_embeddings=False, mlp_hidden=128,
+                    bias=family == "neox")
+    model = GPT(cfg).eval().linearize([8, 24], chunk_size=16)
+    prompt = torch.randint(0, 300, (1, 21))
+    idx = prompt
+    with torch.no_grad():
+        for _ in range(40):                                  # crosses chunk boundaries at 32, 48
+            idx = torch.cat((idx, model(idx)[0][:, -1:].argmax(-1)), dim=1)
+    assert torch.equal(model.generate(prompt, 40, top_k=1), idx)
+    cache = Cache(cfg.n_layer)                               # the decoding state: S and s per layer, no KV cache
+    with torch.no_grad():
+        model(idx, cache=cache)
+    assert [sorted(c) for c in cache] == [["S", "s"]] * 2 and cache[0]["S"].shape == (1, 4, 8, 16)
+
+
 # ==================================================================================================================
 # dof.py: degrees of freedom against theory, allocation, the profile command
 
