@@ -33,7 +33,8 @@ from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--T", type=int, nargs="+", default=[1024, 4096, 16384], help="sequence lengths to time")
+    p.add_argument("--T", type=int, nargs="*", default=[1024, 4096, 16384],
+                   help="sequence lengths of the scan table; none to skip it")
     p.add_argument("--B", type=int, default=1, help="batch size")
     p.add_argument("--H", type=int, default=12, help="number of heads")
     p.add_argument("--D", type=int, default=64, help="head size (queries, keys and values)")
@@ -194,6 +195,8 @@ if __name__ == "__main__":
     if a.worker:
         worker(a)
     else:
-        main(a)
+        torch.set_num_threads(a.threads)
+        if a.T:
+            main(a)
         if a.decode_ctx:
             decode_table(a)
