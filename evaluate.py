@@ -605,6 +605,13 @@ def bench(model, enc, task_prompts: dict[str, list[Prompt]], batch_size=16, devi
     out = out or sys.stdout
     L = context_length(model)
     rows, totals = {}, [0, 0.0, 0.0]
+
+    def show(name, r):
+        print(f"{name:<14} {r['harness_tokens']:>11} {r['seconds']:>8.2f} {r['harness_tok_per_s']:>13.0f} "
+              f"{r['plain_forward_tok_per_s']:>15.0f} {r['ratio']:>6.2f}", file=out, flush=True)
+
+    print(f"{'task':<14} {'harness tok':>11} {'seconds':>8} {'harness tok/s':>13} {'plain fwd tok/s':>15} "
+          f"{'ratio':>6}", file=out, flush=True)
     model.hidden(torch.zeros((1, 8), dtype=torch.long, device=device))  # warm-up
     for name, prompts in task_prompts.items():
         tokenized = tokenize_prompts(enc, prompts)
@@ -617,16 +624,13 @@ def bench(model, enc, task_prompts: dict[str, list[Prompt]], batch_size=16, devi
         plain = plain_forward_rate(model, n_tok, max(1, round(n_tok / n_req)), batch_size, device)
         rows[name] = {"harness_tokens": n_tok, "seconds": t_fast, "harness_tok_per_s": n_tok / t_fast,
                       "plain_forward_tok_per_s": plain, "ratio": n_tok / t_fast / plain}
+        show(name, rows[name])
         totals[0] += n_tok
         totals[1] += t_fast
         totals[2] += n_tok / plain
     rows["all"] = {"harness_tokens": totals[0], "seconds": totals[1], "harness_tok_per_s": totals[0] / totals[1],
                    "plain_forward_tok_per_s": totals[0] / totals[2], "ratio": totals[2] / totals[1]}
-    print(f"{'task':<14} {'harness tok':>11} {'seconds':>8} {'harness tok/s':>13} {'plain fwd tok/s':>15} "
-          f"{'ratio':>6}", file=out)
-    for name, r in rows.items():
-        print(f"{name:<14} {r['harness_tokens']:>11} {r['seconds']:>8.2f} {r['harness_tok_per_s']:>13.0f} "
-              f"{r['plain_forward_tok_per_s']:>15.0f} {r['ratio']:>6.2f}", file=out)
+    show("all", rows["all"])
     return rows
 
 
