@@ -31,21 +31,20 @@ lambda, budget, step, data), optim.pt (optimizer, RNG states, step) and metrics.
 `load_student(dir)` rebuilds the student from GPT.from_pretrained(teacher) and that directory.
 """
 
-import argparse
 import json
 import math
 import os
 import shutil
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import GPT, ModelError, load_tokenizer, run_main
+from model import GPT, ModelError, config_parser, load_tokenizer, run_main
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,15 +131,8 @@ HELP = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Distil softmax attention into linear attention with DoF-chosen "
-                                            "feature dimensions (defaults: the paper's GPT-2 setting).")
-    for f in fields(DistillConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or isinstance(f.default, bool):
-            p.add_argument(flag, action="store_true", help=HELP[f.name])
-        else:
-            p.add_argument(flag, type=type(f.default), default=f.default, choices=CHOICES.get(f.name),
-                           help=f"{HELP[f.name]} (default: {f.default})")
+    p = config_parser(DistillConfig, HELP, "Distil softmax attention into linear attention with DoF-chosen "
+                      "feature dimensions (defaults: the paper's GPT-2 setting).", CHOICES)
     return DistillConfig(**vars(p.parse_args(argv)))
 
 

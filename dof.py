@@ -14,14 +14,13 @@ dimension proportional to it, scaled so that the mean over layers is the budget 
 everywhere). DoF+Clip caps each layer at the head size.
 """
 
-import argparse
 import json
 import math
 import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -254,14 +253,8 @@ HELP = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Degrees of freedom of every head's attention kernel and the feature "
-                                            "dimensions they give each layer (the paper's Algorithm 1).")
-    for f in fields(DofConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            p.add_argument(flag, action="store_true", help=HELP[f.name])
-        else:
-            p.add_argument(flag, type=type(f.default), default=f.default, help=f"{HELP[f.name]} (default: {f.default})")
+    p = M.config_parser(DofConfig, HELP, "Degrees of freedom of every head's attention kernel and the feature "
+                        "dimensions they give each layer (the paper's Algorithm 1).")
     return DofConfig(**vars(p.parse_args(argv)))
 
 

@@ -13,6 +13,7 @@ Every layer's attention core receives (q, k, v) after rotary as its inputs, so a
 `model.h[l].attn.core` sees a layer's queries and keys: that is how dof.py and distill.py read them.
 """
 
+import argparse
 import functools
 import importlib.util
 import json
@@ -42,6 +43,19 @@ def run_main(main):
     except ModelError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def config_parser(cls, help, description, choices=None):
+    """argparse for an entry script's config dataclass: one --flag per field, with its help text and its default."""
+    p = argparse.ArgumentParser(description=description)
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            p.add_argument(flag, action="store_true", help=help[f.name])
+        else:
+            p.add_argument(flag, type=type(f.default), default=f.default, choices=(choices or {}).get(f.name),
+                           help=f"{help[f.name]} (default: {f.default})")
+    return p
 
 
 # ----------------------------------------------------------------------------------------------------------------
