@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import GPT, ModelError, config_parser, load_tokenizer, run_main
+from model import GPT, ModelError, config_parser, load_tokenizer, repeat_kv, run_main
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,11 +233,6 @@ def teacher_qk(model, idx, cores, amp):
             for h in hooks:
                 h.remove()
     return out
-
-
-def repeat_kv(k, H):
-    """(B, Hkv, T, D) -> (B, H, T, D) for grouped-query attention."""
-    return k if k.size(1) == H else k.repeat_interleave(H // k.size(1), dim=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def collect_qk(model, batches, J, seed=0):
         def f(module, args, output):
             q, k = args[0], args[1]                                   # (B, H, T, D), (B, Hkv, T, D)
             H, D = q.size(1), q.size(-1)
-            k = k.repeat_interleave(H // k.size(1), dim=1)             # each query head sees its KV head's keys
+            k = M.repeat_kv(k, H)                                    # each query head sees its KV head's keys
             x = torch.cat((q, k), 2).transpose(0, 1).reshape(H, -1, D).float().cpu()   # (H, 2BT, D)
             r = torch.rand(x.shape[:2], generator=gen)
             if kept[l] is not None:

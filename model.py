@@ -331,6 +331,12 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=Non
     return y, last[..., :D], last[..., D]
 
 
+def repeat_kv(x, H):
+    """Grouped-query attention: (B, Hkv, T, D) -> (B, H, T, D), each KV head repeated for its H // Hkv query heads
+    (as Hugging Face's repeat_kv)."""
+    return x if x.size(1) == H else x.repeat_interleave(H // x.size(1), dim=1)
+
+
 class LinearAttention(nn.Module):
     """The student's core: y = causal linear attention with M features per head, replacing softmax attention.
     forward(q (B, H, T, D), k, v (B, Hkv, T, D), cache=None) -> (B, H, T, D); q and k are after rotary.
@@ -347,12 +353,9 @@ class LinearAttention(nn.Module):
         self.feature_map = FEATURE_MAPS[feature_map](n_head, head_dim, M)
         self.register_buffer("key_mean", torch.zeros(n_head, head_dim))                # (H, D)
 
-    def _repeat(self, x):
-        return x.repeat_interleave(self.n_head // self.n_kv_head, dim=1)                # (B, Hkv, T, D) -> (B, H, T, D)
-
     def features(self, q, k):
         """(phi_q, phi_k), each (B, H, T, M) fp32, for queries q (B, H, T, D) and keys k (B, Hkv, T, D)."""
-        k = self._repeat(k) - self.key_mean[:, None].to(k.dtype)
+        k = repeat_kv(k, self.n_head) - self.key_mean[:, None].to(k.dtype)
         return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
 
     def scores(self, q, k):
@@ -363,7 +366,7 @@ class LinearAttention(nn.Module):
 
     def forward(self, q, k, v, cache=None):
         phi_q, phi_k = self.features(q, k)                                               # (B, H, T, M)
-        v = self._repeat(v)                                                              # (B, H, T, D)
+        v = repeat_kv(v, self.n_head)                                                    # (B, H, T, D)
         if cache is None:
             return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
         if "S" not in cache:

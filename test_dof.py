@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (causal_linear_attention, dct_matrix, DiJiang, GPT, linear_attention_reference,
+from model import (causal_linear_attention, repeat_kv, dct_matrix, DiJiang, GPT, linear_attention_reference,
                    linear_attention_step, LinearAttention, load_tokenizer, ModelError, Performer, PRF, read_gguf,
                    smollm2_path)
 import distill
@@ -829,7 +829,7 @@ def test_full_path_gradients(fmap, T):
     g = torch.randn(B, H, T, D)
     y32 = m32(*x32)
     phi_q, phi_k = m64.features(x64[0], x64[1])
-    y64 = linear_attention_reference(phi_q, phi_k, m64._repeat(x64[2]))
+    y64 = linear_attention_reference(phi_q, phi_k, repeat_kv(x64[2], m64.n_head))
     (y32 * g).sum().backward()
     (y64 * g.double()).sum().backward()
     assert rel(y32, y64) < 1e-5
