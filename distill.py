@@ -44,7 +44,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from model import GPT, ModelError, config_parser, load_tokenizer, repeat_kv, run_main
+from common import ModelError, config_parser, run_main
+from model import GPT, repeat_kv
+from tokenizer import load_tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import model as M
-from model import ModelError
+from common import ModelError, config_parser
+from tokenizer import load_tokenizer
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ HELP = {
 
 
 def parse_args(argv=None):
-    p = M.config_parser(DofConfig, HELP, "Degrees of freedom of every head's attention kernel and the feature "
+    p = config_parser(DofConfig, HELP, "Degrees of freedom of every head's attention kernel and the feature "
                         "dimensions they give each layer (the paper's Algorithm 1).")
     return DofConfig(**vars(p.parse_args(argv)))
 
@@ -275,7 +276,7 @@ def calibration_tokens(cfg, vocab_size):
                 text = fh.read(16 * cfg.tokens)                   # plenty for cfg.tokens tokens
         except UnicodeDecodeError:
             raise ModelError(f"{p} is neither a .bin token file nor UTF-8 text") from None
-        tokens = np.array(M.load_tokenizer(cfg.model).encode_ordinary(text)[:cfg.tokens], dtype=np.int64)
+        tokens = np.array(load_tokenizer(cfg.model).encode_ordinary(text)[:cfg.tokens], dtype=np.int64)
     if len(tokens) and tokens.max() >= vocab_size:
         raise ModelError(f"{p} holds token id {tokens.max()} but the model has {vocab_size} embeddings; "
                          "tokenize the data with this model's tokenizer")

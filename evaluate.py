@@ -56,7 +56,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model import GPT, Cache, ModelError, load_tokenizer
+from common import ModelError, run_main
+from model import GPT, Cache
+from tokenizer import load_tokenizer
 
 ALL_TASKS = ("piqa", "arc_easy", "arc_challenge", "logiqa", "mmlu", "winogrande", "wsc273")
 

@@ -24,9 +24,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from checkpoint import read_gguf, smollm2_path
+from common import ModelError
 from model import (causal_linear_attention, repeat_kv, dct_matrix, DiJiang, GPT, linear_attention_reference,
-                   linear_attention_step, LinearAttention, load_tokenizer, ModelError, Performer, PRF, read_gguf,
-                   smollm2_path)
+                   linear_attention_step, LinearAttention, Performer, PRF)
+from tokenizer import load_tokenizer
 import distill
 import dof
 import evaluate as E
@@ -155,7 +157,7 @@ def test_kv_cache_prefill_in_pieces_equals_full_forward(tmp_path):
 
 
 def load_error(path):
-    with pytest.raises(M.ModelError) as e:
+    with pytest.raises(ModelError) as e:
         M.GPT.from_pretrained(str(path))
     msg = str(e.value)
     assert "\n" not in msg
@@ -198,7 +200,7 @@ def test_missing_and_unexpected_keys(tmp_path):
 
 def test_hub_id_without_internet(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-c", "import model; model.run_main(lambda: model.GPT.from_pretrained("
+    r = subprocess.run([sys.executable, "-c", "import common, model; common.run_main(lambda: model.GPT.from_pretrained("
                         "'EleutherAI/pythia-70m'))"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.startswith("error: could not fetch 'EleutherAI/pythia-70m'") and "Traceback" not in r.stderr
@@ -422,7 +424,7 @@ def test_gpt2_tokenizer_json(gpt2, wiki, tmp_path):
 def test_tokenizer_json_pre_tokenizers(smollm, wiki, tmp_path, split):
     """A tokenizer.json with Digits + ByteLevel (SmolLM2's own file) or Split(regex) + ByteLevel (Llama-3's)."""
     from tokenizers import Regex, Tokenizer, pre_tokenizers
-    from model import LLAMA3_PATTERN
+    from tokenizer import LLAMA3_PATTERN
     ref = Tokenizer.from_str(smollm[2].to_str())
     if split == "llama3":
         ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_PATTERN), "isolated"),
@@ -1208,9 +1210,9 @@ def test_exact_duplicates():
 
 
 def test_bad_lambda():
-    with pytest.raises(M.ModelError, match="positive"):
+    with pytest.raises(ModelError, match="positive"):
         dof.degrees_of_freedom(torch.randn(10, 4), 0.0)
-    with pytest.raises(M.ModelError, match="inf or nan"):
+    with pytest.raises(ModelError, match="inf or nan"):
         dof.degrees_of_freedom(torch.full((10, 4), float("nan")), 0.1)
 
 
@@ -1251,11 +1253,11 @@ def test_allocate_random_profiles():
 
 def test_allocate_bad_input():
     for bad in (0, -3, 2.5):
-        with pytest.raises(M.ModelError, match="budget"):
+        with pytest.raises(ModelError, match="budget"):
             dof.allocate([1.0, 2.0], bad)
-    with pytest.raises(M.ModelError, match="non-negative"):
+    with pytest.raises(ModelError, match="non-negative"):
         dof.allocate([1.0, -2.0], 8)
-    with pytest.raises(M.ModelError, match="order"):
+    with pytest.raises(ModelError, match="order"):
         dof.allocate([1.0, 2.0], 8, order="random")
 
 
@@ -1338,9 +1340,9 @@ def test_collect_qk_sample_is_uniform_over_the_stream(tmp_path):
 def test_collect_qk_bad_input(tmp_path):
     tiny_gpt2(tmp_path)
     m = M.GPT.from_pretrained(tmp_path)
-    with pytest.raises(M.ModelError, match="J=100 is larger than the 40 queries"):
+    with pytest.raises(ModelError, match="J=100 is larger than the 40 queries"):
         dof.collect_qk(m, [torch.randint(0, 100, (1, 20))], J=100)
-    with pytest.raises(M.ModelError, match="no attention layers of a known kind"):
+    with pytest.raises(ModelError, match="no attention layers of a known kind"):
         dof.collect_qk(torch.nn.Sequential(torch.nn.Linear(2, 2)), [torch.zeros(1, 2)], J=1)
     with pytest.raises(IndexError):                               # a failing forward pass leaves no hooks behind
         dof.collect_qk(m, [torch.full((1, 4), 10 ** 6)], J=1)
@@ -1408,19 +1410,19 @@ def test_command_bad_input(tmp_path):
              (["--J", "0"], "--J must be at least 1"),
              (["--data", str(tmp_path / "missing.bin")], f"{tmp_path / 'missing.bin'} does not exist")]
     for extra, msg in cases:
-        with pytest.raises(M.ModelError) as e:
+        with pytest.raises(ModelError) as e:
             dof.main(common + extra)
         assert str(e.value).startswith(msg) and "\n" not in str(e.value), (extra, str(e.value))
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"abc")
-    with pytest.raises(M.ModelError, match="odd number of bytes"):
+    with pytest.raises(ModelError, match="odd number of bytes"):
         dof.main(common + ["--data", str(odd)])
     big = tmp_path / "big.bin"
     np.array([60000], dtype=np.uint16).tofile(big)
-    with pytest.raises(M.ModelError, match="token id 60000 but the model has 50257 embeddings"):
+    with pytest.raises(ModelError, match="token id 60000 but the model has 50257 embeddings"):
         dof.main(common + ["--data", str(big), "--J", "1"])
     if not torch.cuda.is_available():
-        with pytest.raises(M.ModelError, match="no CUDA device"):
+        with pytest.raises(ModelError, match="no CUDA device"):
             dof.main(common + ["--device", "cuda"])
     r = run_dof(*common, "--lam", "0")                      # the command: one sentence, exit code 2
     assert r.returncode == 2 and r.stderr == "error: --lam must be positive, got 0.0\n"
@@ -1514,7 +1516,7 @@ def features(out):
 
 @needs_wikitext
 def test_prepare_text_writes_uint16_tokens_and_meta(setup):
-    from model import load_tokenizer
+    from tokenizer import load_tokenizer
     d, ckpt, data = setup
     meta = json.loads((data / "meta.json").read_text())
     train = np.memmap(data / "train.bin", dtype=np.uint16, mode="r")
@@ -1533,7 +1535,7 @@ def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch
     """The Wikipedia script's loop on a stand-in stream (no internet here): a seeded random fraction of the
     articles, each followed by end-of-text, split between train and val, stopped by --max-tokens."""
     import importlib.util
-    from model import load_tokenizer
+    from tokenizer import load_tokenizer
     spec = importlib.util.spec_from_file_location("wiki_prepare", ROOT / "data" / "wikipedia" / "prepare.py")
     wiki = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(wiki)

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for model.py
-from model import ModelError, load_tokenizer, run_main  # noqa: E402
+from common import ModelError, run_main  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
 # A fixed text whose ids identify a tokenizer: distill.py re-encodes it with the teacher's tokenizer and compares.
 PROBE = "Hello world! The 2 quick brown foxes jump over 13 lazy dogs.\n\n  Zürich, naïve café, 東京 — ok?"

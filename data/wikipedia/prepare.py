@@ -21,7 +21,8 @@ from urllib.parse import urlparse
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for model.py and data/
-from model import ModelError, load_tokenizer, run_main  # noqa: E402
+from common import ModelError, run_main  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 from data.text.prepare import eot_id, finish, open_dataset, tokenizer_meta  # noqa: E402
 
 OFFLINE_HINT = "run it on a machine with internet access, or tokenize local text with data/text/prepare.py"

