@@ -45,6 +45,7 @@ import torch
 from tqdm import tqdm
 
 from common import ModelError, config_parser, run_main
+import dof
 from model import GPT, repeat_kv
 from tokenizer import load_tokenizer
 
@@ -192,18 +193,10 @@ def get_batch(data, B, T, gen, device):
 # ----------------------------------------------------------------------------------------------------------------
 # Teacher queries/keys and the swap between the teacher's and the student's attention cores
 
-class _Stop(Exception):
-    pass
-
-
-def attention_cores(model):
-    return [blk.attn.core for blk in model.h]
-
-
 @contextmanager
 def using(model, cores):
     """Run model with the given attention cores (teacher's softmax or student's linear); they share every weight."""
-    old = attention_cores(model)
+    old = dof.attention_cores(model)
     for blk, c in zip(model.h, cores):
         blk.attn.core = c
     try:
@@ -215,26 +208,10 @@ def using(model, cores):
 
 @torch.no_grad()
 def teacher_qk(model, idx, cores, amp):
-    """One frozen teacher pass -> [(q (B, H, T, D), k (B, Hkv, T, D))] per layer, fp32. The pass stops at the
-    last layer's core: nothing after it is needed."""
-    out, hooks = [], []
-
-    def hook(mod, args):
-        out.append((args[0].float(), args[1].float()))
-        if len(out) == len(cores):
-            raise _Stop
-
-    with using(model, cores):
-        hooks = [c.register_forward_pre_hook(hook) for c in cores]
-        try:
-            with amp:
-                model.hidden(idx)
-        except _Stop:
-            pass
-        finally:
-            for h in hooks:
-                h.remove()
-    return out
+    """One frozen teacher pass -> [(q (B, H, T, D), k (B, Hkv, T, D))] per layer, fp32."""
+    with using(model, cores), dof.capture_qk(model) as qk, amp:
+        model.hidden(idx)
+    return [(q.float(), k.float()) for q, k in qk]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -365,7 +342,6 @@ def choose_dims(cfg, model, calib):
         return dims, None
     if cfg.alloc == "fix":
         return [cfg.budget] * L, None
-    import dof
     x = dof.collect_qk(model, calib, cfg.J, seed=cfg.seed)                      # (L, H, J, D)
     per_head = dof.degrees_of_freedom(x, cfg.lam, relative=cfg.lam_relative)    # (L, H)
     layer_dof = per_head.amax(-1)
@@ -393,8 +369,8 @@ def key_means(model, calib, cores, amp):
 
 def build_student_cores(model, dims, cfg_feature_map, chunk_size):
     """The linear-attention cores of model.linearize(dims), leaving model with its softmax cores."""
-    teacher_cores = attention_cores(model)
-    cores = attention_cores(model.linearize(dims, feature_map=cfg_feature_map, chunk_size=chunk_size))
+    teacher_cores = dof.attention_cores(model)
+    cores = dof.attention_cores(model.linearize(dims, feature_map=cfg_feature_map, chunk_size=chunk_size))
     for blk, c in zip(model.h, teacher_cores):
         blk.attn.core = c
     return cores
@@ -425,7 +401,7 @@ def load_student(ckpt_dir, device="cpu", dtype=torch.float32):
     cfg = json.loads((d / "config.json").read_text())
     model = GPT.from_pretrained(cfg["teacher"], device=device, dtype=dtype)
     student = model.linearize(cfg["dims"], feature_map=cfg["feature_map"], chunk_size=cfg["chunk_size"])
-    load_feature_state(attention_cores(student), load_file(str(d / "features.safetensors")), ckpt_dir)
+    load_feature_state(dof.attention_cores(student), load_file(str(d / "features.safetensors")), ckpt_dir)
     return student.to(device=device, dtype=dtype).eval(), cfg
 
 
@@ -554,7 +530,7 @@ def main(argv=None):
     val_batches = [get_batch(data["val"], B, T, val_gen, device) for _ in range(cfg.eval_iters)]
 
     # feature dims and the student
-    t_cores = attention_cores(model)
+    t_cores = dof.attention_cores(model)
     t0 = time.time()
     dims, layer_dof = choose_dims(cfg, model, calib)
     t_dims = time.time() - t0

@@ -15,6 +15,7 @@ everywhere). DoF+Clip caps each layer at the head size.
 """
 
 import json
+from contextlib import contextmanager
 import math
 import os
 import sys
@@ -46,18 +47,33 @@ def attention_cores(model):
     return cores
 
 
+@contextmanager
+def capture_qk(model):
+    """While inside, each forward pass of `model` appends every layer's (q (B, H, T, D), k (B, Hkv, T, D)): the
+    inputs of model.h[l].attn.core, after rotary. Yields the list; the one q/k hook of dof.py and distill.py."""
+    seen = []
+    handles = [c.register_forward_pre_hook(lambda mod, args: seen.append((args[0], args[1])))
+               for c in attention_cores(model)]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def collect_qk(model, batches, J, seed=0):
     """Run token batches (B, T) through the frozen model; -> (n_layer, n_head, J, head_dim) float32 on the CPU.
     Each query head pools its queries with its KV head's keys; every point gets an i.i.d. uniform random key and
     the J points with the largest keys are kept as the batches stream by (a reservoir: uniform without replacement)."""
-    cores = attention_cores(model)
+    L = len(attention_cores(model))
     gen = torch.Generator().manual_seed(seed)
-    kept, prio = [None] * len(cores), [None] * len(cores)           # per layer: (H, <=J, D) points, (H, <=J) keys
-
-    def hook(l):
-        def f(module, args, output):
-            q, k = args[0], args[1]                                   # (B, H, T, D), (B, Hkv, T, D)
+    kept, prio = [None] * L, [None] * L                               # per layer: (H, <=J, D) points, (H, <=J) keys
+    device = next(model.parameters()).device
+    for idx in batches:
+        with capture_qk(model) as qk:
+            model.hidden(idx.to(device))                               # hidden states: skip the unused lm_head
+        for l, (q, k) in enumerate(qk):                               # (B, H, T, D), (B, Hkv, T, D)
             H, D = q.size(1), q.size(-1)
             k = M.repeat_kv(k, H)                                    # each query head sees its KV head's keys
             x = torch.cat((q, k), 2).transpose(0, 1).reshape(H, -1, D).float().cpu()   # (H, 2BT, D)
@@ -66,17 +82,6 @@ def collect_qk(model, batches, J, seed=0):
                 x, r = torch.cat((kept[l], x), 1), torch.cat((prio[l], r), 1)
             top = r.topk(min(J, r.size(1)), dim=1).indices              # (H, <=J)
             kept[l], prio[l] = x.gather(1, top[..., None].expand(-1, -1, D)), r.gather(1, top)
-        return f
-
-    handles = [c.register_forward_hook(hook(l)) for l, c in enumerate(cores)]
-    try:
-        device = next(model.parameters()).device
-        run = getattr(model, "hidden", model)                          # hidden states: skip the unused lm_head
-        for idx in batches:
-            run(idx.to(device))
-    finally:
-        for h in handles:
-            h.remove()
     n = 0 if kept[0] is None else kept[0].size(1)
     if n < J:
         raise ModelError(f"J={J} is larger than the {n} queries+keys per head in the calibration data; "

@@ -2046,7 +2046,7 @@ def test_cli_student_next_to_teacher(ckpt, tmp_path, capsys):
     student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
     d = tmp_path / "student"
     d.mkdir()
-    save_file(distill.feature_state(distill.attention_cores(student)), str(d / "features.safetensors"))
+    save_file(distill.feature_state(distill.dof.attention_cores(student)), str(d / "features.safetensors"))
     (d / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [8, 8], "feature_map": "prf",
                                                "chunk_size": 16}))
     out = tmp_path / "r.json"
