@@ -3,6 +3,7 @@ evaluate.py: zero-shot multiple-choice accuracy scored exactly as lm-evaluation-
 loss / perplexity on a token or text file, and prefill / decoding speed; for teachers and distilled students alike.
 
     python evaluate.py --model gpt2 --tasks piqa,arc_easy --data-dir ../shared/data/eval --output results.json
+    python evaluate.py --model gpt2 --tasks piqa --data-dir ../shared/data/eval --plain  # one request at a time
     python evaluate.py --model gpt2 --ckpt out/gpt2 --data-dir ../shared/data/eval      # teacher | student table
     python evaluate.py --model gpt2 --ppl ../shared/data/text/wikitext-2-raw/wiki.test.raw
     python evaluate.py --model gpt2 --ckpt out/gpt2 --speed
@@ -25,21 +26,12 @@ lm_eval/api/metrics.py):
     text, without the " " delimiter); both averaged over documents, stderr = sample stdev (n - 1) / sqrt(n).
     MMLU is a group of 57 subject tasks: acc is pooled over all questions (weight_by_size) and its stderr is the
     harness's pooled_sample_stderr of the per-subject stderrs.
-
-The fast path (score_requests) computes exactly these numbers with less work than the harness:
- - requests that feed identical tokens share one row (MMLU's four one-token answers: one forward pass a question);
- - the tokens a document's rows begin with (the context, and for PIQA often much of both solutions) run once,
-   with a cache, and each row continues from a copy of it (KV cache for softmax attention, the recurrent state for
-   a linear-attention student); neighbouring documents' prefixes run together, cut to one length;
- - rows are sorted by length and batched with little right padding (the model is causal, so padding after a row
-   changes nothing before it);
- - the LM head runs only at the positions whose next token is scored, once per distinct position.
-The plain reference (loglikelihood_reference) does what the harness does, one request at a time; the tests hold
-the fast path to it, and both to transformers.
+Steps 3-5 for one document are the section "One document, the harness way": one full forward pass per request,
+which --plain runs. By default fast_scorer.py computes the same log-likelihoods with less work (shared prefixes,
+batched rows, the LM head only where a token is scored).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -47,7 +39,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -56,41 +48,41 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import ModelError, run_main
-from model import GPT, Cache
+from common import ModelError, opt, parse_config, pick_device, read_tokens, run_main, sync, write_text_atomic
+from fast_scorer import score_windows
+from model import GPT
 from tokenizer import load_tokenizer
 
 ALL_TASKS = ("piqa", "arc_easy", "arc_challenge", "logiqa", "mmlu", "winogrande", "wsc273")
 
 
-def _opt(default, help, type=str):
-    return field(default=default, metadata={"help": help, "type": type})
-
-
 @dataclass
 class EvalConfig:
     # what to evaluate
-    model: str = _opt("gpt2", "teacher model: a hub id or a local checkpoint directory (GPT.from_pretrained)")
-    ckpt: str | None = _opt(None, "distill.py checkpoint directory; its student is evaluated next to the teacher")
-    tasks: str | None = _opt(None, "comma-separated tasks, or 'all'; if not given, all seven unless --ppl or --speed "
-                                   "is: " + ",".join(ALL_TASKS))
-    limit: int | None = _opt(None, "score only the first N documents of each task (for MMLU the first N questions of "
-                                   "the file; the harness's --limit takes N per subject)", int)
-    data_dir: str | None = _opt(None, "folder holding <task>.jsonl in the Hugging Face schema "
-                                      "(e.g. ../shared/data/eval); default: load the harness's datasets from the hub")
-    output: str | None = _opt(None, "write results and per-document samples to this JSON file")
+    model: str = opt("gpt2", "teacher model: a hub id or a local checkpoint directory (GPT.from_pretrained)")
+    ckpt: str | None = opt(None, "distill.py checkpoint directory; its student is evaluated next to the teacher")
+    tasks: str | None = opt(None, "comma-separated tasks, or 'all'; if not given, all seven unless --ppl or --speed "
+                                  "is: " + ",".join(ALL_TASKS))
+    limit: int | None = opt(None, "score only the first N documents of each task (for MMLU the first N questions of "
+                                  "the file; the harness's --limit takes N per subject)")
+    data_dir: str | None = opt(None, "folder holding <task>.jsonl in the Hugging Face schema "
+                                     "(e.g. ../shared/data/eval); default: load the harness's datasets from the hub")
+    output: str | None = opt(None, "write results and per-document samples to this JSON file")
     # how
-    batch_size: int = _opt(16, "sequences per forward pass", int)
-    device: str = _opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
-    dtype: str = _opt("float32", "model dtype: float32, bfloat16 or float16 (log-softmax is always float32)")
+    batch_size: int = opt(16, "sequences per forward pass")
+    device: str = opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
+    dtype: str = opt("float32", "model dtype (log-softmax is always float32)",
+                     choices=["float32", "bfloat16", "float16"])
+    plain: bool = opt(False, "score every request the plain harness way, one full forward pass each (slow); the "
+                             "default shared-prefix scorer (fast_scorer.py) gives the same numbers")
     # other measurements
-    ppl: str | None = _opt(None, "next-token loss and perplexity on a uint16 .bin token file or a text file")
-    ppl_context: int | None = _opt(None, "window length for --ppl; if not given, the model's context length", int)
-    ppl_max_tokens: int | None = _opt(None, "score only the first N tokens of the --ppl file", int)
-    speed: bool = _opt(False, "time prefill and token-by-token generation of one sequence (teacher vs student)", bool)
-    speed_tokens: int = _opt(1000, "sequence length for --speed", int)
-    bench: bool = _opt(False, "time the fast scorer against the model's plain forward pass on the same tokens", bool)
-    bench_rounds: int = _opt(1, "--bench keeps the fastest of this many alternating rounds (for shared machines)", int)
+    ppl: str | None = opt(None, "next-token loss and perplexity on a uint16 .bin token file or a text file")
+    ppl_context: int | None = opt(None, "window length for --ppl; if not given, the model's context length")
+    ppl_max_tokens: int | None = opt(None, "score only the first N tokens of the --ppl file")
+    speed: bool = opt(False, "time prefill and token-by-token generation of one sequence (teacher vs student)")
+    speed_tokens: int = opt(1000, "sequence length for --speed")
+    bench: bool = opt(False, "time the fast scorer against the model's plain forward pass on the same tokens")
+    bench_rounds: int = opt(1, "--bench keeps the fastest of this many alternating rounds (for shared machines)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -281,22 +273,24 @@ def load_task(name: str, data_dir: str | None = None, limit: int | None = None) 
     return prompts[:limit] if limit is not None else prompts
 
 
+
 # --------------------------------------------------------------------------------------------------------------
-# Requests → tokens → windows, as the harness builds them.
+# One document, the harness way (--plain): its task's prompt function above gives one (context, continuation)
+# request per choice; each is tokenized (encode_pair), cut to the model's window (harness_window) and scored by one
+# full forward pass (loglikelihood); doc_metrics turns the choices' log-likelihoods into acc and acc_norm.
 
 def encode(enc, text: str) -> list[int]:
-    # like a Hugging Face tokenizer, a special token's text in the data becomes the special token
+    """Like a Hugging Face tokenizer, a special token's text in the data becomes the special token."""
     return enc.encode(text, allowed_special="all")
 
 
 def encode_pair(enc, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """lm_eval's TemplateLM._encode_pair: trailing whitespace moves from the context to the continuation, then the
+    """TemplateLM._encode_pair: trailing whitespace moves from the context to the continuation, then the
     continuation's tokens are what the whole string has beyond the context's tokens."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces > 0:
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
-    whole = encode(enc, context + continuation)
-    context_tokens = encode(enc, context)
+    whole, context_tokens = encode(enc, context + continuation), encode(enc, context)
     return context_tokens, whole[len(context_tokens):]
 
 
@@ -313,6 +307,44 @@ def harness_window(context_tokens: list[int], continuation_tokens: list[int], ma
     return inp, [(first + j, t) for j, t in enumerate(continuation_tokens)]
 
 
+@torch.inference_mode()
+def loglikelihood(model, context_tokens, continuation_tokens, device="cpu") -> tuple[float, bool]:
+    """One request: Σ_j log p(continuation_j | everything before it) from one full forward pass over the window,
+    and whether every continuation token is the argmax (the harness's is_greedy)."""
+    inp, targets = harness_window(context_tokens, continuation_tokens, model.config.block_size)
+    logits, _ = model(torch.tensor([inp], device=device))                        # (1, T, V)
+    logp = F.log_softmax(logits[0].float(), dim=-1)                             # (T, V)
+    pos, tok = (torch.tensor(ix, device=device) for ix in zip(*targets))
+    return float(logp[pos, tok].sum()), bool((logp[pos].argmax(-1) == tok).all())
+
+
+def doc_metrics(lls: list[float], gold: int, choices: list[str] | None) -> tuple[float, float | None]:
+    """acc = [argmax of the log-likelihoods is gold]; acc_norm: the same after dividing each by len(choice) in
+    characters (None where the task has no acc_norm). np.argmax: ties go to the first."""
+    acc = 1.0 if int(np.argmax(lls)) == gold else 0.0
+    if choices is None:
+        return acc, None
+    return acc, 1.0 if int(np.argmax(np.array(lls) / [float(len(c)) for c in choices])) == gold else 0.0
+
+
+def score_requests(model, tokenized, batch_size=16, device="cpu", desc=None, plain=False):
+    """(log-likelihood, is_greedy) of every request, one list per document; tokenized[d] lists document d's
+    (context tokens, continuation tokens). plain: loglikelihood() one request at a time; otherwise the shared-prefix
+    scorer of fast_scorer.py on the same windows, which gives the same numbers with less work."""
+    if plain:
+        return [[loglikelihood(model, c, t, device) for c, t in doc]
+                for doc in tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False)]
+    windows = [[harness_window(c, t, context_length(model)) for c, t in doc] for doc in tokenized]
+    return score_windows(model, windows, batch_size, device, desc)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A task: every document's requests tokenized and scored, metrics averaged as lm_eval/api/metrics.py does.
+
+def context_length(model) -> int:
+    return int(model.config.block_size)
+
+
 def tokenize_prompts(enc, prompts: list[Prompt]) -> list[list[tuple[list[int], list[int]]]]:
     return [[encode_pair(enc, ctx, cont) for ctx, cont in p.requests] for p in prompts]
 
@@ -321,211 +353,6 @@ def harness_tokens(tokenized, max_len: int) -> int:
     """How many tokens the harness feeds the model for these requests (each choice's full context + continuation,
     truncated to the window, last token dropped)."""
     return sum(min(len(c) + len(t), max_len + 1) - 1 for doc in tokenized for c, t in doc)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Scoring: the plain reference and the fast path.
-
-def context_length(model) -> int:
-    return int(model.config.block_size)
-
-
-@torch.inference_mode()
-def loglikelihood_reference(model, context_tokens, continuation_tokens, device="cpu") -> tuple[float, bool]:
-    """One request the plain way, as the harness does it: full forward, log-softmax over all positions, pick."""
-    inp, targets = harness_window(context_tokens, continuation_tokens, context_length(model))
-    logits, _ = model(torch.tensor([inp], device=device))
-    logp = F.log_softmax(logits[0].float(), dim=-1)
-    pos = torch.tensor([p for p, _ in targets], device=device)
-    tok = torch.tensor([t for _, t in targets], device=device)
-    return float(logp[pos, tok].sum()), bool((logp[pos].argmax(-1) == tok).all())
-
-
-@dataclass
-class Row:
-    """One sequence fed to the model, and what is read from it."""
-    tokens: list[int]
-    targets: list[tuple[int, int, int]] = field(default_factory=list)  # (position, next token, request number)
-
-
-def plan_rows(tokenized, max_len: int) -> list[list[Row]]:
-    """Per document, its distinct rows: requests that feed identical tokens share one (MMLU's four answers)."""
-    plans, k = [], 0
-    for doc in tokenized:
-        rows: dict[tuple[int, ...], Row] = {}
-        for ctx, cont in doc:
-            inp, targets = harness_window(ctx, cont, max_len)
-            row = rows.setdefault(tuple(inp), Row(inp))
-            row.targets += [(p, t, k) for p, t in targets]
-            k += 1
-        plans.append(list(rows.values()))
-    return plans
-
-
-class _Scores:
-    """Per-request sums of log-probabilities and greedy flags, filled batch by batch."""
-
-    def __init__(self, n):
-        self.ll = np.zeros(n, dtype=np.float64)
-        self.greedy = np.ones(n, dtype=bool)
-
-    def add(self, model, h, targets):
-        """h (B, T, C) hidden states; targets [(b, position, next token, request)]. The LM head runs once per
-        distinct (b, position) and nowhere else."""
-        where: dict[tuple[int, int], int] = {}
-        for b, p, _, _ in targets:
-            where.setdefault((b, p), len(where))
-        bi, pi = (torch.tensor(ix, device=h.device) for ix in zip(*where))
-        logp = F.log_softmax(model.lm_head(h[bi, pi]).float(), dim=-1)             # (N, V)
-        at = torch.tensor([where[b, p] for b, p, _, _ in targets], device=h.device)
-        tok = torch.tensor([t for _, _, t, _ in targets], device=h.device)
-        req = np.array([k for _, _, _, k in targets])
-        np.add.at(self.ll, req, logp[at, tok].double().cpu().numpy())
-        np.logical_and.at(self.greedy, req, (logp.argmax(-1)[at] == tok).cpu().numpy())
-
-
-def _forward_rows(model, rows: list[Row], scores: _Scores, device, cache=None):
-    """One forward pass: rows right-padded into (B, T) (after the cache's prefix, if any), LM head at scored spots."""
-    x = torch.zeros((len(rows), max(len(r.tokens) for r in rows)), dtype=torch.long)
-    for b, row in enumerate(rows):
-        x[b, :len(row.tokens)] = torch.tensor(row.tokens)
-    h = model.hidden(x.to(device), cache)                                           # (B, T, C)
-    scores.add(model, h, [(b, p, t, k) for b, row in enumerate(rows) for p, t, k in row.targets])
-
-
-def _common_prefix(seqs) -> int:
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        if any(s[i] != seqs[0][i] for s in seqs[1:]):
-            return i
-    return n
-
-
-@dataclass
-class Shared:
-    """A document whose rows begin with the same tokens: up to `shareable` of them can run once for all rows."""
-    rows: list[Row]
-    shareable: int  # every row keeps at least one token of its own
-
-
-def split_shared(plans: list[list[Row]]) -> tuple[list[Row], list[Shared]]:
-    plain, shared = [], []
-    for rows in plans:
-        P = 0
-        if len(rows) > 1:
-            P = min(_common_prefix([r.tokens for r in rows]), min(len(r.tokens) for r in rows) - 1)
-        if P == 0:
-            plain += rows
-        else:
-            shared.append(Shared(rows, P))
-    return plain, shared
-
-
-def _take(x, idx):
-    """Cache contents with their batch dimension (0) indexed by idx: one prefix's state copied to its rows."""
-    if torch.is_tensor(x):
-        return x.index_select(0, idx)
-    if isinstance(x, dict):
-        return {key: _take(v, idx) for key, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_take(v, idx) for v in x)
-    return x
-
-
-def _batches(items, length, batch_size: int, max_padding: float = 0.1, min_tokens: int = 256):
-    """Items sorted longest first, cut into batches of at most batch_size items whose right padding stays under
-    max_padding of their real tokens, except that a batch below min_tokens positions keeps growing: a forward pass
-    reads every weight, so a tiny one costs about as much as a small one."""
-    items = sorted(items, key=lambda it: -length(it))
-    batch, real = [], 0
-    for it in items:
-        n = length(it)
-        if batch:
-            padded = (len(batch) + 1) * length(batch[0])
-            if len(batch) == batch_size or (padded > min_tokens and padded > (1 + max_padding) * (real + n)):
-                yield batch
-                batch, real = [], 0
-        batch.append(it)
-        real += n
-    if batch:
-        yield batch
-
-
-def _run_shared(model, docs: list[Shared], scores: _Scores, batch_size: int, device):
-    """Documents whose rows share at least P tokens (P = the smallest `shareable`): those P tokens of every document
-    in one forward pass that fills a cache, then all the rows' remainders in batches of similar length, each row
-    continuing from a copy of its document's part of the cache."""
-    P = min(s.shareable for s in docs)
-    cache = Cache(model.config.n_layer)
-    h = model.hidden(torch.tensor([s.rows[0].tokens[:P] for s in docs], device=device), cache)  # (docs, P, C)
-    inside = [(d, p, t, k) for d, s in enumerate(docs) for r in s.rows for p, t, k in r.targets if p < P]
-    if inside:  # positions scored inside the prefix (their hidden state is the same for all the document's rows)
-        scores.add(model, h, inside)
-    rows = [(d, Row(r.tokens[P:], [(p - P, t, k) for p, t, k in r.targets if p >= P]))
-            for d, s in enumerate(docs) for r in s.rows]
-    for batch in _batches(rows, lambda dr: len(dr[1].tokens), batch_size):
-        which = torch.tensor([d for d, _ in batch], device=device)
-        row_cache = Cache(model.config.n_layer)
-        row_cache[:], row_cache.pos = [_take(layer, which) for layer in cache], P
-        _forward_rows(model, [r for _, r in batch], scores, device, row_cache)
-
-
-PREFIX_WINDOW = 4096  # prefix tokens whose cache is held at once (GPT-2 124M: 12 layers x 2 x 768 floats each)
-
-
-def _windows(shared: list[Shared], batch_size: int, spread: float = 0.25):
-    """Documents sorted by shareable length, in windows of up to 4 x batch_size rows; a window shares the smallest
-    shareable length of its documents, so a document joins only if its own is at most `spread` longer."""
-    shared = sorted(shared, key=lambda s: s.shareable)
-    i = 0
-    while i < len(shared):
-        P, j, n_rows = shared[i].shareable, i + 1, len(shared[i].rows)
-        while (j < len(shared) and n_rows + len(shared[j].rows) <= 4 * batch_size and (j - i + 1) * P <= PREFIX_WINDOW
-               and shared[j].shareable <= P * (1 + spread)):
-            n_rows += len(shared[j].rows)
-            j += 1
-        yield shared[i:j]
-        i = j
-
-
-@torch.inference_mode()
-def score_requests(model, tokenized, batch_size: int = 16, device="cpu", desc: str | None = None,
-                   share_prefix: bool = True):
-    """Log-likelihood and is-greedy of every request, equal to the harness's; tokenized[d] lists document d's
-    (context tokens, continuation tokens). Returns one list of (loglikelihood, is_greedy) per document."""
-    plans = plan_rows(tokenized, context_length(model))
-    if share_prefix:
-        plain, shared = split_shared(plans)
-    else:
-        plain, shared = [row for rows in plans for row in rows], []
-    n = sum(len(doc) for doc in tokenized)
-    scores = _Scores(n)
-    requests = lambda rows: len({k for r in rows for _, _, k in r.targets})  # noqa: E731
-    with tqdm(total=n, desc=desc, disable=desc is None, unit="req", leave=False) as pbar:
-        # rows that share nothing (and MMLU's one row per question)
-        for batch in _batches(plain, lambda r: len(r.tokens), batch_size):
-            _forward_rows(model, batch, scores, device)
-            pbar.update(requests(batch))
-        # documents with a shared prefix, in windows of neighbours by shareable length
-        for docs in _windows(shared, batch_size):
-            _run_shared(model, docs, scores, batch_size, device)
-            pbar.update(requests([r for s in docs for r in s.rows]))
-    out, k = [], 0
-    for doc in tokenized:
-        out.append([(float(scores.ll[k + j]), bool(scores.greedy[k + j])) for j in range(len(doc))])
-        k += len(doc)
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Metrics, as lm_eval/api/task.py process_results and lm_eval/api/metrics.py compute them.
-
-def doc_metrics(lls: list[float], gold: int, choices: list[str] | None) -> tuple[float, float | None]:
-    acc = 1.0 if int(np.argmax(lls)) == gold else 0.0  # np.argmax: ties go to the first
-    if choices is None:
-        return acc, None
-    completion_len = np.array([float(len(c)) for c in choices])
-    return acc, 1.0 if int(np.argmax(np.array(lls) / completion_len)) == gold else 0.0
 
 
 def mean_stderr(xs) -> float | None:
@@ -547,6 +374,7 @@ def pooled_stderr(xs, groups) -> float | None:
 
 
 def aggregate(prompts: list[Prompt], scored) -> tuple[dict, list[dict]]:
+    """A task's result (n, acc, acc_norm and their stderrs) and its per-document samples."""
     samples = []
     for i, (p, res) in enumerate(zip(prompts, scored)):
         lls = [ll for ll, _ in res]
@@ -568,10 +396,11 @@ def aggregate(prompts: list[Prompt], scored) -> tuple[dict, list[dict]]:
     return result, samples
 
 
-def evaluate_task(model, enc, prompts: list[Prompt], batch_size=16, device="cpu", desc=None) -> tuple[dict, list]:
+def evaluate_task(model, enc, prompts: list[Prompt], batch_size=16, device="cpu", desc=None,
+                  plain=False) -> tuple[dict, list]:
     t0 = time.perf_counter()
     tokenized = tokenize_prompts(enc, prompts)
-    scored = score_requests(model, tokenized, batch_size, device, desc)
+    scored = score_requests(model, tokenized, batch_size, device, desc, plain)
     seconds = time.perf_counter() - t0
     result, samples = aggregate(prompts, scored)
     result["harness_tokens"] = harness_tokens(tokenized, context_length(model))
@@ -580,12 +409,7 @@ def evaluate_task(model, enc, prompts: list[Prompt], batch_size=16, device="cpu"
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Benchmark: harness tokens per second of the fast path against the model's plain forward pass.
-
-def _sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
+# Benchmark: harness tokens per second of the fast scorer against the model's plain forward pass.
 
 @torch.inference_mode()
 def plain_forward_rate(model, n_tokens: int, seq_len: int, batch_size: int, device="cpu") -> float:
@@ -594,27 +418,27 @@ def plain_forward_rate(model, n_tokens: int, seq_len: int, batch_size: int, devi
     n_batches = max(1, math.ceil(n_tokens / (batch_size * seq_len)))
     x = torch.randint(0, int(model.config.vocab_size), (batch_size, seq_len), device=device)
     model(x[:1, :8])  # warm-up
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(n_batches):
         model(x)
-    _sync(device)
+    sync(device)
     return n_batches * batch_size * seq_len / (time.perf_counter() - t0)
+
+
+def _bench_row(name, r, out):
+    print(f"{name:<14} {r['harness_tokens']:>11} {r['seconds']:>8.2f} {r['harness_tok_per_s']:>13.0f} "
+          f"{r['plain_forward_tok_per_s']:>15.0f} {r['ratio']:>6.2f}", file=out, flush=True)
 
 
 def bench(model, enc, task_prompts: dict[str, list[Prompt]], batch_size=16, device="cpu", out=None,
           rounds: int = 1) -> dict:
-    """For each task: harness tokens / wall time of score_requests, against plain forward tokens/s measured on as
+    """For each task: harness tokens / wall time of the fast scorer, against plain forward tokens/s measured on as
     many tokens at the task's mean harness sequence length; the fastest of `rounds` alternating rounds of each
     (on a machine shared with other jobs, the minimum is the stable number). Prints a table, returns the numbers."""
     out = out or sys.stdout
     L = context_length(model)
     rows, totals = {}, [0, 0.0, 0.0]
-
-    def show(name, r):
-        print(f"{name:<14} {r['harness_tokens']:>11} {r['seconds']:>8.2f} {r['harness_tok_per_s']:>13.0f} "
-              f"{r['plain_forward_tok_per_s']:>15.0f} {r['ratio']:>6.2f}", file=out, flush=True)
-
     print(f"{'task':<14} {'harness tok':>11} {'seconds':>8} {'harness tok/s':>13} {'plain fwd tok/s':>15} "
           f"{'ratio':>6}", file=out, flush=True)
     model.hidden(torch.zeros((1, 8), dtype=torch.long, device=device))  # warm-up
@@ -623,43 +447,26 @@ def bench(model, enc, task_prompts: dict[str, list[Prompt]], batch_size=16, devi
         n_tok, n_req = harness_tokens(tokenized, L), sum(len(d) for d in tokenized)
         t_fast, plain = math.inf, 0.0
         for _ in range(rounds):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             score_requests(model, tokenized, batch_size, device)
-            _sync(device)
+            sync(device)
             t_fast = min(t_fast, time.perf_counter() - t0)
             plain = max(plain, plain_forward_rate(model, n_tok, max(1, round(n_tok / n_req)), batch_size, device))
         rows[name] = {"harness_tokens": n_tok, "seconds": t_fast, "harness_tok_per_s": n_tok / t_fast,
                       "plain_forward_tok_per_s": plain, "ratio": n_tok / t_fast / plain}
-        show(name, rows[name])
+        _bench_row(name, rows[name], out)
         totals[0] += n_tok
         totals[1] += t_fast
         totals[2] += n_tok / plain
     rows["all"] = {"harness_tokens": totals[0], "seconds": totals[1], "harness_tok_per_s": totals[0] / totals[1],
                    "plain_forward_tok_per_s": totals[0] / totals[2], "ratio": totals[2] / totals[1]}
-    show("all", rows["all"])
+    _bench_row("all", rows["all"], out)
     return rows
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Next-token loss on a file, and speed.
-
-def read_tokens(path: str, enc, max_tokens: int | None = None) -> np.ndarray:
-    p = Path(path)
-    if not p.is_file():
-        raise ModelError(f"{path} does not exist")
-    if p.suffix == ".bin":
-        if p.stat().st_size % 2:
-            raise ModelError(f"{path} has an odd number of bytes, so it is not a uint16 token file")
-        tokens = np.memmap(p, dtype=np.uint16, mode="r")
-    else:
-        try:
-            text = p.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise ModelError(f"{path} is neither a .bin token file nor UTF-8 text") from None
-        tokens = np.array(encode(enc, text), dtype=np.int64)
-    return tokens[:max_tokens] if max_tokens else tokens
-
 
 @torch.inference_mode()
 def perplexity(model, tokens: np.ndarray, context: int | None = None, batch_size=8, device="cpu") -> dict:
@@ -695,32 +502,28 @@ def speed(model, n_tokens: int = 1000, device="cpu") -> dict:
     greedy generation of n_tokens - 1 tokens after a one-token prompt (cache / recurrent state)."""
     n = min(n_tokens, context_length(model))
     x = torch.randint(0, int(model.config.vocab_size), (1, n), device=device)
-    model.lm_head(model.hidden(x[:, :16])[:, -1])  # warm-up
-    _sync(device)
+    model.lm_head(model.hidden(x)[:, -1])  # warm-up: the same prefill once, untimed
+    sync(device)
     t0 = time.perf_counter()
     model.lm_head(model.hidden(x)[:, -1])
-    _sync(device)
+    sync(device)
     prefill = time.perf_counter() - t0
     t0 = time.perf_counter()
     model.generate(x[:, :1], max_new_tokens=n - 1, top_k=1)
-    _sync(device)
+    sync(device)
     return {"tokens": n, "prefill_s": prefill, "generate_s": time.perf_counter() - t0}
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Command line.
 
-def parse_args(argv=None) -> EvalConfig:
-    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
-    for f in fields(EvalConfig):
-        flag, typ, help = "--" + f.name.replace("_", "-"), f.metadata["type"], f.metadata["help"]
-        if f.default not in (None, False):
-            help += f" (default: {f.default})"
-        if typ is bool:
-            p.add_argument(flag, action="store_true", help=help)
-        else:
-            p.add_argument(flag, type=typ, default=f.default, help=help)
-    return EvalConfig(**vars(p.parse_args(argv)))
+def check_config(cfg: EvalConfig):
+    if cfg.limit is not None and cfg.limit <= 0:
+        raise ModelError(f"--limit must be a positive number of documents, not {cfg.limit}")
+    if cfg.batch_size <= 0:
+        raise ModelError(f"--batch-size must be positive, not {cfg.batch_size}")
+    if cfg.bench_rounds <= 0:
+        raise ModelError(f"--bench-rounds must be at least 1, not {cfg.bench_rounds}")
 
 
 def _same_model(a: str, b: str) -> bool:
@@ -735,8 +538,9 @@ def _checked_teacher(ckpt: str, teacher_id, model: str):
                          f"pass --model {teacher_id}")
 
 
-def load_models(cfg: EvalConfig, device, dtype):
-    """The teacher (and the student of --ckpt, whose teacher must be --model) and the tokenizer."""
+def load_models(cfg: EvalConfig, device) -> tuple[dict, object]:
+    """{"teacher": --model} (and "student": the student of --ckpt, whose teacher must be --model), the tokenizer."""
+    dtype = getattr(torch, cfg.dtype)
     if cfg.ckpt is not None:
         cfg_path = Path(cfg.ckpt) / "config.json"
         if not Path(cfg.ckpt).is_dir():
@@ -746,14 +550,13 @@ def load_models(cfg: EvalConfig, device, dtype):
                 _checked_teacher(cfg.ckpt, json.loads(cfg_path.read_text()).get("teacher"), cfg.model)
             except json.JSONDecodeError:
                 raise ModelError(f"{cfg_path} is not valid JSON") from None
-    teacher = GPT.from_pretrained(cfg.model, device=device, dtype=dtype).eval()
+    models = {"teacher": GPT.from_pretrained(cfg.model, device=device, dtype=dtype).eval()}
     enc = load_tokenizer(cfg.model)
-    student = None
     if cfg.ckpt is not None:
         from distill import load_student  # distill.py imports this project's model; only needed here
-        student, scfg = load_student(cfg.ckpt, device=device, dtype=dtype)
+        models["student"], scfg = load_student(cfg.ckpt, device=device, dtype=dtype)
         _checked_teacher(cfg.ckpt, scfg.get("teacher"), cfg.model)
-    return teacher, student, enc
+    return models, enc
 
 
 def _fmt(x, digits=4):
@@ -775,68 +578,70 @@ def print_table(results: dict[str, dict[str, dict]], out=None):
         print(line, file=out)
 
 
-def _write_json(path: str, obj):
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, ensure_ascii=False))
-    os.replace(tmp, path)
+def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict[str, list[Prompt]], device) -> dict:
+    """Every task for every model, a printed table, and results.json's results and samples (the student's apart)."""
+    results, samples = {}, {}
+    for label, m in models.items():
+        results[label], samples[label] = {}, {}
+        for name, ps in prompts.items():
+            results[label][name], samples[label][name] = evaluate_task(m, enc, ps, cfg.batch_size, device,
+                                                                       desc=f"{label} {name}", plain=cfg.plain)
+    print_table(results)
+    report = {"results": results["teacher"], "samples": samples["teacher"]}
+    if "student" in models:
+        report["student"] = {"results": results["student"], "samples": samples["student"]}
+    return report
 
 
-def main(argv=None) -> int:
-    cfg = parse_args(argv)
-    if cfg.limit is not None and cfg.limit <= 0:
-        raise ModelError(f"--limit must be a positive number of documents, not {cfg.limit}")
-    if cfg.batch_size <= 0:
-        raise ModelError(f"--batch-size must be positive, not {cfg.batch_size}")
-    if cfg.dtype not in ("float32", "bfloat16", "float16"):
-        raise ModelError(f"--dtype must be float32, bfloat16 or float16, not '{cfg.dtype}'")
+def run_bench(cfg: EvalConfig, models: dict, enc, prompts: dict[str, list[Prompt]], device) -> dict:
+    report = {}
+    for label, m in models.items():
+        print(f"\nbench: {label} ({cfg.model if label == 'teacher' else cfg.ckpt}) on {device}")
+        report[label] = bench(m, enc, prompts, cfg.batch_size, device, rounds=cfg.bench_rounds)
+    return report
+
+
+def run_ppl(cfg: EvalConfig, models: dict, enc, device) -> dict:
+    tokens = read_tokens(cfg.ppl, enc, cfg.ppl_max_tokens, special=True)  # text is encoded as the tasks' text is
+    report = {}
+    for label, m in models.items():
+        r = report[label] = perplexity(m, tokens, cfg.ppl_context, cfg.batch_size, device)
+        print(f"ppl {label}: {r['tokens']} tokens in windows of {r['context']}: loss {r['loss']:.4f}, "
+              f"perplexity {r['ppl']:.3f}")
+    return report
+
+
+def run_speed(cfg: EvalConfig, models: dict, device) -> dict:
+    report = {}
+    for label, m in models.items():
+        r = report[label] = speed(m, cfg.speed_tokens, device)
+        print(f"speed {label} on {device}: {r['tokens']}-token sequence: prefill {r['prefill_s']:.3f} s, "
+              f"token-by-token generation {r['generate_s']:.3f} s")
+    return report
+
+
+def main(argv=None):
+    cfg = parse_config(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
+    check_config(cfg)
     only_other = cfg.tasks is None and (cfg.ppl or cfg.speed)
     task_names = [] if only_other else parse_tasks(cfg.tasks)
     prompts = {name: load_task(name, cfg.data_dir, cfg.limit) for name in task_names}  # bad data fails here, fast
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    dtype = getattr(torch, cfg.dtype)
-    teacher, student, enc = load_models(cfg, device, dtype)
-    models = {"teacher": teacher} if student is None else {"teacher": teacher, "student": student}
-    report: dict = {}
-
+    device, _ = pick_device(cfg.device, "float32")  # the model itself is cast to --dtype: no autocast
+    models, enc = load_models(cfg, device)
+    report = {}
     if cfg.bench:
-        for label, m in models.items():
-            print(f"\nbench: {label} ({cfg.model if label == 'teacher' else cfg.ckpt}) on {device}")
-            report.setdefault("bench", {})[label] = bench(m, enc, prompts, cfg.batch_size, device,
-                                                          rounds=cfg.bench_rounds)
+        report["bench"] = run_bench(cfg, models, enc, prompts, device)
     elif prompts:
-        results, samples = {}, {}
-        for label, m in models.items():
-            results[label], samples[label] = {}, {}
-            for name, ps in prompts.items():
-                results[label][name], samples[label][name] = evaluate_task(m, enc, ps, cfg.batch_size, device,
-                                                                           desc=f"{label} {name}")
-        print_table(results)
-        report.update({"results": results["teacher"], "samples": samples["teacher"]})
-        if student is not None:
-            report["student"] = {"results": results["student"], "samples": samples["student"]}
+        report.update(run_tasks(cfg, models, enc, prompts, device))
     if cfg.ppl:
-        tokens = read_tokens(cfg.ppl, enc, cfg.ppl_max_tokens)
-        report["ppl"] = {}
-        for label, m in models.items():
-            r = report["ppl"][label] = perplexity(m, tokens, cfg.ppl_context, cfg.batch_size, device)
-            print(f"ppl {label}: {r['tokens']} tokens in windows of {r['context']}: loss {r['loss']:.4f}, "
-                  f"perplexity {r['ppl']:.3f}")
+        report["ppl"] = run_ppl(cfg, models, enc, device)
     if cfg.speed:
-        report["speed"] = {}
-        for label, m in models.items():
-            r = report["speed"][label] = speed(m, cfg.speed_tokens, device)
-            print(f"speed {label} on {device}: {r['tokens']}-token sequence: prefill {r['prefill_s']:.3f} s, "
-                  f"token-by-token generation {r['generate_s']:.3f} s")
+        report["speed"] = run_speed(cfg, models, device)
     if cfg.output:
-        report["config"] = {f.name: getattr(cfg, f.name) for f in fields(EvalConfig)}
-        _write_json(cfg.output, report)
+        report["config"] = asdict(cfg)
+        write_text_atomic(cfg.output, json.dumps(report, indent=1, ensure_ascii=False))
         print(f"wrote {cfg.output}")
-    return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ModelError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main)

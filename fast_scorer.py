@@ -1,0 +1,202 @@
+"""
+The shared-prefix batched scorer: the log-likelihoods evaluate.py's plain scorer computes one request at a time
+(evaluate.loglikelihood), the same numbers with less work. It takes each request's harness window, the input
+tokens and the (position, next token) pairs scored in it, and
+ - gives requests that feed identical tokens one row (MMLU's four one-token answers: one forward pass a question);
+ - runs the tokens a document's rows begin with (the context, and for PIQA often much of both solutions) once,
+   with a cache, and continues each row from a copy of it (KV cache for softmax attention, the recurrent state of
+   a linear-attention student); neighbouring documents' prefixes run together, cut to one length;
+ - sorts rows by length and batches them with little right padding (the model is causal, so padding after a row
+   changes nothing before it);
+ - runs the LM head only at the positions whose next token is scored, once per distinct position.
+The tests hold it to the plain scorer and to transformers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from model import Cache
+
+
+@dataclass
+class Row:
+    """One sequence fed to the model, and what is read from it."""
+    tokens: list[int]
+    targets: list[tuple[int, int, int]] = field(default_factory=list)  # (position, next token, request number)
+
+
+def plan_rows(windows) -> list[list[Row]]:
+    """Per document, its distinct rows: requests that feed identical tokens share one (MMLU's four answers).
+    windows[d] lists document d's requests as (input tokens, [(position, next token)])."""
+    plans, k = [], 0
+    for doc in windows:
+        rows: dict[tuple[int, ...], Row] = {}
+        for inp, targets in doc:
+            row = rows.setdefault(tuple(inp), Row(inp))
+            row.targets += [(p, t, k) for p, t in targets]
+            k += 1
+        plans.append(list(rows.values()))
+    return plans
+
+
+class Scores:
+    """Per-request sums of log-probabilities and greedy flags, filled batch by batch."""
+
+    def __init__(self, n):
+        self.ll = np.zeros(n, dtype=np.float64)
+        self.greedy = np.ones(n, dtype=bool)
+
+    def add(self, model, h, targets):
+        """h (B, T, C) hidden states; targets [(b, position, next token, request)]. The LM head runs once per
+        distinct (b, position) and nowhere else."""
+        where: dict[tuple[int, int], int] = {}
+        for b, p, _, _ in targets:
+            where.setdefault((b, p), len(where))
+        bi, pi = (torch.tensor(ix, device=h.device) for ix in zip(*where))
+        logp = F.log_softmax(model.lm_head(h[bi, pi]).float(), dim=-1)             # (N, V)
+        at = torch.tensor([where[b, p] for b, p, _, _ in targets], device=h.device)
+        tok = torch.tensor([t for _, _, t, _ in targets], device=h.device)
+        req = np.array([k for _, _, _, k in targets])
+        np.add.at(self.ll, req, logp[at, tok].double().cpu().numpy())
+        np.logical_and.at(self.greedy, req, (logp.argmax(-1)[at] == tok).cpu().numpy())
+
+
+def forward_rows(model, rows: list[Row], scores: Scores, device, cache=None):
+    """One forward pass: rows right-padded into (B, T) (after the cache's prefix, if any), LM head at scored spots."""
+    x = torch.zeros((len(rows), max(len(r.tokens) for r in rows)), dtype=torch.long)
+    for b, row in enumerate(rows):
+        x[b, :len(row.tokens)] = torch.tensor(row.tokens)
+    h = model.hidden(x.to(device), cache)                                           # (B, T, C)
+    scores.add(model, h, [(b, p, t, k) for b, row in enumerate(rows) for p, t, k in row.targets])
+
+
+def batches(items, length, batch_size: int, max_padding: float = 0.1, min_tokens: int = 256):
+    """Items sorted longest first, cut into batches of at most batch_size items whose right padding stays under
+    max_padding of their real tokens, except that a batch below min_tokens positions keeps growing: a forward pass
+    reads every weight, so a tiny one costs about as much as a small one."""
+    items = sorted(items, key=lambda it: -length(it))
+    batch, real = [], 0
+    for it in items:
+        n = length(it)
+        if batch:
+            padded = (len(batch) + 1) * length(batch[0])
+            if len(batch) == batch_size or (padded > min_tokens and padded > (1 + max_padding) * (real + n)):
+                yield batch
+                batch, real = [], 0
+        batch.append(it)
+        real += n
+    if batch:
+        yield batch
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared prefixes: a document's rows begin with the same tokens; they run once, with a cache.
+
+@dataclass
+class Shared:
+    """A document whose rows begin with the same tokens: up to `shareable` of them can run once for all rows."""
+    rows: list[Row]
+    shareable: int  # every row keeps at least one token of its own
+
+
+def _common_prefix(seqs) -> int:
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != seqs[0][i] for s in seqs[1:]):
+            return i
+    return n
+
+
+def split_shared(plans: list[list[Row]]) -> tuple[list[Row], list[Shared]]:
+    """The rows of documents that share nothing (or have one row), and the documents that share a prefix."""
+    alone, shared = [], []
+    for rows in plans:
+        P = 0
+        if len(rows) > 1:
+            P = min(_common_prefix([r.tokens for r in rows]), min(len(r.tokens) for r in rows) - 1)
+        if P == 0:
+            alone += rows
+        else:
+            shared.append(Shared(rows, P))
+    return alone, shared
+
+
+def _take(x, idx):
+    """Cache contents with their batch dimension (0) indexed by idx: one prefix's state copied to its rows."""
+    if torch.is_tensor(x):
+        return x.index_select(0, idx)
+    if isinstance(x, dict):
+        return {key: _take(v, idx) for key, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_take(v, idx) for v in x)
+    return x
+
+
+def run_shared(model, docs: list[Shared], scores: Scores, batch_size: int, device):
+    """Documents whose rows share at least P tokens (P = the smallest `shareable`): those P tokens of every document
+    in one forward pass that fills a cache, then all the rows' remainders in batches of similar length, each row
+    continuing from a copy of its document's part of the cache."""
+    P = min(s.shareable for s in docs)
+    cache = Cache(model.config.n_layer)
+    h = model.hidden(torch.tensor([s.rows[0].tokens[:P] for s in docs], device=device), cache)  # (docs, P, C)
+    inside = [(d, p, t, k) for d, s in enumerate(docs) for r in s.rows for p, t, k in r.targets if p < P]
+    if inside:  # positions scored inside the prefix (their hidden state is the same for all the document's rows)
+        scores.add(model, h, inside)
+    rows = [(d, Row(r.tokens[P:], [(p - P, t, k) for p, t, k in r.targets if p >= P]))
+            for d, s in enumerate(docs) for r in s.rows]
+    for batch in batches(rows, lambda dr: len(dr[1].tokens), batch_size):
+        which = torch.tensor([d for d, _ in batch], device=device)
+        row_cache = Cache(model.config.n_layer)
+        row_cache[:], row_cache.pos = [_take(layer, which) for layer in cache], P
+        forward_rows(model, [r for _, r in batch], scores, device, row_cache)
+
+
+PREFIX_WINDOW = 4096  # prefix tokens whose cache is held at once (GPT-2 124M: 12 layers x 2 x 768 floats each)
+
+
+def prefix_groups(shared: list[Shared], batch_size: int, spread: float = 0.25):
+    """Documents sorted by shareable length, in groups of up to 4 x batch_size rows; a group shares the smallest
+    shareable length of its documents, so a document joins only if its own is at most `spread` longer."""
+    shared = sorted(shared, key=lambda s: s.shareable)
+    i = 0
+    while i < len(shared):
+        P, j, n_rows = shared[i].shareable, i + 1, len(shared[i].rows)
+        while (j < len(shared) and n_rows + len(shared[j].rows) <= 4 * batch_size and (j - i + 1) * P <= PREFIX_WINDOW
+               and shared[j].shareable <= P * (1 + spread)):
+            n_rows += len(shared[j].rows)
+            j += 1
+        yield shared[i:j]
+        i = j
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The scorer.
+
+@torch.inference_mode()
+def score_windows(model, windows, batch_size: int = 16, device="cpu", desc: str | None = None,
+                  share_prefix: bool = True):
+    """(log-likelihood, is_greedy) of every request, one list per document, equal to the plain scorer's;
+    windows[d] lists document d's requests as (input tokens, [(position, next token)]). share_prefix=False batches
+    the distinct rows without sharing their prefixes."""
+    plans = plan_rows(windows)
+    alone, shared = split_shared(plans) if share_prefix else ([row for rows in plans for row in rows], [])
+    n = sum(len(doc) for doc in windows)
+    scores = Scores(n)
+    requests = lambda rows: len({k for r in rows for _, _, k in r.targets})  # noqa: E731
+    with tqdm(total=n, desc=desc, disable=desc is None, unit="req", leave=False) as pbar:
+        for batch in batches(alone, lambda r: len(r.tokens), batch_size):  # rows that share nothing (and MMLU's)
+            forward_rows(model, batch, scores, device)
+            pbar.update(requests(batch))
+        for docs in prefix_groups(shared, batch_size):  # documents with a shared prefix, neighbours by its length
+            run_shared(model, docs, scores, batch_size, device)
+            pbar.update(requests([r for s in docs for r in s.rows]))
+    out, k = [], 0
+    for doc in windows:
+        out.append([(float(scores.ll[k + j]), bool(scores.greedy[k + j])) for j in range(len(doc))])
+        k += len(doc)
+    return out
