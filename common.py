@@ -1,19 +1,23 @@
 """
 Plumbing every entry script shares, written once: the one-sentence error, the command line built from a config
-dataclass, the device/dtype choice, the atomic write and the token-file reader. A learner may skip this file.
+dataclass, the device/dtype choice, the process group of a torchrun launch, the atomic write and the token-file
+reader. A learner may skip this file.
 """
 
 import argparse
+import inspect
 import os
 import shutil
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import MISSING, field, fields
 from pathlib import Path
-from typing import get_type_hints
+from types import UnionType
+from typing import Union, get_args, get_origin, get_type_hints
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 class ModelError(Exception):
@@ -21,36 +25,56 @@ class ModelError(Exception):
 
 
 def run_main(main):
-    """Run an entry script's main(); a ModelError ends it with one sentence on stderr and exit code 2."""
+    """Run an entry script's main(); a ModelError ends it with one sentence on stderr and exit code 2. Either way
+    the process leaves its process group (torchrun), if it joined one."""
     try:
         main()
     except ModelError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        cleanup()
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Command lines: a config dataclass whose fields carry their own help
 
+REQUIRED = MISSING     # opt(REQUIRED, help): a field without a default, which the command line must give
+
+
 def opt(default, help, choices=None):
-    """A config field with its help text (and allowed values): written once, read by parse_config."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+    """A config field with its help text (and allowed values): written once, read by parse_config. A list default
+    is copied for each config (dataclasses refuse a shared mutable default)."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def parse_config(cls, argv=None, description=None):
     """argparse for a config dataclass: one --flag per field (underscores become dashes), its help, its default.
-    Booleans are switches; fields typed `X | None` take an X and default to None."""
-    p = argparse.ArgumentParser(description=description or (cls.__doc__ or "").strip())
+    Booleans are switches; fields typed `X | None` take an X and default to None (not shown in the help); `list[X]`
+    take zero or more X. A REQUIRED field is a required --flag, or for a list the positional arguments (one or
+    more). The description (the dataclass's docstring unless given) is printed as written."""
+    p = argparse.ArgumentParser(description=description or inspect.cleandoc(cls.__doc__ or ""),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = get_type_hints(cls)
     for f in fields(cls):
-        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
-        default = f.default if f.default is not MISSING else f.default_factory()
-        if hints[f.name] is bool:
+        flag, meta, hint = "--" + f.name.replace("_", "-"), f.metadata, hints[f.name]
+        required = f.default is MISSING and f.default_factory is MISSING
+        default = None if required else f.default if f.default is not MISSING else f.default_factory()
+        if hint is bool:
             p.add_argument(flag, action="store_true", help=meta["help"])
             continue
-        typ = next(t for t in getattr(hints[f.name], "__args__", (hints[f.name],)) if t is not type(None))
-        p.add_argument(flag, type=typ, default=default, choices=meta.get("choices"),
-                       help=f"{meta['help']} (default: {default})")
+        if get_origin(hint) in (Union, UnionType):
+            hint = next(t for t in get_args(hint) if t is not type(None))
+        many = get_origin(hint) is list
+        if required and many:
+            p.add_argument(f.name, type=get_args(hint)[0], nargs="+", help=meta["help"])
+            continue
+        p.add_argument(flag, type=get_args(hint)[0] if many else hint, nargs="*" if many else None, default=default,
+                       required=required, choices=meta.get("choices"),
+                       help=meta["help"] + ("" if default is None else f" (default: {default})"))
     return cls(**vars(p.parse_args(argv)))
 
 
@@ -91,6 +115,70 @@ def sync(device):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Several processes: `torchrun --nproc_per_node N script.py ...` starts N copies of a script, told apart by their
+# rank; they meet in one process group. A plain `python script.py` has no group: rank 0 of a world of 1.
+
+def init_distributed(device):
+    """Under torchrun (WORLD_SIZE > 1): join the process group, NCCL for CUDA devices and gloo on the CPU, and
+    return this process's device (cuda:LOCAL_RANK for a CUDA device). Otherwise return the device as given."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return device
+    if torch.device(device).type == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return device
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """Rank 0: the process that prints, validates and writes files."""
+    return get_rank() == 0
+
+
+def shard(items):
+    """This process's share of a list: items rank, rank + N, rank + 2N, ... of N processes (all, in one)."""
+    return items[get_rank()::get_world_size()]
+
+
+def all_gather(obj) -> list:
+    """Every process's (picklable) obj, in rank order: [obj] in one process."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj):
+    """Rank 0's (picklable) obj, on every process."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def cleanup():
+    """Leave the process group, if this process joined one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Files
 
 @contextmanager
@@ -125,12 +213,13 @@ def remove(path):
 
 def write_text_atomic(path, text):
     with atomic_path(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
 
 
-def read_tokens(path, enc=None, max_tokens=None):
+def read_tokens(path, enc=None, max_tokens=None, special=False):
     """A uint16 token file (memory-mapped) or, given a tokenizer, a UTF-8 text file -> token ids (at most
-    max_tokens). This is the one reader of data/*/prepare.py's train.bin and val.bin."""
+    max_tokens). This is the one reader of data/*/prepare.py's train.bin and val.bin. special: a special token's
+    text in the text file becomes that special token (as a Hugging Face tokenizer does), not ordinary text."""
     p = Path(path)
     if not p.is_file():
         raise ModelError(f"{p} does not exist; pass a uint16 token file (data/*/prepare.py) or a text file")
@@ -145,5 +234,6 @@ def read_tokens(path, enc=None, max_tokens=None):
             text = p.read_text(encoding="utf-8") if max_tokens is None else p.open(encoding="utf-8").read(16 * max_tokens)
         except UnicodeDecodeError:
             raise ModelError(f"{p} is neither a .bin token file nor UTF-8 text") from None
-        tokens = np.array(enc.encode_ordinary(text), dtype=np.int64)
+        ids = enc.encode(text, allowed_special="all") if special else enc.encode_ordinary(text)
+        tokens = np.array(ids, dtype=np.int64)
     return tokens[:max_tokens] if max_tokens else tokens

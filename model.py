@@ -1,7 +1,6 @@
 """
-The model: GPT-2, GPT-NeoX (Pythia) and Llama-family (SmolLM2) transformers in one small file, loaded from
-Hugging Face checkpoints (safetensors) or llama.cpp GGUF files, their tokenizers as tiktoken encodings, softmax
-attention, and the linear-attention block that replaces it (feature maps, chunked causal scan, recurrent state).
+The model: GPT-2, GPT-NeoX (Pythia) and Llama-family (SmolLM2) transformers in one small file, with softmax attention
+and the linear attention that replaces it (feature maps, chunked causal scan, recurrent state).
 
     idx (B, T) -> wte (+ wpe) -> n_layer x Block -> ln_f -> lm_head -> logits (B, T, V)
     Block:  x + attn(ln_1(x)) + mlp(ln_2(x))        (parallel residual, Pythia)
@@ -9,8 +8,8 @@ attention, and the linear-attention block that replaces it (feature maps, chunke
     attn:   qkv projection -> rotary (NeoX, Llama) -> core(q, k, v) -> proj
     core:   SoftmaxAttention (the teacher) or LinearAttention (the student), swapped by GPT.linearize(dims)
 
-Every layer's attention core receives (q, k, v) after rotary as its inputs, so a forward hook on
-`model.h[l].attn.core` sees a layer's queries and keys: that is how dof.py and distill.py read them.
+Every layer's attention core receives (q, k, v) after rotary as its inputs, so a hook on `model.h[l].attn.core`
+sees a layer's queries and keys (dof.capture_qk). GPT.from_pretrained gets its weights from checkpoint.py.
 """
 
 import math
@@ -23,9 +22,6 @@ import torch.nn.functional as F
 from checkpoint import config_from_hf, convert_state_dict, read_checkpoint
 from common import ModelError
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# Configuration
 
 @dataclass
 class GPTConfig:
@@ -47,10 +43,8 @@ class GPTConfig:
     name: str = ""                # the checkpoint it was loaded from (hub id or path)
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Layers
+# Layers: norms, rotary, softmax attention
 
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 (Llama)."""
@@ -87,75 +81,81 @@ class SoftmaxAttention(nn.Module):
     """The teacher's core: y_i = sum_{j<=i} softmax_j(q_i.k_j / sqrt(d)) v_j, with a KV cache when decoding."""
 
     def forward(self, q, k, v, cache=None):
-        # q (B, H, T, D); k, v (B, Hkv, T, D)
-        mask, causal = None, True
+        # q (B, H, T, D); k, v (B, Hkv, T, D); when decoding, the P cached tokens' k, v go in front
+        mask = None
+        if cache is not None and "k" in cache:
+            P, T = cache["k"].size(2), q.size(2)
+            k, v = torch.cat((cache["k"], k), 2), torch.cat((cache["v"], v), 2)
+            mask = torch.arange(T, device=q.device)[:, None] + P >= torch.arange(P + T, device=q.device)  # (T, P+T)
         if cache is not None:
-            if "k" in cache:
-                P, T = cache["k"].size(2), q.size(2)
-                k, v = torch.cat((cache["k"], k), 2), torch.cat((cache["v"], v), 2)
-                mask = torch.arange(T, device=q.device)[:, None] + P >= torch.arange(P + T, device=q.device)
-                causal = False
             cache["k"], cache["v"] = k, v
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               enable_gqa=k.size(1) != q.size(1))
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Linear attention: feature maps, a chunked causal scan, and constant-memory decoding.
+# Linear attention: feature maps, the plain quadratic form, a chunked causal scan, and the recurrent step.
 # Softmax attention y_i = sum_{j<=i} K(q_i, k_j) v_j / sum_{j<=i} K(q_i, k_j), K(q, k) = exp(q.k / sqrt(d)), becomes
 # linear in T once K(q, k) ~ phi(q).phi(k) for non-negative features phi (B, H, T, d) -> (B, H, T, M):
 #     y_i = phi(q_i) S_i / phi(q_i) s_i,   S_i = sum_{j<=i} phi(k_j) v_j^T  (M x D),   s_i = sum_{j<=i} phi(k_j)  (M).
-
-KEY_SHIFT = 32.0  # beta: PRF key features are exp(beta - |k~ - z|^2 / 2) <= e^32 ~ 8e13, far below fp32's 3e38
+KEY_SHIFT = 32.0  # beta of overflow_safe_prf: key features are at most e^32 ~ 8e13, far below fp32's 3e38
 
 
 class PRF(nn.Module):
     """Learned positive random features (the paper's). Per head, with x~ = x / d^(1/4) and m = 1..M:
 
-        Phi(x)_m = sqrt(alpha_m / M) exp(z_m.x~ - |x~|^2 / 2),   z_m ~ N(0, I_d), alpha_m = exp(log_alpha_m) = 1 at init,
+        Phi(x)_m = sqrt(alpha_m / M) exp(z_m.x~ - |x~|^2 / 2),   z_m ~ N(0, I_d),   alpha_m = exp(log_alpha_m),
 
-    so that E_z[Phi(q).Phi(k)] = exp(q.k / sqrt(d)). `log_features(x)` is log Phi(x), exactly as written.
-
-    `forward(x, is_query)` gives fp32 features rescaled so that nothing overflows, while the normalised attention
-    (the only thing the scan computes) is exactly unchanged and no token's features depend on another token:
-
-        keys:     phi_k,m = exp(beta - |k~ - z_m|^2 / 2)                                  in (0, e^beta]
-        queries:  phi_q,m = exp(a_m - max_m' a_m'),  a_m = log alpha_m + z_m.q~ + |z_m|^2 / 2   in (0, 1], max 1
-
-    Expanding |k~ - z_m|^2 gives phi_q,m phi_k,m = M Phi(q)_m Phi(k)_m * exp(|q~|^2/2 + beta - max a), so
-    phi(q).phi(k) = K^(q, k) * c(q): a factor of the query alone (the per-query max, and the per-feature key
-    bound exp(|z_m|^2/2) moved onto the query side, where the max absorbs it). c(q) cancels between numerator and
-    denominator; a shift of each key by its own amount would not (it reweights key j), so keys get only the
-    token-independent per-feature bound and the constant beta. Limit: a key far from every z_m
-    (|k~ - z_m|^2 / 2 > beta + 87 for all m) underflows to zero features and drops out; if all of a query's keys
-    do, its output is 0 (see `eps` in causal_linear_attention), never NaN.
+    so that E_z[Phi(q).Phi(k)] = exp(q.k / sqrt(d)) at alpha = 1 (the init). `log_features(x)` is log Phi(x) as
+    written; `forward` gives the features the model runs: Phi(x) rescaled by `overflow_safe_prf`, which leaves the
+    normalised attention unchanged. z and alpha are learned; a given z (H, M, d) makes both fixed buffers (Performer).
     """
 
-    def __init__(self, n_head, head_dim, M):
+    def __init__(self, n_head, head_dim, M, z=None):
         super().__init__()
         self.head_dim, self.M = head_dim, M
-        self.z = nn.Parameter(torch.randn(n_head, M, head_dim))  # (H, M, d)
-        self.log_alpha = nn.Parameter(torch.zeros(n_head, M))    # (H, M)
-
-    def _project(self, x):
-        """x (B, H, T, d) -> z_m.x~ (B, H, T, M), |x~|^2 / 2 (B, H, T, 1), z (H, M, d); fp32 for bf16 inputs."""
-        dt = torch.promote_types(x.dtype, torch.float32)
-        x, z, r = x.to(dt), self.z.to(dt), self.head_dim ** -0.25                     # x~ = r x
-        return x @ (r * z).mT, 0.5 * (r * x.norm(dim=-1, keepdim=True)).square(), z
+        if z is None:
+            self.z = nn.Parameter(torch.randn(n_head, M, head_dim))                      # (H, M, d)
+            self.log_alpha = nn.Parameter(torch.zeros(n_head, M))                        # (H, M)
+        else:
+            self.register_buffer("z", z)
+            self.register_buffer("log_alpha", torch.zeros(n_head, M))
 
     def log_features(self, x):
-        zx, half_x2, _ = self._project(x)
-        log_w = 0.5 * (self.log_alpha.to(zx.dtype) - math.log(self.M))               # (H, M)
-        return zx - half_x2 + log_w[:, None]                                           # (B, H, T, M)
+        """log Phi(x): x (B, H, T, d) -> (B, H, T, M), in fp32 for bf16 inputs."""
+        dt = torch.promote_types(x.dtype, torch.float32)
+        x = x.to(dt) * self.head_dim ** -0.25                                             # x~ (B, H, T, d)
+        log_w = 0.5 * (self.log_alpha.to(dt) - math.log(self.M))                         # log sqrt(alpha / M) (H, M)
+        return x @ self.z.to(dt).mT - 0.5 * x.square().sum(-1, keepdim=True) + log_w[:, None]
 
     def forward(self, x, is_query):
-        zx, half_x2, z = self._project(x)
-        half_z2 = 0.5 * z.square().sum(-1)[:, None]                                    # (H, 1, M)
-        # in place (_): these are the big (B, H, T, M) tensors, and each pass over them costs as much as the matmul
-        if is_query:
-            a = zx.add_(half_z2 + self.log_alpha.to(zx.dtype)[:, None])                # (B, H, T, M)
-            return a.sub_(a.detach().amax(-1, keepdim=True)).exp_()  # the max cancels: no gradient through it
-        return zx.add_(KEY_SHIFT - half_z2).sub_(half_x2).exp_()                       # exp(beta - |k~ - z|^2/2)
+        dt = torch.promote_types(x.dtype, torch.float32)
+        return overflow_safe_prf(x.to(dt), self.z.to(dt), self.log_alpha.to(dt), is_query)
+
+
+def overflow_safe_prf(x, z, log_alpha, is_query, beta=KEY_SHIFT):
+    """Phi(x) times factors that cancel in the normalised attention, so that it stays in fp32's range. Phi itself,
+    sqrt(alpha_m / M) e^(|z_m|^2/2 - |x~ - z_m|^2/2), does not: a query far from every z_m gets all-zero features
+    (0/0 attention) and a long z_m overflows. x (B, H, T, d), z (H, M, d), log_alpha (H, M) -> (B, H, T, M):
+
+        keys:     phi_m = exp(beta - |k~ - z_m|^2 / 2)           = Phi(k)_m sqrt(M / alpha_m) e^(beta - |z_m|^2/2)
+        queries:  phi_m = exp(a_m - max a),  a_m = log alpha_m + z_m.q~ + |z_m|^2 / 2
+                                                                = Phi(q)_m sqrt(M alpha_m) e^(|z_m|^2/2) c(q)
+
+    Keys lie in (0, e^beta], queries in (0, 1]. The per-feature factors multiply to M e^beta, so phi(q).phi(k) =
+    M e^beta c(q) Phi(q).Phi(k), c(q) = exp(|q~|^2/2 - max a): a factor of the query alone, which cancels between
+    numerator and denominator (a factor per key would reweight key j). A key with |k~ - z_m|^2/2 > beta + 87 for all
+    m underflows to zero and drops out; a query left with no keys gets 0 (`eps` in causal_linear_attention), not NaN.
+    """
+    r = x.size(-1) ** -0.25                                                              # x~ = r x
+    zx = x @ (r * z).mT                                                                  # z_m.x~ (B, H, T, M)
+    half_z2 = 0.5 * z.square().sum(-1)[:, None]                                          # (H, 1, M)
+    # in place (_): these are the big (B, H, T, M) tensors, and each pass over them costs as much as the matmul
+    if is_query:
+        a = zx.add_(half_z2 + log_alpha[:, None])                                        # (B, H, T, M)
+        return a.sub_(a.detach().amax(-1, keepdim=True)).exp_()  # the max cancels: no gradient through it
+    half_x2 = 0.5 * (r * x.norm(dim=-1, keepdim=True)).square()                          # (B, H, T, 1)
+    return zx.add_(beta - half_z2).sub_(half_x2).exp_()
 
 
 def orthogonal_gaussian(n_head, M, d):
@@ -168,14 +168,11 @@ def orthogonal_gaussian(n_head, M, d):
 
 
 class Performer(PRF):
-    """FAVOR+ (Choromanski et al. 2021): the PRF map above with fixed orthogonal random z (a buffer, not trained)
-    and equal weights 1/M (alpha = 1); same stabilisation."""
+    """FAVOR+ (Choromanski et al. 2021): the PRF map with fixed orthogonal random z (a buffer, not trained) and
+    equal weights 1/M (alpha = 1); the same overflow-safe form."""
 
     def __init__(self, n_head, head_dim, M):
-        nn.Module.__init__(self)
-        self.head_dim, self.M = head_dim, M
-        self.register_buffer("z", orthogonal_gaussian(n_head, M, head_dim))       # (H, M, d)
-        self.register_buffer("log_alpha", torch.zeros(n_head, M))                  # (H, M)
+        super().__init__(n_head, head_dim, M, z=orthogonal_gaussian(n_head, M, head_dim))
 
 
 def dct_matrix(d):
@@ -192,10 +189,9 @@ class DiJiang(nn.Module):
         phi(x) = softmax(x P),   P = C diag(Phi^-1(u))   (d x M),   the same for queries and keys,
 
     C the orthonormal DCT matrix, Phi^-1 the standard normal quantile, u a scrambled Sobol (quasi-Monte-Carlo)
-    sequence, as the paper has it (the authors' code draws u with torch.rand). No 1/sqrt(d) scaling, as there.
-    P is fixed (a buffer). The authors' P is d x d; for M != d we concatenate ceil(M/d) blocks C diag(Phi^-1(u_b)),
-    each with fresh points u_b, and keep the first M columns. Features sum to 1 per token. DiJiang's decay
-    masks (D1, D2) and output gate (W_G, GroupNorm) change the architecture, not the feature map: left out here.
+    sequence as in the paper (the authors' code draws u with torch.rand); no 1/sqrt(d) scaling, as there. P is fixed
+    (a buffer); for M != d it is the first M columns of [C diag(Phi^-1(u_1)) | C diag(Phi^-1(u_2)) | ...], fresh
+    points per block. DiJiang's decay masks and output gate change the architecture, not the map: left out.
     """
 
     def __init__(self, n_head, head_dim, M):
@@ -219,45 +215,34 @@ FEATURE_MAPS = {"prf": PRF, "performer": Performer, "dijiang": DiJiang}
 
 
 def linear_attention_reference(phi_q, phi_k, v):
-    """The plain masked T x T form: y_i = sum_{j<=i} (phi_q,i . phi_k,j) v_j / sum_{j<=i} phi_q,i . phi_k,j."""
+    """The plain form, a masked T x T matrix: y_i = sum_{j<=i} (phi_q,i . phi_k,j) v_j / sum_{j<=i} phi_q,i . phi_k,j.
+    phi_q, phi_k (B, H, T, M), v (B, H, T, D) -> y (B, H, T, D), in fp32 (fp64 stays fp64); O(T^2) memory."""
     dt = torch.promote_types(v.dtype, torch.float32)
     A = (phi_q.to(dt) @ phi_k.to(dt).mT).tril()                                         # (B, H, T, T)
     return (A @ v.to(dt)) / A.sum(-1, keepdim=True)                                     # (B, H, T, D)
 
 
-def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
-    """One token of the recurrence: S += phi_k v^T, s += phi_k, y = phi_q S / phi_q.s.
-    phi_q, phi_k (B, H, M); v (B, H, D); S (B, H, M, D); s (B, H, M) -> y (B, H, D), S, s."""
-    dt = torch.promote_types(v.dtype, torch.float32)
-    phi_q, phi_k, v = phi_q.to(dt), phi_k.to(dt), v.to(dt)
-    S = S + phi_k[..., :, None] * v[..., None, :]                                       # (B, H, M, D)
-    s = s + phi_k                                                                       # (B, H, M)
-    num = (phi_q[..., :, None] * S).sum(-2)  # a tiny product: elementwise beats a threaded bmm on CPU
-    y = num / (phi_q * s).sum(-1, keepdim=True).clamp_min(eps)
-    return y, S, s
-
-
 def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=None, return_state=False):
-    """Chunked causal linear attention, y_i = sum_{j<=i} (phi_q,i . phi_k,j) v_j / sum_{j<=i} phi_q,i . phi_k,j.
-    phi_q, phi_k (B, H, T, M), v (B, H, T, D) -> y (B, H, T, D); any T (padded to a multiple of chunk_size).
+    """The reference's y in O(T) memory, the sequence cut into chunks of C tokens. In chunk n:
 
-    v gets a column of ones, so numerator and denominator come out of the same products. In chunk c:
-    y = phi_q (S_0 + sum_{c' < c} phi_k,c'^T v_c') + tril(phi_q phi_k^T) v_c: the masked quadratic form inside
-    the chunk, the per-chunk states summed over earlier chunks by one cumsum (no loop over tokens or chunks).
-    Accumulates in fp32 (fp64 stays fp64). `state` = (S (B, H, M, D), s (B, H, M)) continues from earlier tokens;
-    return_state=True returns (y, S, s) after the last token. A denominator below eps (all keys underflowed) gives 0.
+        y_n = phi_q,n P_n + tril(phi_q,n phi_k,n^T) [v_n | 1],   P_n = sum_{n' < n} phi_k,n'^T [v_n' | 1]
+
+    the state of all earlier chunks (one cumsum over per-chunk states: no loop over tokens or chunks) plus the plain
+    masked form inside the chunk; the column of ones gives the denominator from the same products. phi_q, phi_k
+    (B, H, T, M), v (B, H, T, D) -> y (B, H, T, D), any T (padded to a multiple of C), accumulated in fp32 (fp64
+    stays fp64). `state` = (S (B, H, M, D), s (B, H, M)) continues from earlier tokens; return_state=True returns
+    (y, S, s) after the last token. A denominator below eps (all keys underflowed) gives 0.
     """
     B, H, T, M = phi_q.shape
-    D, C = v.size(-1), chunk_size
-    N = -(-T // C)
+    D, C, N = v.size(-1), chunk_size, -(-T // chunk_size)                               # N chunks of C tokens
     dt = torch.promote_types(v.dtype, torch.float32)
     pad = lambda x: F.pad(x.to(dt), (0, 0, 0, N * C - T)) if N * C > T else x.to(dt)
     q, k = pad(phi_q).view(B, H, N, C, M), pad(phi_k).view(B, H, N, C, M)
     v1 = pad(torch.cat((v, v.new_ones(B, H, T, 1)), -1)).view(B, H, N, C, D + 1)     # [v | 1]
-    U = k.mT @ v1                                                                      # (B, H, N, M, D+1)
-    P = torch.cat((torch.zeros_like(U[:, :, :1]), U[:, :, :-1]), 2).cumsum_(2)        # sum over earlier chunks
+    U = k.mT @ v1                                                                      # (B, H, N, M, D+1) per chunk
+    P = torch.cat((torch.zeros_like(U[:, :, :1]), U[:, :, :-1]), 2).cumsum_(2)        # (B, H, N, M, D+1) before n
     if state is not None:
-        P = P + torch.cat((state[0], state[1][..., None]), -1).to(dt)[:, :, None]     # (B, H, 1, M, D+1)
+        P = P + torch.cat((state[0], state[1][..., None]), -1).to(dt)[:, :, None]     # + (B, H, 1, M, D+1)
     out = (q @ P).add_((q @ k.mT).tril_() @ v1)                                       # (B, H, N, C, D+1)
     out = out.view(B, H, N * C, D + 1)[:, :, :T]
     y = out[..., :D] / out[..., D:].clamp_min(eps)                                     # (B, H, T, D)
@@ -267,9 +252,19 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=Non
     return y, last[..., :D], last[..., D]
 
 
+def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
+    """One token of the recurrence (decoding): S += phi_k v^T, s += phi_k, y = phi_q S / phi_q.s.
+    phi_q, phi_k (B, H, M); v (B, H, D); S (B, H, M, D); s (B, H, M) -> y (B, H, D), S, s."""
+    dt = torch.promote_types(v.dtype, torch.float32)
+    phi_q, phi_k, v = phi_q.to(dt), phi_k.to(dt), v.to(dt)
+    S = S + phi_k[..., :, None] * v[..., None, :]                                       # (B, H, M, D)
+    s = s + phi_k                                                                       # (B, H, M)
+    num = (phi_q[..., :, None] * S).sum(-2)  # a tiny product: elementwise beats a threaded bmm on CPU
+    return num / (phi_q * s).sum(-1, keepdim=True).clamp_min(eps), S, s                # y (B, H, D)
+
+
 def repeat_kv(x, H):
-    """Grouped-query attention: (B, Hkv, T, D) -> (B, H, T, D), each KV head repeated for its H // Hkv query heads
-    (as Hugging Face's repeat_kv)."""
+    """Grouped-query attention (as HF's repeat_kv): (B, Hkv, T, D) -> (B, H, T, D), KV head h // (H / Hkv) for h."""
     return x if x.size(1) == H else x.repeat_interleave(H // x.size(1), dim=1)
 
 
@@ -307,17 +302,18 @@ class LinearAttention(nn.Module):
             return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
         if "S" not in cache:
             B, H, _, D = v.shape
-            cache["S"] = phi_q.new_zeros(B, H, self.M, D)
-            cache["s"] = phi_q.new_zeros(B, H, self.M)
-        if q.size(2) == 1:
+            cache["S"], cache["s"] = phi_q.new_zeros(B, H, self.M, D), phi_q.new_zeros(B, H, self.M)
+        if q.size(2) == 1:                                                               # one token: the step
             y, cache["S"], cache["s"] = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
                                                               cache["S"], cache["s"])
-            y = y[:, :, None]
-        else:
-            y, cache["S"], cache["s"] = causal_linear_attention(phi_q, phi_k, v, self.chunk_size,
-                                                                state=(cache["S"], cache["s"]), return_state=True)
+            return y[:, :, None].to(q.dtype)
+        y, cache["S"], cache["s"] = causal_linear_attention(phi_q, phi_k, v, self.chunk_size,
+                                                            state=(cache["S"], cache["s"]), return_state=True)
         return y.to(q.dtype)
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# The transformer: Attention (projections and rotary around a core), MLP, Block, GPT
 
 class Attention(nn.Module):
     """Projections and rotary around an attention core: x (B, T, C) -> (B, T, C)."""
@@ -334,8 +330,7 @@ class Attention(nn.Module):
         c = self.cfg
         q, k, v = self.qkv(x).split([c.n_head * c.head_dim, c.n_kv_head * c.head_dim, c.n_kv_head * c.head_dim], -1)
         q = q.view(B, T, c.n_head, c.head_dim).transpose(1, 2)              # (B, H, T, D)
-        k = k.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)           # (B, Hkv, T, D)
-        v = v.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2)
+        k, v = (t.view(B, T, c.n_kv_head, c.head_dim).transpose(1, 2) for t in (k, v))  # (B, Hkv, T, D)
         q, k = rotary(q, pos, c.rotary_dim, c.rope_base), rotary(k, pos, c.rotary_dim, c.rope_base)
         y = self.core(q, k, v, cache)                                       # (B, H, T, D)
         return self.proj(y.transpose(1, 2).reshape(B, T, c.n_head * c.head_dim))
@@ -411,10 +406,9 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None):
         """idx (B, T) -> (logits (B, T, V), mean next-token cross-entropy against targets or None; -1 ignored)."""
         logits = self.lm_head(self.hidden(idx, cache))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
-        return logits, loss
+        if targets is None:
+            return logits, None
+        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -426,10 +420,7 @@ class GPT(nn.Module):
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, -float("inf"))
-            if top_k == 1:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1)
+            nxt = logits.argmax(-1, keepdim=True) if top_k == 1 else torch.multinomial(F.softmax(logits, dim=-1), 1)
             idx = torch.cat((idx, nxt), dim=1)
             logits, _ = self(nxt, cache=cache)
         return idx
@@ -448,14 +439,12 @@ class GPT(nn.Module):
     def from_pretrained(cls, name_or_path, device="cpu", dtype=torch.float32):
         """Load a checkpoint: a local directory (config.json + model.safetensors or a sharded index), a .gguf file
         of llama architecture, the alias "smollm2-135m", or a Hugging Face hub id (gpt2, EleutherAI/pythia-160m, ...)."""
-        hf_cfg, sd = read_checkpoint(str(name_or_path))
-        cfg = GPTConfig(**config_from_hf(hf_cfg, str(name_or_path)))
+        name = str(name_or_path)
+        hf_config, sd = read_checkpoint(name)                      # config.json's dict, tensors under their names
+        cfg = GPTConfig(**config_from_hf(hf_config, name))
         with torch.device("meta"):
-            model = cls(cfg)
-        sd = convert_state_dict(cfg, sd, str(name_or_path))
+            model = cls(cfg)                                       # no memory until the weights are assigned
+        model.load_state_dict(convert_state_dict(cfg, sd, name), assign=True)
         if cfg.tie_embeddings:
-            sd["lm_head.weight"] = sd["wte.weight"]
-        model.load_state_dict(sd, assign=True)
-        if cfg.tie_embeddings:
-            model.lm_head.weight = model.wte.weight
+            model.lm_head.weight = model.wte.weight                # assign=True replaced the shared parameter
         return model.to(device=device, dtype=dtype).eval()

@@ -1,10 +1,9 @@
 """
-Tokenizers: byte-level BPE from a checkpoint's own files, as tiktoken Encodings, with no network.
+Tokenizers, plumbing a learner may skip: byte-level BPE from a checkpoint's own files as tiktoken Encodings.
   GPT-2          vocab.json + merges.txt (hub) or encoder.json + vocab.bpe (OpenAI)
   GPT-NeoX etc.  tokenizer.json (Hugging Face `tokenizers` format, byte-level BPE)
   GGUF           tokenizer.ggml.* metadata of a llama.cpp file (SmolLM2)
-Ids equal the Hugging Face tokenizers' (add_special_tokens=False); the tests check every token of wiki.test.raw.
-`load_tokenizer(name_or_path)` is the entry point.
+Ids equal the Hugging Face tokenizers' (add_special_tokens=False). `load_tokenizer(name_or_path)` is the entry point.
 """
 
 import functools
@@ -67,7 +66,8 @@ class HFEncoding(tiktoken.Encoding):
     3. added tokens are cut out whole, leftmost-longest (GPT-NeoX's 23 runs of 2-24 spaces, ids 50254-50276);
     4. bytes the vocabulary cannot spell are dropped from each regex piece (SmolLM2 lacks 6 control characters).
     tiktoken then splits with its regex and runs the BPE. `encode`, `encode_ordinary` and the `*_batch` forms
-    take these steps; `encode_to_numpy` and `encode_with_unstable` do not.
+    take these steps; `encode_to_numpy` and `encode_with_unstable` do not. Besides the public API this uses
+    tiktoken's `_pat_str`, `_encode_single_piece` and `__getstate__` keys (pickling re-runs __init__ with them).
     """
 
     def __init__(self, name, *, pat_str, mergeable_ranks, special_tokens, added_tokens=None, normalizer=None):
