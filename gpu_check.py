@@ -1,0 +1,438 @@
+"""
+One prepared GPU check, in one run of about seven minutes on one GPU with no network:
+
+    python gpu_check.py --out gpu_check.json                              # one H200: the paper's shapes
+    python gpu_check.py --device cpu --tiny --out /tmp/gpu_check.json     # tiny shapes: a smoke test on the CPU
+
+Every model is built here with random weights (config.json + model.safetensors in the checkpoint's own key names,
+the tokenizer files of tests/data beside them) and every token is random, so nothing is downloaded. Sections:
+
+  distill  `distill.py --alloc fix --budget 64 --loss L` on a GPT-2-124M shape, L = softmax, l2, direct, for --steps
+           steps at --batch-size x --block-size in bf16, each run in a fresh process (its own peak memory and
+           timeout, forked from a server that has imported torch once); then softmax at budget 128 on a Pythia-1B shape at --pythia-batch-size, if time is left.
+           ms/step: the median of distill.py's log intervals after the first (which holds the warm-up);
+           ms/sample: ms/step per 1024-token sample; peak: torch.cuda.max_memory_allocated (on the CPU: max RSS).
+  scan     PRF features + model.causal_linear_attention against F.scaled_dot_product_attention(is_causal=True)
+           (the flash kernel on CUDA), B = 1, H = 12, D = M = 64, bf16 inputs, forward and forward+backward
+           (gradients of q, k, v), the median of --repeats calls; a length that runs out of memory says "oom".
+           The linear path computes in fp32 from the bf16 inputs, as the model does (TF32 matmuls on CUDA).
+  decode   ms per generated token after a prefill of ctx tokens, Pythia-160M shape in bf16: KV cache (softmax)
+           against the fixed linear state (M = 64), as bench.py's decode table.
+  dof      dof.degrees_of_freedom on a random (12, 12, J, 64) input on --device (and one layer on the CPU).
+
+Sections run in order of importance (the GPT-2 softmax run, the scan, decoding, DoF, l2, direct, Pythia-1B); each
+checks the --budget-seconds deadline first and records "skipped" where it would overrun, and a crash on the device
+is recorded as "error" with its message, not raised. The results print as one markdown table (with the targets
+under it: softmax distillation <= 30 ms per sample within 24 GiB, the scan faster than flash SDPA from 8k tokens)
+and go to --out as JSON.
+"""
+
+import copy
+import json
+import multiprocessing
+import os
+import re
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+import dof
+from checkpoint import checkpoint_sources, config_from_hf
+from common import ModelError, opt, parse_config, pick_device, remove, run_main, sync, write_text_atomic
+from model import GPT, PRF, Cache, GPTConfig, causal_linear_attention
+from tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parent
+TOKENIZERS = ROOT / "tests" / "data"
+
+
+@dataclass
+class CheckConfig:
+    """Distillation speed and memory, the scan against flash attention, decoding and the DoF profile on one GPU,
+    on random-weight models of the paper's shapes."""
+    out: str = opt("gpu_check.json", "where to write the results (JSON)")
+    device: str = opt("cuda", "cuda, cuda:N or cpu")
+    tiny: bool = opt(False, "tiny shapes and sizes (a smoke test on the CPU); overrides the size flags below")
+    budget_seconds: float = opt(420.0, "deadline of the whole check; what would overrun it is skipped")
+    work_dir: str = opt("", "where the random checkpoints and tokens go (default: a temporary directory, removed)")
+    steps: int = opt(30, "optimizer steps per distillation run")
+    batch_size: int = opt(8, "samples per distillation step on the GPT-2 shape")
+    block_size: int = opt(1024, "tokens per distillation sample")
+    pythia_batch_size: int = opt(4, "samples per distillation step on the Pythia-1B shape")
+    distill_timeout: float = opt(100.0, "seconds one distillation run may take")
+    scan_T: list[int] = opt([1024, 2048, 4096, 8192, 16384, 32768, 65536], "sequence lengths of the scan rows")
+    decode_ctx: list[int] = opt([1024, 4096, 16384, 32768], "context lengths of the decoding rows")
+    decode_steps: int = opt(32, "tokens decoded per context length (the mean is reported)")
+    J: int = opt(2048, "points per head of the DoF profile")
+    repeats: int = opt(5, "timed calls per scan measurement (the median is reported)")
+
+
+TINY = dict(steps=4, batch_size=2, block_size=64, pythia_batch_size=1, scan_T=[64, 256], decode_ctx=[16, 64],
+            decode_steps=4, J=64, repeats=2)
+
+# The models, as the config.json a Hugging Face checkpoint carries; --tiny keeps their kind and vocabulary.
+GPT2_124M = {"model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
+             "n_head": 12}
+PYTHIA_1B = {"model_type": "gpt_neox", "vocab_size": 50304, "hidden_size": 2048, "num_hidden_layers": 16,
+             "num_attention_heads": 8, "intermediate_size": 8192, "max_position_embeddings": 2048,
+             "rotary_pct": 0.25, "rotary_emb_base": 10000, "use_parallel_residual": True, "layer_norm_eps": 1e-5,
+             "tie_word_embeddings": False}
+PYTHIA_160M = dict(PYTHIA_1B, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+SHAPES = {"gpt2": GPT2_124M, "pythia": PYTHIA_1B, "decode": PYTHIA_160M}
+TINY_SHAPES = {"gpt2": dict(GPT2_124M, n_embd=32, n_layer=2, n_head=2),
+               "pythia": dict(PYTHIA_1B, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              intermediate_size=256),
+               "decode": dict(PYTHIA_1B, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                              intermediate_size=128)}
+# tokenizer files copied into each checkpoint (source in tests/data -> name load_tokenizer looks for)
+TOKENIZER_FILES = {"gpt2": {"gpt2-tokenizer/encoder.json": "encoder.json", "gpt2-tokenizer/vocab.bpe": "vocab.bpe"},
+                   "pythia": {"gpt-neox-20b-tokenizer/20B_tokenizer.json": "tokenizer.json"}}
+BUDGET = {"gpt2": 64, "pythia": 128}   # the paper's feature budgets C; the scan and decoding use 64
+PROBE = "Random tokens for gpu_check.py: 1, 2, 3."
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random checkpoints and tokens
+
+def random_checkpoint(path, hf_config, tokenizer_files, device, seed=0):
+    """A checkpoint directory of random weights that GPT.from_pretrained and load_tokenizer read: config.json,
+    model.safetensors (fp16; matrices N(0, 0.02), norm weights 1, biases 0) under the names
+    checkpoint.checkpoint_sources reads, and the tokenizer files. Drawn on `device`, which is fast for 1B weights."""
+    path.mkdir(parents=True)
+    cfg = GPTConfig(**config_from_hf(hf_config))
+    with torch.device("meta"):
+        ours = GPT(cfg).state_dict()
+    gen = torch.Generator(device).manual_seed(seed)
+    sd = {}
+    for key, (src, join) in checkpoint_sources(cfg).items():
+        (name,) = src                                                    # one source tensor per key (gpt2, neox)
+        shape = ours[key].shape
+        if name in sd:                                                   # a tied lm_head
+            continue
+        if join(torch.empty(shape, device="meta")).shape != shape:       # GPT-2's Conv1D stores (in, out)
+            shape = shape[::-1]
+        if len(shape) == 2:
+            w = torch.randn(shape, generator=gen, device=device) * 0.02
+        else:
+            w = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+        sd[name] = w.to(torch.float16).cpu().contiguous()
+    save_file(sd, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    for src, dst in tokenizer_files.items():
+        if not (TOKENIZERS / src).is_file():
+            raise ModelError(f"{TOKENIZERS / src} is missing; the check needs the tokenizer files in tests/data")
+        shutil.copy(TOKENIZERS / src, path / dst)
+    return path
+
+
+def random_tokens(path, ckpt, block_size, seed=0):
+    """A token directory as data/text/prepare.py writes it (train.bin, val.bin: uint16; meta.json with the
+    tokenizer's probe, which distill.py checks against the teacher's tokenizer), holding random tokens."""
+    path.mkdir(parents=True)
+    enc = load_tokenizer(ckpt)
+    rng = np.random.default_rng(seed)
+    sizes = {"train": 256 * block_size + 2, "val": 8 * block_size + 2}
+    for split, n in sizes.items():
+        rng.integers(0, enc.n_vocab, n).astype(np.uint16).tofile(path / f"{split}.bin")
+    meta = {"tokenizer": {"model": str(ckpt), "name": enc.name, "n_vocab": enc.n_vocab, "probe": PROBE,
+                          "probe_ids": enc.encode_ordinary(PROBE)},
+            "dtype": "uint16", "tokens": sizes, "source": "random tokens (gpu_check.py)"}
+    (path / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Distillation: distill.py in a fresh process
+
+def distill_child(flags, device, log):
+    """One distillation process, forked from a server that has imported distill.py already: distill.main(flags)
+    with its output in the file `log`, then its peak memory (torch.cuda.max_memory_allocated; on the CPU, max RSS)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
+    import distill
+    run_main(lambda: distill.main(flags))
+    print("PEAK_BYTES", torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else
+          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def distill_run(cfg, work, kind, loss, batch, device, left):
+    """One `distill.py` run -> its record: ms/step (the median of the log intervals after the first), ms per
+    1024-token sample, peak memory in MiB, wall seconds; "timeout" keeps the intervals logged before it."""
+    ckpt, data, out = work / f"{kind}-checkpoint", work / f"{kind}-tokens", work / f"{kind}-{loss}"
+    remove(out)
+    flags = ["--model", str(ckpt), "--data", str(data), "--out-dir", str(out),
+             "--alloc", "fix", "--budget", str(BUDGET[kind]), "--loss", loss, "--batch-size", str(batch),
+             "--block-size", str(cfg.block_size), "--max-steps", str(cfg.steps),
+             "--log-interval", str(max(1, cfg.steps // 6)), "--eval-iters", "1", "--calib-batches", "1",
+             "--device", device, "--dtype", "bfloat16"]
+    rec = {"model": kind, "loss": loss, "batch": batch, "block": cfg.block_size, "steps": cfg.steps,
+           "command": "python distill.py " + " ".join(flags)}
+    forks = multiprocessing.get_context("forkserver")    # a fresh process each run, without re-importing torch
+    forks.set_forkserver_preload(["distill", "torch._dynamo"])   # GPT() on the meta device imports torch._dynamo
+    t0 = time.perf_counter()
+    p = forks.Process(target=distill_child, args=(flags, device, work / "distill.log"))
+    p.start()
+    p.join(min(cfg.distill_timeout, left - 5))
+    rec["status"] = "timeout" if p.is_alive() else "error" if p.exitcode else "ok"
+    p.kill()
+    p.join()
+    log = (work / "distill.log").read_text(errors="replace")
+    if rec["status"] == "error":
+        rec["error"] = ([l for l in log.splitlines() if l.strip()] or ["(no message)"])[-1]
+    rec["wall_s"] = time.perf_counter() - t0
+    ms = [float(m) for m in re.findall(r"step \d+/\d+ \|[^\r\n]*\| ([\d.]+) ms/step", log)]
+    if ms:
+        rec["ms_per_step"] = statistics.median(ms[1:] or ms)
+        rec["ms_per_sample"] = rec["ms_per_step"] * 1024 / (batch * cfg.block_size)
+    peak = re.search(r"PEAK_BYTES (\d+)", log)
+    if peak:
+        rec["peak_mib"] = int(peak.group(1)) / 2 ** 20
+    return rec
+
+
+def distill_section(cfg, shapes, work, device, left, runs):
+    """The (kind, loss) runs in order, each building its checkpoint and tokens when first needed; a run starts
+    only with 20 s left (60 s for Pythia-1B, which builds 1B weights first)."""
+    out = []
+    for kind, loss in runs:
+        batch = cfg.batch_size if kind == "gpt2" else cfg.pythia_batch_size
+        need = 60 if kind == "pythia" and not (work / f"{kind}-checkpoint").exists() else 20
+        if left() < need:
+            out.append({"model": kind, "loss": loss, "batch": batch, "status": "skipped",
+                        "reason": f"{left():.0f} s left of --budget-seconds"})
+            continue
+        try:
+            if not (work / f"{kind}-checkpoint").exists():
+                ckpt = random_checkpoint(work / f"{kind}-checkpoint", shapes[kind], TOKENIZER_FILES[kind], device)
+                random_tokens(work / f"{kind}-tokens", ckpt, cfg.block_size)
+            out.append(distill_run(cfg, work, kind, loss, batch, device, left()))
+        except (ModelError, RuntimeError, OSError) as e:
+            out.append({"model": kind, "loss": loss, "batch": batch, "status": "error", "error": str(e)})
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The scan against flash attention, decoding, the DoF profile
+
+def time_ms(fn, device, repeats):
+    """Median wall ms of `repeats` calls of fn after one warm-up call, the device synchronised around each."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def scan_row(T, H, D, M, device, repeats):
+    """ms of linear attention (PRF features + chunked scan) and of causal SDPA at length T, forward and
+    forward+backward (gradients of q, k, v); bf16 inputs (B = 1, H, T, D). "oom" where memory runs out."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, H, T, D, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    fm = PRF(H, D, M).to(device)
+    fns = {"linear": lambda: causal_linear_attention(fm(q, True), fm(k, False), v, chunk_size=64),
+           "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    flash = torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION) \
+        if torch.device(device).type == "cuda" else nullcontext()  # the CPU: whichever kernel torch picks
+    row = {"T": T}
+    with flash:
+        for name, fn in fns.items():
+            backward = lambda: torch.autograd.grad(fn().sum(), (q, k, v))
+            for mode, call in (("fwd", fn), ("fwd_bwd", backward)):
+                try:
+                    with torch.set_grad_enabled(mode == "fwd_bwd"):
+                        row[f"{name}_{mode}_ms"] = time_ms(call, device, repeats)
+                except torch.cuda.OutOfMemoryError:
+                    row[f"{name}_{mode}_ms"] = "oom"
+                    torch.cuda.empty_cache()
+                except RuntimeError as e:                            # e.g. no flash kernel for this GPU
+                    row[f"{name}_{mode}_ms"] = f"error: {str(e).splitlines()[0]}"
+    return row
+
+
+@torch.no_grad()
+def decode_ms(model, ctx, steps, device):
+    """Mean ms per generated token after a prefill of ctx tokens, through the decoding Cache: a KV cache for
+    softmax attention, the fixed (M x D) state for linear attention."""
+    cache = Cache(model.config.n_layer)
+    idx = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
+    model.hidden(idx, cache)                                         # prefill, without the (ctx, V) logits
+    tok = idx[:, -1:]
+    model(tok, cache=cache)                                          # warm-up step
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model(tok, cache=cache)
+    sync(device)
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def dof_profile(shape, J, device):
+    """dof.degrees_of_freedom on a random (L, H, J, D) input on `device` (lambda 2^-4): ms, mean and max DoF;
+    off the CPU also one layer on the CPU, times L, for comparison. An error is recorded, not raised."""
+    L, H, D = shape["n_layer"], shape["n_head"], shape["n_embd"] // shape["n_head"]
+    x = torch.randn(L, H, J, D, generator=torch.Generator().manual_seed(0))     # (L, H, J, D)
+    rec = {"shape": [L, H, J, D], "lam": 2 ** -4}
+    try:
+        xd = x.to(device)
+        sync(device)
+        t0 = time.perf_counter()
+        N = dof.degrees_of_freedom(xd, 2 ** -4)                       # (L, H)
+        sync(device)
+        rec.update(status="ok", ms=1e3 * (time.perf_counter() - t0), mean_dof=N.mean().item(), max_dof=N.max().item())
+    except Exception as e:                                           # a crash on the device is a finding
+        rec.update(status="error", error=f"{type(e).__name__}: {e}".splitlines()[0])
+    if torch.device(device).type != "cpu":
+        t0 = time.perf_counter()
+        dof.degrees_of_freedom(x[0], 2 ** -4)
+        rec["cpu_ms"] = 1e3 * (time.perf_counter() - t0) * L
+    return rec
+
+
+def rows_until(deadline_left, values, measure, key):
+    """measure(v) for each v in order while the time left exceeds 4x the last row's time (the next row may be
+    4x longer: T doubles, SDPA is quadratic); later rows are recorded as skipped, a row that raises as error."""
+    out, last = [], 0.0
+    for v in values:
+        if deadline_left() < max(5.0, 4 * last):
+            out.append({key: v, "status": "skipped", "reason": f"{deadline_left():.0f} s left of --budget-seconds"})
+            continue
+        t0 = time.perf_counter()
+        try:
+            out.append({key: v, "status": "ok", **measure(v)})
+        except Exception as e:                                       # a crash on the device is a finding: go on
+            out.append({key: v, "status": "error", "reason": f"{type(e).__name__}: {e}".splitlines()[0]})
+        last = time.perf_counter() - t0
+    return out
+
+
+def decode_section(cfg, shape, device, left):
+    """Per-token decoding of one random model in bf16, softmax and linearised (M = 64), built for the first row."""
+    models = []
+
+    def measure(ctx):
+        if not models:
+            torch.manual_seed(0)
+            softmax = GPT(GPTConfig(**config_from_hf(shape))).to(device=device, dtype=torch.bfloat16).eval()
+            models.extend([softmax, copy.deepcopy(softmax).linearize([BUDGET["gpt2"]] * softmax.config.n_layer)])
+        return {"kv_cache_ms": decode_ms(models[0], ctx, cfg.decode_steps, device),
+                "linear_state_ms": decode_ms(models[1], ctx, cfg.decode_steps, device)}
+    return rows_until(left, cfg.decode_ctx, measure, "ctx")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Report
+
+def fmt(x, unit=" ms"):
+    return f"{x:.2f}{unit}" if isinstance(x, float) else str(x)
+
+
+def distill_cell(r):
+    got = ", ".join(fmt(r[k], u) for k, u in (("ms_per_step", " ms/step"), ("ms_per_sample", " ms/sample"),
+                                              ("peak_mib", " MiB peak")) if k in r)
+    return got if r["status"] == "ok" else f"{r['status']}: {r.get('error', r.get('reason'))}" + \
+        (f" ({got})" if got else "")
+
+
+def scan_cell(r):
+    if r["status"] != "ok":
+        return f"{r['status']} ({r['reason']})"
+    cells = []
+    for m in ("fwd", "fwd_bwd"):
+        lin, sdpa = r[f"linear_{m}_ms"], r[f"sdpa_{m}_ms"]
+        speed = f" (speed-up {sdpa / lin:.3g}x)" if isinstance(lin, float) and isinstance(sdpa, float) else ""
+        cells.append(f"{m}: linear {fmt(lin)}, SDPA {fmt(sdpa)}{speed}")
+    return "; ".join(cells)
+
+
+def decode_cell(r):
+    if r["status"] != "ok":
+        return f"{r['status']} ({r['reason']})"
+    return f"KV cache {fmt(r['kv_cache_ms'])}/token, linear state {fmt(r['linear_state_ms'])}/token"
+
+
+def dof_cell(d):
+    got = f"{fmt(d['ms'])} (mean DoF {d['mean_dof']:.1f}, max {d['max_dof']:.1f})" if d["status"] == "ok" else \
+        f"{d['status']}: {d.get('error', d.get('reason'))}"
+    return got + (f"; CPU {fmt(d['cpu_ms'])}" if "cpu_ms" in d else "")
+
+
+def table(res):
+    """One markdown table: section | case | measurement."""
+    T, d = res["settings"]["block_size"], res["dof"]
+    rows = [("distill", f"{r['model']} {r['loss']}, {r['batch']}x{T} bf16", distill_cell(r)) for r in res["distill"]]
+    rows += [("scan", f"T={r['T']}", scan_cell(r)) for r in res["scan"]]
+    rows += [("decode", f"ctx={r['ctx']}", decode_cell(r)) for r in res["decode"]]
+    rows += [("dof", f"{d['shape'][0]}x{d['shape'][1]} heads, J={d['shape'][2]}", dof_cell(d))]
+    lines = ["| section | case | measurement |", "|---|---|---|"] + [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def targets(res):
+    """The numbers to reach: softmax distillation of the GPT-2 shape <= 30 ms per sample and within 24 GiB, the
+    scan faster than flash SDPA from 8k tokens on."""
+    out = []
+    soft = next((r for r in res["distill"] if (r["model"], r["loss"]) == ("gpt2", "softmax")), {})
+    if "ms_per_sample" in soft:
+        out.append(f"target softmax distillation <= 30 ms/sample: {'met' if soft['ms_per_sample'] <= 30 else 'MISSED'}"
+                   f" ({soft['ms_per_sample']:.1f})")
+    if "peak_mib" in soft:
+        out.append(f"target fits in 24 GiB at batch {soft['batch']}: "
+                   f"{'met' if soft['peak_mib'] <= 24 * 1024 else 'MISSED'} ({soft['peak_mib'] / 1024:.1f} GiB)")
+    long = [r for r in res["scan"] if r["status"] == "ok" and r["T"] >= 8192 and isinstance(r["linear_fwd_ms"], float)
+            and isinstance(r["sdpa_fwd_ms"], float)]
+    if long:
+        ok = all(r["linear_fwd_ms"] < r["sdpa_fwd_ms"] for r in long)
+        out.append(f"target scan faster than flash SDPA from 8k tokens (forward): {'met' if ok else 'MISSED'}")
+    return out
+
+
+def main(argv=None):
+    cfg = parse_config(CheckConfig, argv)
+    cfg = replace(cfg, **TINY) if cfg.tiny else cfg
+    shapes = TINY_SHAPES if cfg.tiny else SHAPES
+    device, _ = pick_device(cfg.device, "bfloat16")
+    end = time.monotonic() + cfg.budget_seconds
+    left = lambda: end - time.monotonic()
+    g = shapes["gpt2"]
+    H, D = g["n_head"], g["n_embd"] // g["n_head"]
+    res = {"settings": {**asdict(cfg), "device": device, "torch": torch.__version__,
+                        "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None}}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(cfg.work_dir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        # in order of importance: what the numbers to reach need first, Pythia-1B if time is left
+        res["distill"] = distill_section(cfg, shapes, work, device, left, [("gpt2", "softmax")])
+        scan = lambda T: scan_row(T, H, D, BUDGET["gpt2"], device, cfg.repeats)
+        res["scan"] = rows_until(left, cfg.scan_T, scan, "T")
+        res["decode"] = decode_section(cfg, shapes["decode"], device, left)
+        res["dof"] = dof_profile(g, cfg.J, device) if left() > 30 else \
+            {"shape": [g["n_layer"], H, cfg.J, D], "status": "skipped", "reason": f"{left():.0f} s left"}
+        res["distill"] += distill_section(cfg, shapes, work, device, left,
+                                          [("gpt2", "l2"), ("gpt2", "direct"), ("pythia", "softmax")])
+    res["seconds"] = cfg.budget_seconds - left()
+    print(table(res))
+    if not cfg.tiny:
+        print("\n".join(targets(res)))
+    write_text_atomic(cfg.out, json.dumps(res, indent=1) + "\n")
+    print(f"wrote {cfg.out} ({res['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    run_main(main)
