@@ -7,21 +7,22 @@ writes DIR/train.bin and DIR/val.bin (uint16 token ids, read them with np.memmap
 and DIR/meta.json (the tokenizer, token counts, sources). The files are joined in the order given, with the
 tokenizer's end-of-text token after each one; the last --val-fraction of the tokens is the validation split.
 
-The small writer below (TokenFile, finish) is shared with data/wikipedia/prepare.py: token files are written to
+The writer below (token_files) is shared with data/wikipedia/prepare.py: the token files are written to
 <name>.tmp and renamed into place, and meta.json is written last, so a directory with a meta.json is complete.
 """
 
-import argparse
 import json
 import os
 import re
 import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for model.py
-from common import ModelError, run_main  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for common.py and tokenizer.py
+from common import REQUIRED, ModelError, atomic_path, opt, parse_config, run_main, write_text_atomic  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 # A fixed text whose ids identify a tokenizer: distill.py re-encodes it with the teacher's tokenizer and compares.
@@ -45,12 +46,10 @@ def eot_id(enc):
 
 
 class TokenFile:
-    """An append-only uint16 token file: written to <path>.tmp, moved to <path> by commit(), removed by discard()."""
+    """An append-only uint16 token file that counts its tokens."""
 
     def __init__(self, path):
-        self.path, self.tmp = Path(path), Path(str(path) + ".tmp")
-        self.f = open(self.tmp, "wb")
-        self.n = 0
+        self.f, self.n = open(path, "wb"), 0
 
     def write(self, ids):
         a = np.asarray(ids, dtype=np.int64)
@@ -59,43 +58,31 @@ class TokenFile:
         a.astype(np.uint16).tofile(self.f)
         self.n += a.size
 
-    def commit(self):
+    def close(self):
         self.f.close()
-        os.replace(self.tmp, self.path)
-
-    def discard(self):
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
 
 
-def open_dataset(out_dir, splits=("train", "val")):
-    """Start writing a token dataset in out_dir -> {split: TokenFile}; an existing dataset there stays intact
-    until finish() replaces it."""
+@contextmanager
+def token_files(out_dir, meta):
+    """Yield {"train": TokenFile, "val": TokenFile} writing into out_dir. On success they replace train.bin and
+    val.bin (an existing dataset stays intact until then) and meta.json, with the token counts, is written last;
+    meta.json is removed before the renames, so a directory caught between them reads as incomplete. On failure,
+    or when a split is empty, nothing is left behind."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return {s: TokenFile(out / f"{s}.bin") for s in splits}
-
-
-def finish(out_dir, files, meta, ok=True):
-    """Commit (ok) or discard the token files, then write meta.json atomically, last, with the token counts
-    (meta.json is removed first, so a directory caught between the renames reads as incomplete)."""
-    if not ok:
-        for f in files.values():
-            f.discard()
-        return None
-    empty = [s for s, f in files.items() if f.n == 0]
-    if empty:
-        for f in files.values():
-            f.discard()
-        raise ModelError(f"the {' and '.join(empty)} split came out empty; give more text or change --val-fraction")
-    (Path(out_dir) / "meta.json").unlink(missing_ok=True)
-    for f in files.values():
-        f.commit()
-    meta = dict(meta, dtype="uint16", tokens={s: f.n for s, f in files.items()})
-    tmp = Path(out_dir) / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, Path(out_dir) / "meta.json")
-    return meta
+    with atomic_path(out / "train.bin") as train, atomic_path(out / "val.bin") as val:
+        files = {"train": TokenFile(train), "val": TokenFile(val)}
+        try:
+            yield files
+        finally:
+            for f in files.values():
+                f.close()
+        empty = [s for s, f in files.items() if f.n == 0]
+        if empty:
+            raise ModelError(f"the {' and '.join(empty)} split came out empty; give more text or change --val-fraction")
+        (out / "meta.json").unlink(missing_ok=True)
+    meta.update(dtype="uint16", tokens={s: f.n for s, f in files.items()})
+    write_text_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
 
 
 def tokenize_text(enc, text, num_threads):
@@ -112,40 +99,50 @@ def tokenize_text(enc, text, num_threads):
     return [t for ids in enc.encode_ordinary_batch(pieces, num_threads=num_threads) for t in ids]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Tokenize local text files into train.bin / val.bin / meta.json.")
-    p.add_argument("files", nargs="+", help="UTF-8 text files, joined in this order with an end-of-text token after each")
-    p.add_argument("--model", required=True, help="checkpoint (hub id or directory) whose tokenizer to use, e.g. gpt2")
-    p.add_argument("--out", required=True, help="output directory for train.bin, val.bin and meta.json")
-    p.add_argument("--val-fraction", type=float, default=0.05, help="fraction of tokens (the last ones) kept for validation")
-    p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
-    a = p.parse_args(argv)
-    if not 0 < a.val_fraction < 1:
-        raise ModelError(f"--val-fraction must be between 0 and 1, got {a.val_fraction}")
-    enc = load_tokenizer(a.model)
-    meta = {"source": "text", "files": [], "tokenizer": tokenizer_meta(enc, a.model), "val_fraction": a.val_fraction}
-    ids = []
-    for fn in a.files:
-        path = Path(fn)
-        if not path.is_file():
-            raise ModelError(f"{fn} is not a file; pass UTF-8 text files")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ModelError(f"{fn} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
-        ids += tokenize_text(enc, text, a.num_threads) + [eot_id(enc)]
-        meta["files"].append(str(path.resolve()))
-    n_val = int(round(len(ids) * a.val_fraction))
-    files = open_dataset(a.out)
+def read_text(fn):
+    path = Path(fn)
+    if not path.is_file():
+        raise ModelError(f"{fn} is not a file; pass UTF-8 text files")
     try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ModelError(f"{fn} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
+
+
+@dataclass
+class TextConfig:
+    """Tokenize local text files into train.bin / val.bin / meta.json."""
+    files: list[str] = opt(REQUIRED, "UTF-8 text files, joined in this order with an end-of-text token after each")
+    model: str = opt(REQUIRED, "checkpoint (hub id or directory) whose tokenizer to use, e.g. gpt2")
+    out: str = opt(REQUIRED, "output directory for train.bin, val.bin and meta.json")
+    val_fraction: float = opt(0.05, "fraction of tokens (the last ones) kept for validation")
+    num_threads: int = opt(os.cpu_count() or 1, "tokenizer threads")
+
+    def __post_init__(self):
+        if not 0 < self.val_fraction < 1:
+            raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+
+
+def prepare(cfg, enc):
+    """cfg.files, tokenized with enc, -> cfg.out/train.bin, val.bin and meta.json; returns meta.json's content."""
+    meta = {"source": "text", "files": [], "tokenizer": tokenizer_meta(enc, cfg.model),
+            "val_fraction": cfg.val_fraction}
+    ids = []
+    for fn in cfg.files:
+        ids += tokenize_text(enc, read_text(fn), cfg.num_threads) + [eot_id(enc)]
+        meta["files"].append(str(Path(fn).resolve()))
+    n_val = int(round(len(ids) * cfg.val_fraction))
+    with token_files(cfg.out, meta) as files:
         files["train"].write(ids[:len(ids) - n_val])
         files["val"].write(ids[len(ids) - n_val:])
-    except BaseException:
-        finish(a.out, files, meta, ok=False)
-        raise
-    meta = finish(a.out, files, meta)
-    print(f"wrote {a.out}: {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens "
-          f"({enc.name}, {len(a.files)} file(s))")
+    print(f"wrote {cfg.out}: {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens "
+          f"({enc.name}, {len(cfg.files)} file(s))")
+    return meta
+
+
+def main(argv=None):
+    cfg = parse_config(TextConfig, argv)
+    prepare(cfg, load_tokenizer(cfg.model))
 
 
 if __name__ == "__main__":

@@ -11,48 +11,36 @@ a kept article goes to val.bin with probability --val-fraction. Tokenization run
 (tiktoken releases the GIL) while the next batch streams in. Needs internet; offline, use data/text/prepare.py.
 """
 
-import argparse
 import os
-import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import numpy as np
+from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for model.py and data/
-from common import ModelError, run_main  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for common.py, tokenizer.py, data/
+from checkpoint import HubUnreachable, hub_reachable  # noqa: E402
+from common import ModelError, opt, parse_config, run_main  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
-from data.text.prepare import eot_id, finish, open_dataset, tokenizer_meta  # noqa: E402
+from data.text.prepare import eot_id, token_files, tokenizer_meta  # noqa: E402
 
 OFFLINE_HINT = "run it on a machine with internet access, or tokenize local text with data/text/prepare.py"
 
 
-def hub_reachable():
-    """Fail in a second instead of after datasets' minute of retries when the hub's host name does not resolve."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True                                  # behind a proxy DNS says nothing; let datasets try
-    try:
-        from huggingface_hub import constants
-        host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-        socket.getaddrinfo(host, 443)
-        return True
-    except OSError:
-        return False
-
-
 def stream_articles(name, config):
     """The dataset's train split as a stream of article texts, or a one-sentence error when it cannot be reached."""
-    import datasets
     what = f"{name} ({config})"
-    if not hub_reachable():
-        raise ModelError(f"cannot reach the Hugging Face hub to stream {what}; {OFFLINE_HINT}")
+    if not hub_reachable():                          # fail at once, not after datasets' minute of retries
+        raise HubUnreachable(what, OFFLINE_HINT)
+    import datasets
     try:
         ds = datasets.load_dataset(name, config, split="train", streaming=True)
         it = iter(ds)
         first = next(it)
     except Exception as e:
-        raise ModelError(f"could not stream {what} from the Hugging Face hub ({type(e).__name__}); {OFFLINE_HINT}") from None
+        raise ModelError(f"could not stream {what} from the Hugging Face hub ({type(e).__name__}); "
+                         f"{OFFLINE_HINT}") from None
     if "text" not in first:
         raise ModelError(f"{what} has no 'text' column (columns: {', '.join(first)}); pass a Wikipedia-style dataset")
     total = None
@@ -68,68 +56,81 @@ def stream_articles(name, config):
     return texts(), total
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description="Stream English Wikipedia, tokenize a random fraction of it into "
-                                            "train.bin / val.bin / meta.json.")
-    p.add_argument("--model", default="gpt2", help="checkpoint (hub id or directory) whose tokenizer to use")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent), help="output directory (default: this folder)")
-    p.add_argument("--dataset", default="wikimedia/wikipedia", help="hub dataset with a 'text' column")
-    p.add_argument("--config", default="20231101.en", help="dataset configuration (the dump date and language)")
-    p.add_argument("--fraction", type=float, default=0.1, help="keep each article with this probability (paper: 0.1)")
-    p.add_argument("--max-tokens", type=int, default=0, help="stop after this many tokens in all (0: no cap)")
-    p.add_argument("--val-fraction", type=float, default=0.005, help="probability that a kept article goes to val.bin")
-    p.add_argument("--seed", type=int, default=0, help="seed of the article selection and the train/val split")
-    p.add_argument("--num-threads", type=int, default=os.cpu_count() or 1, help="tokenizer threads")
-    p.add_argument("--batch-docs", type=int, default=512, help="articles tokenized per batch")
-    a = p.parse_args(argv)
-    if not 0 < a.fraction <= 1:
-        raise ModelError(f"--fraction must be in (0, 1], got {a.fraction}")
-    if not 0 < a.val_fraction < 1:
-        raise ModelError(f"--val-fraction must be between 0 and 1, got {a.val_fraction}")
-    if a.max_tokens < 0:
-        raise ModelError(f"--max-tokens must be 0 (no cap) or positive, got {a.max_tokens}")
-    from tqdm import tqdm
-
-    enc = load_tokenizer(a.model)
-    eot = eot_id(enc)
-    texts, total = stream_articles(a.dataset, a.config)
-    rng = np.random.default_rng(a.seed)
-    meta = {"source": "wikipedia", "dataset": a.dataset, "config": a.config, "fraction": a.fraction,
-            "max_tokens": a.max_tokens, "val_fraction": a.val_fraction, "seed": a.seed,
-            "tokenizer": tokenizer_meta(enc, a.model)}
-    files = open_dataset(a.out)
-    n_docs = n_kept = n_tok = 0
-    bar = tqdm(total=total, unit="doc", desc="wikipedia", smoothing=0.05)
-    try:
-        done = False
-        while not done:
+def kept_batches(texts, rng, fraction, batch_docs):
+    """Keep each article with probability `fraction` (one draw per article, kept or not: a reproducible selection);
+    yields (up to batch_docs kept articles, articles seen so far)."""
+    batch, seen = [], 0
+    for text in texts:
+        seen += 1
+        if rng.random() < fraction:
+            batch.append(text)
+        if len(batch) == batch_docs:
+            yield batch, seen
             batch = []
-            for text in texts:
-                n_docs += 1
-                if rng.random() < a.fraction:       # one draw per article, kept or not: reproducible selection
-                    batch.append(text)
-                if len(batch) == a.batch_docs:
-                    break
-            else:
-                done = True
-            bar.update(n_docs - bar.n)
-            to_val = rng.random(len(batch)) < a.val_fraction
-            for ids, v in zip(enc.encode_ordinary_batch(batch, num_threads=a.num_threads), to_val):
-                files["val" if v else "train"].write(ids + [eot])
-                n_tok += len(ids) + 1
-                n_kept += 1
-                if a.max_tokens and n_tok >= a.max_tokens:
-                    done = True
-                    break
-            bar.set_postfix(kept=n_kept, tokens=f"{n_tok / 1e6:.1f}M")
-    except BaseException:
-        bar.close()
-        finish(a.out, files, meta, ok=False)
-        raise
-    bar.close()
-    meta = finish(a.out, files, dict(meta, articles_seen=n_docs, articles_kept=n_kept))
-    print(f"wrote {a.out}: {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens from "
-          f"{n_kept:,} of {n_docs:,} articles ({enc.name})")
+    yield batch, seen
+
+
+def write_articles(cfg, enc, texts, files, bar):
+    """Tokenize the kept articles, each followed by end-of-text, into files["train"] or, with probability
+    cfg.val_fraction, files["val"]; stop once cfg.max_tokens are written. The bar counts tokens towards
+    cfg.max_tokens, or articles without it. -> (articles seen, articles kept)."""
+    rng, eot = np.random.default_rng(cfg.seed), eot_id(enc)
+    n_seen = n_kept = n_tok = 0
+    for batch, n_seen in kept_batches(texts, rng, cfg.fraction, cfg.batch_docs):
+        to_val = rng.random(len(batch)) < cfg.val_fraction
+        for ids, v in zip(enc.encode_ordinary_batch(batch, num_threads=cfg.num_threads), to_val):
+            files["val" if v else "train"].write(ids + [eot])
+            n_tok, n_kept = n_tok + len(ids) + 1, n_kept + 1
+            if cfg.max_tokens and n_tok >= cfg.max_tokens:
+                break
+        bar.update((n_tok if cfg.max_tokens else n_seen) - bar.n)
+        bar.set_postfix(kept=n_kept, tokens=f"{n_tok / 1e6:.1f}M")
+        if cfg.max_tokens and n_tok >= cfg.max_tokens:
+            break
+    return n_seen, n_kept
+
+
+@dataclass
+class WikipediaConfig:
+    """Stream English Wikipedia, tokenize a random fraction of it into train.bin / val.bin / meta.json."""
+    model: str = opt("gpt2", "checkpoint (hub id or directory) whose tokenizer to use")
+    out: str = opt(str(Path(__file__).resolve().parent), "output directory for train.bin, val.bin and meta.json")
+    dataset: str = opt("wikimedia/wikipedia", "hub dataset with a 'text' column")
+    config: str = opt("20231101.en", "dataset configuration (the dump date and language)")
+    fraction: float = opt(0.1, "keep each article with this probability (paper: 0.1)")
+    max_tokens: int = opt(0, "stop after this many tokens in all (0: no cap)")
+    val_fraction: float = opt(0.005, "probability that a kept article goes to val.bin")
+    seed: int = opt(0, "seed of the article selection and the train/val split")
+    num_threads: int = opt(os.cpu_count() or 1, "tokenizer threads")
+    batch_docs: int = opt(512, "articles tokenized per batch")
+
+    def __post_init__(self):
+        if not 0 < self.fraction <= 1:
+            raise ModelError(f"--fraction must be in (0, 1], got {self.fraction}")
+        if not 0 < self.val_fraction < 1:
+            raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+        if self.max_tokens < 0:
+            raise ModelError(f"--max-tokens must be 0 (no cap) or positive, got {self.max_tokens}")
+
+
+def prepare(cfg, enc):
+    """The articles cfg selects, tokenized with enc, -> cfg.out/train.bin, val.bin and meta.json; returns
+    meta.json's content."""
+    texts, total = stream_articles(cfg.dataset, cfg.config)
+    meta = {"source": "wikipedia", "dataset": cfg.dataset, "config": cfg.config, "fraction": cfg.fraction,
+            "max_tokens": cfg.max_tokens, "val_fraction": cfg.val_fraction, "seed": cfg.seed,
+            "tokenizer": tokenizer_meta(enc, cfg.model)}
+    with token_files(cfg.out, meta) as files, tqdm(total=total, unit="doc", desc="wikipedia", smoothing=0.05) as bar:
+        n_seen, n_kept = write_articles(cfg, enc, texts, files, bar)
+        meta.update(articles_seen=n_seen, articles_kept=n_kept)
+    print(f"wrote {cfg.out}: {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens from "
+          f"{n_kept:,} of {n_seen:,} articles ({enc.name})")
+    return meta
+
+
+def main(argv=None):
+    cfg = parse_config(WikipediaConfig, argv)
+    prepare(cfg, load_tokenizer(cfg.model))
 
 
 if __name__ == "__main__":
