@@ -1,0 +1,273 @@
+"""
+Experiment runner: a grid of distill.py runs, one process each (one torch thread, --jobs at a time), one JSON per
+run under docs/results/<grid>/, and the tables and learning curves of docs/results.md built from those files only.
+
+    python docs/experiments.py --run claim --jobs 2    # runs what has no JSON yet (interrupt and rerun to resume)
+    python docs/experiments.py --report                # rebuilds the generated blocks of docs/results.md and figures
+
+A run's JSON holds `args` (the config.json distill.py wrote, with every flag under args.args), `dims`, `val` (the
+metrics.json list of {step, teacher_loss, student_loss, attn_kl}), `seconds` and the `command` that reproduces it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from common import ModelError, opt, parse_config, run_main, write_text_atomic  # noqa: E402
+
+RESULTS = ROOT / "docs" / "results"
+SCRATCH = ROOT / "out-experiments"           # checkpoints and logs of the runs (not committed)
+
+
+@dataclass
+class Run:
+    grid: str
+    name: str                                # file name under docs/results/<grid>/
+    group: str                               # the table row it belongs to (seeds of one configuration)
+    seed: int
+    flags: list = field(default_factory=list)
+
+    def command(self, out_dir):
+        return [sys.executable, "distill.py", *self.flags, "--seed", str(self.seed), "--out-dir", str(out_dir)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The grids. Every run of a grid sees the same tokens per step and steps; seed s draws the same training batches
+# under every allocation (distill.py's batch generator depends on the seed alone), so differences are paired.
+
+SMOL = ["--model", "smollm2-135m", "--data", "data/wikitext-smollm2", "--loss", "softmax", "--center-keys",
+        "--block-size", "256", "--batch-size", "1", "--eval-iters", "8", "--J", "1024", "--lam", "1e-3",
+        "--lam-relative", "--log-interval", "20"]
+CLAIM_STEPS = ["--max-steps", "240", "--warmup-steps", "24", "--eval-interval", "60"]
+ALLOCS = {"Fix": "fix", "DoF": "dof", "DoF+Clip": "clip", "Reverse": "reverse"}
+
+
+def claim_grid(seeds=(0, 1, 2)):
+    runs = []
+    for budget, allocs in ((32, ("Fix", "DoF", "DoF+Clip", "Reverse")), (64, ("Fix", "DoF"))):
+        for a in allocs:
+            for s in seeds:
+                runs.append(Run("claim", f"b{budget}-{ALLOCS[a]}-s{s}", f"{budget}/{a}", s,
+                                SMOL + CLAIM_STEPS + ["--budget", str(budget), "--alloc", ALLOCS[a]]))
+    return runs
+
+
+def tiny_grid(model, data, seeds=(0, 1)):
+    """Two configurations x two seeds on a tiny model: what the tests run."""
+    base = ["--model", model, "--data", data, "--block-size", "32", "--batch-size", "2", "--max-steps", "4",
+            "--warmup-steps", "0", "--eval-interval", "2", "--eval-iters", "1", "--J", "16", "--calib-batches", "1",
+            "--budget", "4", "--query-block", "8", "--chunk-size", "8"]
+    return [Run("tiny", f"{a}-s{s}", f"4/{name}", s, base + ["--alloc", a])
+            for name, a in (("Fix", "fix"), ("DoF", "dof")) for s in seeds]
+
+
+GRIDS = {"claim": claim_grid}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running
+
+def result_path(run, results=RESULTS):
+    return Path(results) / run.grid / f"{run.name}.json"
+
+
+def execute(run, results=RESULTS, scratch=SCRATCH):
+    """Run one configuration (unless its JSON exists) and write its JSON; a failed run writes nothing."""
+    path = result_path(run, results)
+    if path.is_file():
+        return path
+    out = Path(scratch) / run.grid / run.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = run.command(out) + (["--resume"] if (out / "config.json").is_file() else ["--overwrite"])
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    t0 = time.time()
+    with open(out.with_suffix(".log"), "a") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise ModelError(f"run {run.grid}/{run.name} failed (exit {rc}); its log is {out.with_suffix('.log')}")
+    config = json.loads((out / "config.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    record = {"name": run.name, "group": run.group, "seed": run.seed, "args": config, "dims": config["dims"],
+              "val": metrics["val"], "seconds": round(time.time() - t0, 1),
+              "train_seconds": round(metrics.get("train_seconds", 0.0), 1),
+              "command": "python distill.py " + " ".join(run.flags + ["--seed", str(run.seed)])}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def run_grid(runs, jobs=2, results=RESULTS, scratch=SCRATCH):
+    todo = [r for r in runs if not result_path(r, results).is_file()]
+    print(f"{len(runs) - len(todo)} of {len(runs)} runs done; running {len(todo)}, {jobs} at a time")
+    with ThreadPoolExecutor(jobs) as pool:
+        for path in pool.map(lambda r: execute(r, results, scratch), todo):
+            print(f"wrote {path.relative_to(results)}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tables and figures, from the JSON files only
+
+def load(grid, results=RESULTS):
+    return [json.loads(p.read_text()) for p in sorted((Path(results) / grid).glob("*.json"))]
+
+
+def final(r):
+    v = r["val"][-1]
+    return v["student_loss"], float(np.mean(v["attn_kl"])), v["teacher_loss"]
+
+
+def mean_std(xs):
+    xs = np.asarray(xs, float)
+    return xs.mean(), (xs.std(ddof=1) if len(xs) > 1 else float("nan"))
+
+
+def groups(records):
+    out = {}
+    for r in records:
+        out.setdefault(r["group"], []).append(r)
+    return out
+
+
+def summary_table(records):
+    """One row per configuration: held-out next-token loss and mean attention KL, mean ± std over seeds."""
+    rows = ["| budget | allocation | seeds | dims: mean (min–max) | next-token loss | attention KL (mean over layers) "
+            "| minutes per run |", "|---:|---|---:|---|---|---|---:|"]
+    for g, rs in groups(records).items():
+        budget, alloc = g.split("/")
+        loss, kl = mean_std([final(r)[0] for r in rs]), mean_std([final(r)[1] for r in rs])
+        dims = np.array([r["dims"] for r in rs])
+        rows.append(f"| {budget} | {alloc} | {len(rs)} | {dims.mean():.1f} ({dims.min()}–{dims.max()}) | "
+                    f"{loss[0]:.3f} ± {loss[1]:.3f} | {kl[0]:.3f} ± {kl[1]:.3f} | "
+                    f"{np.mean([r['seconds'] for r in rs]) / 60:.1f} |")
+    teacher = mean_std([final(r)[2] for r in records])
+    rows.append(f"\nTeacher next-token loss on the same held-out windows: {teacher[0]:.3f}.")
+    return "\n".join(rows)
+
+
+def paired_table(records, base="Fix"):
+    """Paired differences against `base` at each budget, seed by seed: mean ± standard error."""
+    by = {(r["group"], r["seed"]): r for r in records}
+    rows = [f"| budget | allocation − {base} | pairs | Δ next-token loss | Δ attention KL |", "|---:|---|---:|---|---|"]
+    for g in groups(records):
+        budget, alloc = g.split("/")
+        pairs = [(by[(g, s)], by[(f"{budget}/{base}", s)]) for (gg, s) in by if gg == g and (f"{budget}/{base}", s) in by]
+        if alloc == base or not pairs:
+            continue
+        d = np.array([[final(a)[0] - final(b)[0], final(a)[1] - final(b)[1]] for a, b in pairs])
+        se = d.std(0, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else [float("nan")] * 2
+        rows.append(f"| {budget} | {alloc} − {base} | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | "
+                    f"{d[:, 1].mean():+.3f} ± {se[1]:.3f} |")
+    return "\n".join(rows)
+
+
+def layer_table(records, budget="32", allocs=("Fix", "DoF")):
+    """Where the dims went and what each layer's held-out KL did (mean over seeds)."""
+    g = groups(records)
+    have = [a for a in allocs if f"{budget}/{a}" in g]
+    rows = ["| layer | " + " | ".join(f"{a} dim | {a} KL" for a in have) + " |", "|---:|" + "---:|" * 2 * len(have)]
+    L = len(g[f"{budget}/{have[0]}"][0]["dims"]) if have else 0
+    for l in range(L):
+        cells = []
+        for a in have:
+            rs = g[f"{budget}/{a}"]
+            cells += [f"{np.mean([r['dims'][l] for r in rs]):.0f}", f"{np.mean([r['val'][-1]['attn_kl'][l] for r in rs]):.3f}"]
+        rows.append(f"| {l} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def curves(records, path):
+    """Held-out next-token loss against step, mean ± std over seeds, one line per configuration."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed, so {path} was not drawn; pip install matplotlib")
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    for g, rs in groups(records).items():
+        steps = [v["step"] for v in rs[0]["val"]]
+        y = np.array([[v["student_loss"] for v in r["val"]] for r in rs if len(r["val"]) == len(steps)])
+        m, s = y.mean(0), (y.std(0, ddof=1) if len(y) > 1 else 0 * y[0])
+        ax.plot(steps, m, label=f"budget {g.replace('/', ', ')}")
+        ax.fill_between(steps, m - s, m + s, alpha=0.2)
+    ax.axhline(final(records[0])[2], color="k", ls="--", lw=1, label="teacher")
+    ax.set(xlabel="step", ylabel="held-out next-token loss", yscale="log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def headline(records):
+    """The README's short form of summary_table."""
+    rows = ["| budget | allocation | held-out next-token loss | attention KL |", "|---:|---|---|---|"]
+    for g, rs in groups(records).items():
+        loss, kl = mean_std([final(r)[0] for r in rs]), mean_std([final(r)[1] for r in rs])
+        rows.append(f"| {g.split('/')[0]} | {g.split('/')[1]} | {loss[0]:.3f} ± {loss[1]:.3f} | {kl[0]:.3f} ± {kl[1]:.3f} |")
+    return "\n".join(rows) + f"\n\nMean ± std over {min(len(rs) for rs in groups(records).values())}+ seeds."
+
+
+def blocks(grid, records):
+    """The generated markdown blocks of one grid: name -> text."""
+    return {f"{grid}:summary": summary_table(records), f"{grid}:paired": paired_table(records),
+            f"{grid}:layers": layer_table(records), f"{grid}:headline": headline(records)}
+
+
+def splice(text, name, body):
+    """Replace the text between <!-- begin NAME --> and <!-- end NAME --> (the markers stay)."""
+    begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
+    if begin not in text or end not in text:
+        return text
+    head, rest = text.split(begin, 1)
+    return head + begin + "\n" + body + "\n" + rest[rest.index(end):]
+
+
+def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESULTS, figures=ROOT / "docs"):
+    """Rebuild every generated block of `docs` (between their markers) and each grid's learning-curve figure."""
+    made = {}
+    for grid in sorted(p.name for p in Path(results).iterdir() if p.is_dir()):
+        records = load(grid, results)
+        if records:
+            made.update(blocks(grid, records))
+            curves(records, Path(figures) / f"curves-{grid}.png")
+    for doc in docs:
+        text = Path(doc).read_text()
+        for name, body in made.items():
+            text = splice(text, name, body)
+        write_text_atomic(doc, text)
+        print(f"rebuilt {doc}")
+
+
+@dataclass
+class ExperimentConfig:
+    """Run a grid of distill.py configurations (one JSON per run under docs/results/<grid>/), or rebuild the tables
+    and figures of docs/results.md from those files."""
+    run: str = opt("", "grid to run (its missing configurations only)", choices=["", *sorted(GRIDS)])
+    jobs: int = opt(2, "runs at a time, one torch thread each")
+    report: bool = opt(False, "rebuild the generated blocks of docs/results.md and the learning-curve figures")
+
+
+def main(argv=None):
+    cfg = parse_config(ExperimentConfig, argv)
+    if not cfg.run and not cfg.report:
+        raise ModelError("nothing to do; pass --run GRID to run a grid or --report to rebuild docs/results.md")
+    if cfg.run:
+        run_grid(GRIDS[cfg.run](), cfg.jobs)
+    if cfg.report:
+        report()
+
+
+if __name__ == "__main__":
+    run_main(main)
