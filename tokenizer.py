@@ -14,7 +14,7 @@ from pathlib import Path
 
 import tiktoken
 
-from checkpoint import SMOLLM2_ALIAS, smollm2_path
+from checkpoint import SMOLLM2_ALIAS, hub_reachable, smollm2_path
 from common import ModelError
 
 # GPT-2's pre-tokenizer regex in tiktoken's form (HF's ByteLevel ends it with `\s+(?!\S)|\s+`, which splits alike).
@@ -253,11 +253,13 @@ def _from_hub(repo_id: str) -> tiktoken.Encoding:
     except ImportError:
         raise ModelError(f"{repo_id!r} is not a local path, and fetching it from the Hugging Face hub needs "
                          "huggingface_hub: pip install huggingface_hub") from None
-    no_such_file = getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError)
+    local = not hub_reachable()                       # no hub: the cached files or the error, at once
+    no_such_file = getattr(errors, "LocalEntryNotFoundError" if local else "RemoteEntryNotFoundError",
+                           errors.EntryNotFoundError)
     for names in (["tokenizer.json"], ["vocab.json", "merges.txt"]):
         try:
-            return _from_folder(Path([hf_hub_download(repo_id, n) for n in names][0]).parent)
-        except no_such_file:  # the repo lacks this layout: try the next
+            return _from_folder(Path([hf_hub_download(repo_id, n, local_files_only=local) for n in names][0]).parent)
+        except no_such_file:  # the repo (offline: the cache) lacks this layout: try the next
             error = None
         except Exception as e:  # offline, unknown repo, gated ...
             error = e
