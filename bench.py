@@ -180,19 +180,20 @@ def speed_and_memory_lines(rows):
               + (" (linear in T)" if per_token[-1] <= 1.25 * min(per_token) else " (NOT linear in T)"))
 
 
+@torch.no_grad()
 def decode_ms(model, ctx, steps, device):
-    """Mean ms per generated token after a prefill of ctx tokens: KV cache (softmax) or fixed state (linear)."""
+    """Mean ms per generated token after a prefill of ctx tokens, through the decoding Cache: a KV cache for
+    softmax attention, the fixed (M x D) state for linear attention."""
     cache = Cache(model.config.n_layer)
     idx = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
-    with torch.no_grad():
-        model(idx, cache=cache)
-        tok = idx[:, -1:]
-        model(tok, cache=cache)                                   # warm-up step
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            model(tok, cache=cache)
-        sync(device)
+    model.hidden(idx, cache)                                         # prefill, without the (ctx, V) logits
+    tok = idx[:, -1:]
+    model(tok, cache=cache)                                          # warm-up step
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model(tok, cache=cache)
+    sync(device)
     return 1e3 * (time.perf_counter() - t0) / steps
 
 

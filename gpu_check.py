@@ -48,9 +48,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import dof
+from bench import decode_ms
 from checkpoint import checkpoint_sources, config_from_hf
 from common import ModelError, opt, parse_config, pick_device, remove, run_main, sync, write_text_atomic
-from model import GPT, PRF, Cache, GPTConfig, causal_linear_attention
+from model import GPT, PRF, GPTConfig, causal_linear_attention
 from tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent
@@ -264,23 +265,6 @@ def scan_row(T, H, D, M, device, repeats):
                 except RuntimeError as e:                            # e.g. no flash kernel for this GPU
                     row[f"{name}_{mode}_ms"] = f"error: {str(e).splitlines()[0]}"
     return row
-
-
-@torch.no_grad()
-def decode_ms(model, ctx, steps, device):
-    """Mean ms per generated token after a prefill of ctx tokens, through the decoding Cache: a KV cache for
-    softmax attention, the fixed (M x D) state for linear attention."""
-    cache = Cache(model.config.n_layer)
-    idx = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
-    model.hidden(idx, cache)                                         # prefill, without the (ctx, V) logits
-    tok = idx[:, -1:]
-    model(tok, cache=cache)                                          # warm-up step
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        model(tok, cache=cache)
-    sync(device)
-    return 1e3 * (time.perf_counter() - t0) / steps
 
 
 def dof_profile(shape, J, device):
