@@ -25,12 +25,13 @@ class ModelError(Exception):
 
 
 def run_main(main):
-    """Run an entry script's main(); a ModelError ends it with one sentence on stderr and exit code 2. Either way
-    the process leaves its process group (torchrun), if it joined one."""
+    """Run an entry script's main(); a ModelError ends it with one sentence on stderr (under torchrun rank 0's: every
+    process meets the same checks) and exit code 2. Either way the process leaves its process group, if it joined."""
     try:
         main()
     except ModelError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if is_main():
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:
         cleanup()
@@ -81,19 +82,6 @@ def parse_config(cls, argv=None, description=None):
 # ----------------------------------------------------------------------------------------------------------------
 # Device and dtype
 
-def config_parser(cls, help, description, choices=None):
-    """TRANSITIONAL (old style, being replaced by opt/parse_config): argparse from a dataclass and a HELP dict."""
-    p = argparse.ArgumentParser(description=description)
-    for f in fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            p.add_argument(flag, action="store_true", help=help[f.name])
-        else:
-            p.add_argument(flag, type=type(f.default), default=f.default, choices=(choices or {}).get(f.name),
-                           help=f"{help[f.name]} (default: {f.default})")
-    return p
-
-
 def pick_device(device="auto", dtype="auto"):
     """--device/--dtype -> (device, autocast context). auto: cuda with bf16 autocast if there is a GPU, else cpu in
     fp32. TF32 matmuls are turned on only together with bf16 autocast (an fp32 run stays fp32)."""
@@ -120,7 +108,8 @@ def sync(device):
 
 def init_distributed(device):
     """Under torchrun (WORLD_SIZE > 1): join the process group, NCCL for CUDA devices and gloo on the CPU, and
-    return this process's device (cuda:LOCAL_RANK for a CUDA device). Otherwise return the device as given."""
+    return this process's device (cuda:LOCAL_RANK for a CUDA device); rank 0 prints for all (the others' stdout
+    goes to os.devnull, their errors still reach stderr). Otherwise return the device as given."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return device
     if torch.device(device).type == "cuda":
@@ -128,6 +117,8 @@ def init_distributed(device):
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if dist.get_rank() > 0:
+        sys.stdout = open(os.devnull, "w")
     return device
 
 
@@ -165,6 +156,24 @@ def broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def broadcast_tensors(tensors):
+    """Rank 0's values copied into every process's tensors, in place."""
+    if dist.is_initialized():
+        for t in tensors:
+            dist.broadcast(t, src=0)
+
+
+def all_mean(tensors):
+    """Each tensor replaced by its mean over the processes, in place, in one all-reduce (one dtype and device)."""
+    if not dist.is_initialized() or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= get_world_size()
+    for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(mean.view_as(t))
 
 
 def barrier():

@@ -4,6 +4,7 @@ Distil a pretrained transformer's softmax attention into linear attention (the p
     python distill.py --budget 64 --loss softmax
     python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu     # offline, minutes on a CPU
     python distill.py --loss direct --lr-z 2e-3 --lr-alpha 2e-2 --init-from out-distill --out-dir out-direct
+    torchrun --nproc_per_node 4 distill.py --budget 64 --loss softmax                # data-parallel, 4 GPUs
 
 teacher -> token files (prepared on first use) -> feature dims (dof.py, Algorithm 1, on calibration batches of
 train.bin) -> student (the teacher with every attention core replaced by LinearAttention of its layer's dim; the
@@ -39,6 +40,13 @@ keys), so one teacher pass serves all of them, and backpropagating each layer's 
 gradients of their sum: they do not mix. A training step leaves its losses on the device; they reach the host once
 per log line.
 
+Under torchrun each of N processes (one per GPU with NCCL, or gloo on CPUs) trains the same student on its share of
+every batch: of the N*B windows one process draws with --batch-size N*B, process r takes windows r, r+N, ...
+(--batch-size is per process). Before each optimizer step the feature gradients are averaged over the processes
+(one all-reduce), so all of them take the same step. Rank 0 chooses the dims and its initial features are copied to
+the others; validation is shared out the same way and averaged; rank 0 alone prints and writes the checkpoint, which
+resumes with the same number of processes.
+
 The checkpoint directory (written atomically: a temp directory renamed into place) holds features.safetensors (the
 linear-attention cores' parameters and buffers, no teacher weight), config.json (teacher, dims, feature map, loss,
 lambda, budget, step, data), optim.pt (optimizer, RNG states, step) and metrics.json (per-layer losses, validation).
@@ -57,11 +65,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from checkpoint import HubUnreachable
-from common import ModelError, atomic_path, opt, parse_config, pick_device, read_tokens, run_main
+from common import (ModelError, all_mean, atomic_path, barrier, broadcast, broadcast_tensors, get_rank,
+                    get_world_size, init_distributed, is_main, opt, parse_config, pick_device, read_tokens, run_main)
 import dof
 from model import GPT, repeat_kv
 from tokenizer import load_tokenizer
@@ -203,6 +213,11 @@ def check_resume(cfg, prev, teacher, dims):
     if (prev["feature_map"], prev["center_keys"]) != (cfg.feature_map, cfg.center_keys):
         raise ModelError(f"{cfg.out_dir} was trained with --feature-map {prev['feature_map']}"
                          f"{' --center-keys' if prev['center_keys'] else ''}; resume with the same flags")
+    n = prev.get("world_size", 1)
+    if n != get_world_size():
+        how = "plain python distill.py" if n == 1 else f"torchrun --nproc_per_node {n} distill.py"
+        raise ModelError(f"{cfg.out_dir} was trained by {n} process(es) and this run has {get_world_size()}; resume "
+                         f"it with {how}, as the global batch and each process's share of the data depend on it")
 
 
 FROM_INIT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size", "center_keys")
@@ -299,19 +314,26 @@ def open_data(cfg, enc, vocab_size):
     return data, meta
 
 
-def get_batch(data, B, T, gen, device):
-    """B random windows of T+1 tokens -> (x, y) of shape (B, T), y shifted by one."""
-    ix = torch.randint(len(data) - T - 1, (B,), generator=gen).tolist()
+def get_batch(data, B, T, gen, device, share=(0, 1)):
+    """B random windows of T+1 tokens -> (x, y) of shape (B, T), y shifted by one. share = (r, N): process r of N
+    draws the N*B windows of one process's batch and keeps windows r, r+N, ..., so that N processes see the
+    batches of one process with N times the batch size. On CUDA the copy runs from pinned memory, not blocking."""
+    r, N = share
+    ix = torch.randint(len(data) - T - 1, (N * B,), generator=gen)[r::N].tolist()
     xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
-    return xy[:, :-1].to(device), xy[:, 1:].to(device)
+    if torch.device(device).type == "cuda":
+        xy = xy.pin_memory()
+    xy = xy.to(device, non_blocking=True)
+    return xy[:, :-1], xy[:, 1:]
 
 
 def fixed_batches(cfg, data, device):
-    """The calibration inputs (train.bin) and validation batches (val.bin): the same in every run of a seed."""
-    B, T = cfg.batch_size, cfg.block_size
+    """The calibration inputs (train.bin) and validation batches (val.bin): the same in every run of a seed. Under
+    torchrun each process validates on its share of every validation batch, as it trains on its share."""
+    B, T, share = cfg.batch_size, cfg.block_size, (get_rank(), get_world_size())
     calib_gen, val_gen = torch.Generator().manual_seed(cfg.seed + 2), torch.Generator().manual_seed(cfg.seed + 1)
     calib = [get_batch(data["train"], B, T, calib_gen, device)[0] for _ in range(cfg.calib_batches)]
-    val = [get_batch(data["val"], B, T, val_gen, device) for _ in range(cfg.eval_iters)]
+    val = [get_batch(data["val"], B, T, val_gen, device, share) for _ in range(cfg.eval_iters)]
     return calib, val
 
 
@@ -565,6 +587,7 @@ def checkpoint_config(cfg, teacher, dims, layer_dof, meta):
             "center_keys": cfg.center_keys, "loss": cfg.loss, "lam": cfg.lam, "lam_relative": cfg.lam_relative,
             "budget": cfg.budget, "alloc": "dims" if cfg.dims else cfg.alloc, "J": cfg.J, "dof": layer_dof,
             "step": 0, "seed": cfg.seed, "block_size": cfg.block_size, "init_from": cfg.init_from or None,
+            "world_size": get_world_size(),
             "data": {"dir": str(Path(cfg.data).resolve()), "tokens": meta.get("tokens"),
                      "source": meta.get("source"), "tokenizer": meta["tokenizer"].get("model")},
             "args": asdict(cfg)}
@@ -572,7 +595,10 @@ def checkpoint_config(cfg, teacher, dims, layer_dof, meta):
 
 def save_checkpoint(out_dir, cores, config, optim, train_gen, metrics, step):
     """The whole checkpoint at `step`, written into <out_dir>.tmp and swapped in by common.atomic_path: whenever
-    the process dies, a complete checkpoint is on disk."""
+    the process dies, a complete checkpoint is on disk. Under torchrun rank 0 writes it (the features, optimizer
+    and data position are the same in every process)."""
+    if not is_main():
+        return
     state = {"optimizer": optim.state_dict() if optim else None, "step": step,
              "train_rng": train_gen.get_state(), "torch_rng": torch.get_rng_state()}
     with atomic_path(out_dir) as tmp:
@@ -627,16 +653,27 @@ def train_step(model, t_cores, s_cores, optim, next_batch, cfg, amp, step):
             loss = torch.stack([layer_loss(c, q, k, cfg.loss, cfg.query_block, scale=1.0 / cfg.grad_accum)
                                 for c, (q, k) in zip(s_cores, teacher_qk(model, x, t_cores, amp))])
         losses = losses + loss / cfg.grad_accum
+    average_gradients(optim)
     optim.step()
     optim.zero_grad(set_to_none=True)
     return losses
+
+
+def average_gradients(optim):
+    """Under torchrun: every process's feature gradients replaced by their mean over the processes (one all-reduce
+    per step), so every process takes the same optimizer step. An explicit all-reduce, not DistributedDataParallel:
+    the layerwise losses write their gradients by hand and backpropagate layer by layer, where DDP's hooks on one
+    forward and backward pass would see none of them. Nothing to do in one process."""
+    all_mean([p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None])
 
 
 def record(metrics, pending, since, cfg, bar):
     """The pending steps' losses to the host in one transfer -> metrics["history"] (each with the mean ms/step
     since `since`); a non-finite loss ends the run before the checkpoint is touched; a log line every
     log_interval steps. -> seconds since `since`."""
-    values = torch.stack([losses for _, _, losses in pending]).tolist()                    # (steps, L)
+    values = torch.stack([losses for _, _, losses in pending])                             # (steps, L)
+    all_mean([values])                                                       # under torchrun: over the processes
+    values = values.tolist()
     seconds = time.time() - since
     ms = seconds * 1e3 / len(pending)
     for (step, lr, _), ls in zip(pending, values):
@@ -651,7 +688,7 @@ def record(metrics, pending, since, cfg, bar):
     pending.clear()
     bar.set_postfix(loss=f"{np.mean(ls):.4f}")
     if step % cfg.log_interval == 0 or step == cfg.max_steps:
-        tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum
+        tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * get_world_size()
         tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt_groups(ls)} | lr {lr:.4g} | {ms:.0f} ms/step | "
                    f"{tokens * 1e3 / ms:,.0f} tok/s")
     return seconds
@@ -666,15 +703,29 @@ def fmt_groups(losses):
                     for s in range(0, len(losses), g))
 
 
+def next_token_loss(model, x, y, rows=1024):
+    """model(x, y)[1], the mean next-token cross-entropy, without the fp32 copy of the (B, T, V) logits it makes
+    under bf16 autocast (1.6 GB for GPT-2 at 8 x 1024): the LM head and an fp32 cross-entropy on `rows` positions
+    at a time, their sums added. Without autocast the logits are fp32 already and model(x, y)[1] copies nothing."""
+    if not torch.is_autocast_enabled(x.device.type):
+        return model(x, y)[1]
+    h, y = model.hidden(x).flatten(0, 1), y.flatten()                                   # (B*T, C), (B*T,)
+    total = sum(F.cross_entropy(model.lm_head(h_rows).float(), y_rows, ignore_index=-1, reduction="sum")
+                for h_rows, y_rows in zip(h.split(rows), y.split(rows)))
+    return total / (y != -1).sum()
+
+
 @torch.no_grad()
 def lm_loss(model, cores, batches, amp):
-    """Mean next-token loss of model run with the given attention cores."""
-    tot = 0.0
+    """Mean next-token loss of model run with the given attention cores (under torchrun: over every process's
+    share of the batches)."""
+    tot = torch.zeros((), dtype=torch.float64, device=batches[0][0].device)
     with using(model, cores):
         for x, y in batches:
             with amp:
-                tot += model(x, y)[1].item()
-    return tot / len(batches)
+                tot += next_token_loss(model, x, y)
+    all_mean([tot])
+    return tot.item() / len(batches)
 
 
 @torch.no_grad()
@@ -686,6 +737,7 @@ def validate(model, t_cores, s_cores, batches, amp, cfg, teacher_loss, step):
     for x, _ in batches:
         attn = attn + torch.stack([layer_loss(c, q, k, "softmax", cfg.query_block)
                                    for c, (q, k) in zip(s_cores, teacher_qk(model, x, t_cores, amp))])
+    all_mean([attn])                                                         # under torchrun: over the processes
     attn = (attn / len(batches)).tolist()
     for name, v in [("student next-token loss", student_loss)] + [(f"layer {l} held-out attention KL", a)
                                                                   for l, a in enumerate(attn)]:
@@ -709,9 +761,12 @@ def describe(cfg, mc, meta, dims, layer_dof, t_dims, optim, device, amp, step):
     how = f"from {cfg.init_from}" if cfg.init_from else "--dims" if cfg.dims else f"{cfg.alloc}, budget {cfg.budget}"
     print(f"dims ({how}, mean {np.mean(dims):.2f}): {dims}"
           + (f"  [DoF in {t_dims:.1f}s: {', '.join(f'{v:.1f}' for v in layer_dof)}]" if layer_dof else ""))
+    batch, N = f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step", get_world_size()
+    if N > 1:
+        batch += f" in each of {N} processes (global batch {N * cfg.batch_size * cfg.grad_accum})"
     print(f"student: {cfg.feature_map} features ({n_feat} per token over all heads), {trainable:,} trainable "
-          f"parameters; loss {cfg.loss}; {cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step; "
-          f"device {device} {'bf16' if isinstance(amp, torch.autocast) else 'fp32'}")
+          f"parameters; loss {cfg.loss}; {batch}; device {device} "
+          f"{'bf16' if isinstance(amp, torch.autocast) else 'fp32'}")
     if optim is None and cfg.max_steps > step:
         print(f"note: the {cfg.feature_map} feature map has no trainable parameters; nothing to train")
 
@@ -761,21 +816,28 @@ def run(cfg):
     teacher = str(Path(cfg.model).resolve()) if Path(cfg.model).exists() else cfg.model   # as load_student needs it
     init = read_init(cfg, teacher)                                  # --init-from's config.json
     device, amp = pick_device(cfg.device, cfg.dtype)
+    device = init_distributed(device)                               # torchrun: a process per device, rank 0 prints
     model = load_teacher(cfg, device)
     enc = load_tokenizer(cfg.model)
-    prepare_data(cfg, enc)
+    if is_main():                                                   # one process writes --data, the others wait
+        prepare_data(cfg, enc)
+    barrier()
     data, meta = open_data(cfg, enc, model.config.vocab_size)
     calib, val_batches = fixed_batches(cfg, data, device)
 
     # feature dims (dof.py, or --init-from's) and the student
     t0 = time.time()
-    dims, layer_dof = (init["dims"], init["dof"]) if init else choose_dims(cfg, model, calib)
+    if init:
+        dims, layer_dof = init["dims"], init["dof"]
+    else:                                                           # computed by rank 0, sent to the others
+        dims, layer_dof = broadcast(choose_dims(cfg, model, calib) if is_main() else None)
     t_dims = time.time() - t0
     if prev is not None:
         check_resume(cfg, prev, teacher, dims)
     t_cores = dof.attention_cores(model)
     torch.manual_seed(cfg.seed)
     s_cores = build_student(model, dims, cfg, calib, amp)
+    broadcast_tensors([t for c in s_cores for t in c.state_dict().values()])  # every process starts from rank 0's
     optim = make_optimizer(s_cores, cfg)
     train_gen = torch.Generator().manual_seed(cfg.seed)
     step, metrics = 0, {"dims": dims, "dof": layer_dof, "loss": cfg.loss, "history": [], "val": [],
@@ -789,12 +851,13 @@ def run(cfg):
                           lm_loss(model, t_cores, val_batches, amp))
     save_at = partial(save_checkpoint, cfg.out_dir, s_cores, checkpoint_config(cfg, teacher, dims, layer_dof, meta),
                       optim, train_gen, metrics)
-    next_batch = partial(get_batch, data["train"], cfg.batch_size, cfg.block_size, train_gen, device)
+    next_batch = partial(get_batch, data["train"], cfg.batch_size, cfg.block_size, train_gen, device,
+                         (get_rank(), get_world_size()))
     if step == 0 or not metrics["val"]:
         metrics["val"].append(validate_at(step))
     pending, since, t_train = [], time.time(), 0.0                  # pending: steps whose losses are on the device
     with tqdm(total=max(0, cfg.max_steps - step) if optim else 0, desc="distill", unit="step",
-              dynamic_ncols=True) as bar:
+              dynamic_ncols=True, disable=not is_main()) as bar:
         while optim is not None and step < cfg.max_steps:
             losses = train_step(model, t_cores, s_cores, optim, next_batch, cfg, amp, step)
             step += 1
@@ -813,7 +876,8 @@ def run(cfg):
     metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + t_train
     save_at(step)
     print_summary(cfg, metrics, dims, layer_dof, step, time.time() - t_start)
-    print_continuations(model, t_cores, s_cores, enc, cfg, device, amp)
+    if is_main():
+        print_continuations(model, t_cores, s_cores, enc, cfg, device, amp)
 
 
 if __name__ == "__main__":

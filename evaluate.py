@@ -8,6 +8,10 @@ loss / perplexity on a token or text file, and prefill / decoding speed; for tea
     python evaluate.py --model gpt2 --ppl ../shared/data/text/wikitext-2-raw/wiki.test.raw
     python evaluate.py --model gpt2 --ckpt out/gpt2 --speed
     python evaluate.py --model gpt2 --data-dir ../shared/data/eval --limit 50 --bench
+    torchrun --nproc_per_node 4 evaluate.py --model gpt2 --data-dir ../shared/data/eval --output results.json
+
+Under torchrun each process scores a share of every task's documents (and of the --ppl windows), the shares are
+gathered, and rank 0 writes the results.json one process writes, plus world_size; --bench and --speed run on rank 0.
 
 How the harness scores one multiple-choice document, and so how this file does (the harness files are
 lm_eval/tasks/<task>/*.yaml, lm_eval/api/task.py, lm_eval/api/model.py, lm_eval/models/huggingface.py,
@@ -48,7 +52,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import ModelError, opt, parse_config, pick_device, read_tokens, run_main, sync, write_text_atomic
+from common import (ModelError, all_gather, get_rank, get_world_size, init_distributed, is_main, opt, parse_config,
+                    pick_device, read_tokens, run_main, shard, sync, write_text_atomic)
 from fast_scorer import score_windows
 from model import GPT
 from tokenizer import load_tokenizer
@@ -330,12 +335,27 @@ def doc_metrics(lls: list[float], gold: int, choices: list[str] | None) -> tuple
 def score_requests(model, tokenized, batch_size=16, device="cpu", desc=None, plain=False):
     """(log-likelihood, is_greedy) of every request, one list per document; tokenized[d] lists document d's
     (context tokens, continuation tokens). plain: loglikelihood() one request at a time; otherwise the shared-prefix
-    scorer of fast_scorer.py on the same windows, which gives the same numbers with less work."""
+    scorer of fast_scorer.py on the same windows, which gives the same numbers with less work. Under torchrun each
+    process scores its share (documents d = rank mod N; the fast scorer's forward passes likewise) and every
+    process gets every score, each computed exactly as one process computes it."""
+    rank, world = get_rank(), get_world_size()
     if plain:
-        return [[loglikelihood(model, c, t, device) for c, t in doc]
-                for doc in tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False)]
-    windows = [[harness_window(c, t, context_length(model)) for c, t in doc] for doc in tokenized]
-    return score_windows(model, windows, batch_size, device, desc)
+        mine = set(shard(range(len(tokenized))))
+        scored = [[loglikelihood(model, c, t, device) for c, t in doc] if d in mine else [None] * len(doc)
+                  for d, doc in enumerate(tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False))]
+    else:
+        scored = score_windows(model, windows_of(model, tokenized), batch_size, device, desc, rank=rank,
+                               world_size=world)
+    return merge_shares(all_gather(scored))
+
+
+def windows_of(model, tokenized):
+    return [[harness_window(c, t, context_length(model)) for c, t in doc] for doc in tokenized]
+
+
+def merge_shares(shares):
+    """Each process's scores, None where another process scored the request -> every request's score."""
+    return [[next(r for r in rs if r is not None) for rs in zip(*docs)] for docs in zip(*shares)]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -449,7 +469,7 @@ def bench(model, enc, task_prompts: dict[str, list[Prompt]], batch_size=16, devi
         for _ in range(rounds):
             sync(device)
             t0 = time.perf_counter()
-            score_requests(model, tokenized, batch_size, device)
+            score_windows(model, windows_of(model, tokenized), batch_size, device)
             sync(device)
             t_fast = min(t_fast, time.perf_counter() - t0)
             plain = max(plain, plain_forward_rate(model, n_tok, max(1, round(n_tok / n_req)), batch_size, device))
@@ -471,7 +491,8 @@ def bench(model, enc, task_prompts: dict[str, list[Prompt]], batch_size=16, devi
 @torch.inference_mode()
 def perplexity(model, tokens: np.ndarray, context: int | None = None, batch_size=8, device="cpu") -> dict:
     """Mean next-token loss over non-overlapping windows of `context` tokens (each window predicts its tokens
-    1..context from 0..context-1, the last window is shorter) and its exp."""
+    1..context from 0..context-1, the last window is shorter) and its exp. Under torchrun each process runs its
+    share of the batches and the window losses are added in window order, as one process adds them."""
     L = context or context_length(model)
     if L > context_length(model):
         raise ModelError(f"--ppl-context {L} exceeds the model's context length {context_length(model)}")
@@ -484,15 +505,21 @@ def perplexity(model, tokens: np.ndarray, context: int | None = None, batch_size
     starts = list(range(0, n_pred, L))
     full, last = [s for s in starts if s + L <= n_pred], [s for s in starts if s + L > n_pred]
     groups = [full[i:i + batch_size] for i in range(0, len(full), batch_size)] + ([last] if last else [])
-    nll, count = 0.0, 0
-    for group in tqdm(groups, desc="ppl", unit="batch", leave=False):
-        T = min(L, n_pred - group[0])
-        x = torch.tensor(np.stack([tokens[s:s + T] for s in group]).astype(np.int64), device=device)
-        y = torch.tensor(np.stack([tokens[s + 1:s + T + 1] for s in group]).astype(np.int64), device=device)
+    window_nll = {}                                            # group number -> summed loss of each of its windows
+    for i in tqdm(shard(range(len(groups))), desc="ppl", unit="batch", leave=False, disable=not is_main()):
+        T = min(L, n_pred - groups[i][0])
+        x = torch.tensor(np.stack([tokens[s:s + T] for s in groups[i]]).astype(np.int64), device=device)
+        y = torch.tensor(np.stack([tokens[s + 1:s + T + 1] for s in groups[i]]).astype(np.int64), device=device)
         h = model.hidden(x)                                    # (B, T, C)
-        for b in range(len(group)):                            # LM head a row at a time: (T, V), not (B, T, V)
-            nll += float(F.cross_entropy(model.lm_head(h[b]).float(), y[b], reduction="sum"))
-            count += T
+        # LM head a row at a time: (T, V), not (B, T, V)
+        window_nll[i] = [float(F.cross_entropy(model.lm_head(h[b]).float(), y[b], reduction="sum"))
+                         for b in range(len(groups[i]))]
+    window_nll = {i: v for share in all_gather(window_nll) for i, v in share.items()}  # every process's windows
+    nll, count = 0.0, 0
+    for i, group in enumerate(groups):                         # added in window order, whatever process ran them
+        for v in window_nll[i]:
+            nll += v
+            count += min(L, n_pred - group[0])
     return {"tokens": count, "context": L, "loss": nll / count, "ppl": math.exp(nll / count)}
 
 
@@ -584,8 +611,9 @@ def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict[str, list[Prompt
     for label, m in models.items():
         results[label], samples[label] = {}, {}
         for name, ps in prompts.items():
-            results[label][name], samples[label][name] = evaluate_task(m, enc, ps, cfg.batch_size, device,
-                                                                       desc=f"{label} {name}", plain=cfg.plain)
+            desc = f"{label} {name}" if is_main() else None
+            results[label][name], samples[label][name] = evaluate_task(m, enc, ps, cfg.batch_size, device, desc,
+                                                                       cfg.plain)
     print_table(results)
     report = {"results": results["teacher"], "samples": samples["teacher"]}
     if "student" in models:
@@ -627,18 +655,21 @@ def main(argv=None):
     task_names = [] if only_other else parse_tasks(cfg.tasks)
     prompts = {name: load_task(name, cfg.data_dir, cfg.limit) for name in task_names}  # bad data fails here, fast
     device, _ = pick_device(cfg.device, "float32")  # the model itself is cast to --dtype: no autocast
+    device = init_distributed(device)               # torchrun: each process scores a share, rank 0 reports
     models, enc = load_models(cfg, device)
     report = {}
-    if cfg.bench:
-        report["bench"] = run_bench(cfg, models, enc, prompts, device)
-    elif prompts:
+    if prompts and not cfg.bench:
         report.update(run_tasks(cfg, models, enc, prompts, device))
     if cfg.ppl:
         report["ppl"] = run_ppl(cfg, models, enc, device)
+    if not is_main():
+        return
+    if cfg.bench:                                   # timings: rank 0 alone
+        report["bench"] = run_bench(cfg, models, enc, prompts, device)
     if cfg.speed:
         report["speed"] = run_speed(cfg, models, device)
     if cfg.output:
-        report["config"] = asdict(cfg)
+        report["config"], report["world_size"] = asdict(cfg), get_world_size()
         write_text_atomic(cfg.output, json.dumps(report, indent=1, ensure_ascii=False))
         print(f"wrote {cfg.output}")
 

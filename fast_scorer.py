@@ -14,6 +14,7 @@ The tests hold it to the plain scorer and to transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ class Scores:
     def __init__(self, n):
         self.ll = np.zeros(n, dtype=np.float64)
         self.greedy = np.ones(n, dtype=bool)
+        self.done = np.zeros(n, dtype=bool)
 
     def add(self, model, h, targets):
         """h (B, T, C) hidden states; targets [(b, position, next token, request)]. The LM head runs once per
@@ -64,6 +66,7 @@ class Scores:
         req = np.array([k for _, _, _, k in targets])
         np.add.at(self.ll, req, logp[at, tok].double().cpu().numpy())
         np.logical_and.at(self.greedy, req, (logp.argmax(-1)[at] == tok).cpu().numpy())
+        self.done[req] = True
 
 
 def forward_rows(model, rows: list[Row], scores: Scores, device, cache=None):
@@ -179,24 +182,29 @@ def prefix_groups(shared: list[Shared], batch_size: int, spread: float = 0.25):
 
 @torch.inference_mode()
 def score_windows(model, windows, batch_size: int = 16, device="cpu", desc: str | None = None,
-                  share_prefix: bool = True):
+                  share_prefix: bool = True, rank: int = 0, world_size: int = 1):
     """(log-likelihood, is_greedy) of every request, one list per document, equal to the plain scorer's;
     windows[d] lists document d's requests as (input tokens, [(position, next token)]). share_prefix=False batches
-    the distinct rows without sharing their prefixes."""
+    the distinct rows without sharing their prefixes. rank, world_size: run only the forward passes rank,
+    rank + world_size, ... of the plan (each scores its requests whole) and return None for the other requests; the
+    processes of a torchrun launch together compute exactly the numbers one process computes."""
     plans = plan_rows(windows)
     alone, shared = split_shared(plans) if share_prefix else ([row for rows in plans for row in rows], [])
-    n = sum(len(doc) for doc in windows)
-    scores = Scores(n)
+    scores = Scores(sum(len(doc) for doc in windows))
+    passes = ([(partial(forward_rows, model, batch, scores, device), batch)  # rows that share nothing (and MMLU's)
+               for batch in batches(alone, lambda r: len(r.tokens), batch_size)] +
+              [(partial(run_shared, model, docs, scores, batch_size, device), [r for s in docs for r in s.rows])
+               for docs in prefix_groups(shared, batch_size)])  # documents with a shared prefix, by its length
+    passes = passes[rank::world_size]
     requests = lambda rows: len({k for r in rows for _, _, k in r.targets})  # noqa: E731
-    with tqdm(total=n, desc=desc, disable=desc is None, unit="req", leave=False) as pbar:
-        for batch in batches(alone, lambda r: len(r.tokens), batch_size):  # rows that share nothing (and MMLU's)
-            forward_rows(model, batch, scores, device)
-            pbar.update(requests(batch))
-        for docs in prefix_groups(shared, batch_size):  # documents with a shared prefix, neighbours by its length
-            run_shared(model, docs, scores, batch_size, device)
-            pbar.update(requests([r for s in docs for r in s.rows]))
+    with tqdm(total=sum(requests(rows) for _, rows in passes), desc=desc, disable=desc is None, unit="req",
+              leave=False) as pbar:
+        for run, rows in passes:
+            run()
+            pbar.update(requests(rows))
     out, k = [], 0
     for doc in windows:
-        out.append([(float(scores.ll[k + j]), bool(scores.greedy[k + j])) for j in range(len(doc))])
+        out.append([(float(scores.ll[k + j]), bool(scores.greedy[k + j])) if scores.done[k + j] else None
+                    for j in range(len(doc))])
         k += len(doc)
     return out

@@ -274,6 +274,7 @@ class LinearAttention(nn.Module):
     k and v are repeated to H heads (GQA, as HF's repeat_kv) and keys are centred by the buffer key_mean (H, D),
     zero unless distillation sets it (q.(k - mu) shifts every logit of a query equally: softmax unchanged).
     With a cache dict, decoding keeps only the state S (B, H, M, D), s (B, H, M) there: fixed size, no KV cache.
+    Features, scan and step run in fp32 with autocast off (bf16 autocast would run their matmuls and sums in bf16).
     """
 
     def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
@@ -286,30 +287,34 @@ class LinearAttention(nn.Module):
 
     def features(self, q, k):
         """(phi_q, phi_k), each (B, H, T, M) fp32, for queries q (B, H, T, D) and keys k (B, Hkv, T, D)."""
-        k = repeat_kv(k, self.n_head) - self.key_mean[:, None].to(k.dtype)
-        return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+        dt = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            q, k = q.to(dt), repeat_kv(k, self.n_head).to(dt) - self.key_mean[:, None].to(dt)
+            return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
 
     def scores(self, q, k):
         """The student's normalised causal attention matrix (B, H, T, T): row i = phi_q,i . phi_k,j / sum_j<=i."""
-        phi_q, phi_k = self.features(q, k)
-        A = (phi_q @ phi_k.mT).tril()
-        return A / A.sum(-1, keepdim=True)
+        with torch.autocast(q.device.type, enabled=False):
+            phi_q, phi_k = self.features(q, k)
+            A = (phi_q @ phi_k.mT).tril()
+            return A / A.sum(-1, keepdim=True)
 
     def forward(self, q, k, v, cache=None):
-        phi_q, phi_k = self.features(q, k)                                               # (B, H, T, M)
-        v = repeat_kv(v, self.n_head)                                                    # (B, H, T, D)
-        if cache is None:
-            return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
-        if "S" not in cache:
-            B, H, _, D = v.shape
-            cache["S"], cache["s"] = phi_q.new_zeros(B, H, self.M, D), phi_q.new_zeros(B, H, self.M)
-        if q.size(2) == 1:                                                               # one token: the step
-            y, cache["S"], cache["s"] = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
-                                                              cache["S"], cache["s"])
-            return y[:, :, None].to(q.dtype)
-        y, cache["S"], cache["s"] = causal_linear_attention(phi_q, phi_k, v, self.chunk_size,
-                                                            state=(cache["S"], cache["s"]), return_state=True)
-        return y.to(q.dtype)
+        with torch.autocast(q.device.type, enabled=False):
+            phi_q, phi_k = self.features(q, k)                                           # (B, H, T, M)
+            v = repeat_kv(v, self.n_head)                                                # (B, H, T, D)
+            if cache is None:
+                return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
+            if "S" not in cache:
+                B, H, _, D = v.shape
+                cache["S"], cache["s"] = phi_q.new_zeros(B, H, self.M, D), phi_q.new_zeros(B, H, self.M)
+            if q.size(2) == 1:                                                           # one token: the step
+                y, cache["S"], cache["s"] = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
+                                                                  cache["S"], cache["s"])
+                return y[:, :, None].to(q.dtype)
+            y, cache["S"], cache["s"] = causal_linear_attention(phi_q, phi_k, v, self.chunk_size,
+                                                                state=(cache["S"], cache["s"]), return_state=True)
+            return y.to(q.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
