@@ -313,7 +313,7 @@ def config_from_hf(d, name=""):
 def checkpoint_sources(cfg):
     """Our key -> (list of checkpoint keys, function joining those tensors into ours), per family."""
     fam, rules = cfg.family, {}
-    H, Hkv, D, C = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.n_embd
+    H, D = cfg.n_head, cfg.head_dim
     t = lambda w: w.t()                                # GPT-2 Conv1D stores (in, out)
     same = lambda w: w
 

@@ -2,13 +2,13 @@
 evaluate.py: zero-shot multiple-choice accuracy scored exactly as lm-evaluation-harness 0.4 scores it, next-token
 loss / perplexity on a token or text file, and prefill / decoding speed; for teachers and distilled students alike.
 
-    python evaluate.py --model gpt2 --tasks piqa,arc_easy --data-dir ../shared/data/eval --output results.json
-    python evaluate.py --model gpt2 --tasks piqa --data-dir ../shared/data/eval --plain  # one request at a time
-    python evaluate.py --model gpt2 --ckpt out/gpt2 --data-dir ../shared/data/eval      # teacher | student table
-    python evaluate.py --model gpt2 --ppl ../shared/data/text/wikitext-2-raw/wiki.test.raw
+    python evaluate.py --model gpt2 --tasks piqa,arc_easy --data-dir tests/data/eval --output results.json
+    python evaluate.py --model gpt2 --tasks piqa --data-dir tests/data/eval --plain  # one request at a time
+    python evaluate.py --model gpt2 --ckpt out/gpt2 --data-dir tests/data/eval      # teacher | student table
+    python evaluate.py --model gpt2 --ppl data/wikitext2/wiki.test.raw
     python evaluate.py --model gpt2 --ckpt out/gpt2 --speed
-    python evaluate.py --model gpt2 --data-dir ../shared/data/eval --limit 50 --bench
-    torchrun --nproc_per_node 4 evaluate.py --model gpt2 --data-dir ../shared/data/eval --output results.json
+    python evaluate.py --model gpt2 --data-dir tests/data/eval --limit 50 --bench
+    torchrun --nproc_per_node 4 evaluate.py --model gpt2 --data-dir tests/data/eval --output results.json
 
 Under torchrun each process scores a share of every task's documents (and of the --ppl windows), the shares are
 gathered, and rank 0 writes the results.json one process writes, plus world_size; --bench and --speed run on rank 0.
@@ -71,7 +71,7 @@ class EvalConfig:
     limit: int | None = opt(None, "score only the first N documents of each task (for MMLU the first N questions of "
                                   "the file; the harness's --limit takes N per subject)")
     data_dir: str | None = opt(None, "folder holding <task>.jsonl in the Hugging Face schema "
-                                     "(e.g. ../shared/data/eval); default: load the harness's datasets from the hub")
+                                     "(e.g. tests/data/eval); default: load the harness's datasets from the hub")
     output: str | None = opt(None, "write results and per-document samples to this JSON file")
     # how
     batch_size: int = opt(16, "sequences per forward pass")
@@ -87,7 +87,7 @@ class EvalConfig:
     speed: bool = opt(False, "time prefill and token-by-token generation of one sequence (teacher vs student)")
     speed_tokens: int = opt(1000, "sequence length for --speed")
     bench: bool = opt(False, "time the fast scorer against the model's plain forward pass on the same tokens")
-    bench_rounds: int = opt(1, "--bench keeps the fastest of this many alternating rounds (for shared machines)")
+    bench_rounds: int = opt(1, "--bench keeps the fastest of this many alternating rounds (for noisy timings)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -218,7 +218,7 @@ def _read_docs(name: str, data_dir: str | None) -> tuple[list[tuple[str, dict]],
         path = Path(data_dir) / f"{name}.jsonl"
         if not path.is_file():
             raise ModelError(f"{path} does not exist: --data-dir must hold a {name}.jsonl "
-                             f"(../shared/data/eval has one per task)")
+                             f"(tests/data/eval has one per task)")
         docs = []
         with open(path, encoding="utf-8") as f:
             for line_no, line in enumerate(f, 1):
@@ -237,7 +237,7 @@ def _read_docs(name: str, data_dir: str | None) -> tuple[list[tuple[str, dict]],
     except Exception as e:  # offline, or the hub changed
         raise ModelError(f"could not load {name} from the Hugging Face hub (datasets.load_dataset({path!r}, "
                          f"{config!r}, split={split!r}) failed with {type(e).__name__}); without internet pass "
-                         f"--data-dir DIR holding {name}.jsonl (../shared/data/eval has one)") from None
+                         f"--data-dir DIR holding {name}.jsonl (tests/data/eval has one)") from None
     if name == "logiqa" and rows and "context" not in rows[0][1] and "text" in rows[0][1]:
         rows = _logiqa_from_text(rows)
     return rows, f"{path} ({config}, {split})"

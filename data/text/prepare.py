@@ -1,7 +1,7 @@
 """
 Tokenize local text files into nanoGPT-style token files for distill.py (offline use, tests):
 
-    python data/text/prepare.py --model gpt2 --out data/wikitext ../shared/data/text/wikitext-2-raw/wiki.test.raw
+    python data/text/prepare.py --model gpt2 --out data/wikitext data/wikitext2/wiki.test.raw
 
 writes DIR/train.bin and DIR/val.bin (uint16 token ids, read them with np.memmap(path, dtype=np.uint16, mode="r"))
 and DIR/meta.json (the tokenizer, token counts, sources). The files are joined in the order given, with the
