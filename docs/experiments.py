@@ -11,6 +11,7 @@ metrics.json list of {step, teacher_loss, student_loss, attn_kl}), `seconds` and
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -110,10 +111,12 @@ def execute(run, results=RESULTS, scratch=SCRATCH):
         raise ModelError(f"run {run.grid}/{run.name} failed (exit {rc}); its log is {out.with_suffix('.log')}")
     config = json.loads((out / "config.json").read_text())
     metrics = json.loads((out / "metrics.json").read_text())
+    said = re.findall(r"greedy continuations of (.*):\n  teacher: (.*)\n  student: (.*)\n", out.with_suffix(".log").read_text())
     record = {"name": run.name, "group": run.group, "seed": run.seed, "args": config, "dims": config["dims"],
               "val": metrics["val"], "seconds": round(time.time() - t0, 1),
               "train_seconds": round(metrics.get("train_seconds", 0.0), 1),
-              "command": "python distill.py " + " ".join(run.flags + ["--seed", str(run.seed)])}
+              "command": "python distill.py " + " ".join(run.flags + ["--seed", str(run.seed)]),
+              "continuations": dict(zip(("prompt", "teacher", "student"), said[-1])) if said else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=1) + "\n")
     return path
@@ -235,6 +238,29 @@ def headline(records):
     return "\n".join(rows) + f"\n\nMean ± std over {min(len(rs) for rs in groups(records).values())}+ seeds."
 
 
+def continuations(records):
+    """The greedy continuations a run printed at its end (teacher and student, side by side)."""
+    r = next((r for r in records if r.get("continuations")), None)
+    if r is None:
+        return "(no run printed continuations)"
+    c = r["continuations"]
+    return (f"Prompt {c['prompt']} ({r['name']}, 30 greedy tokens):\n\n| model | continuation |\n|---|---|\n"
+            f"| teacher | {c['teacher']} |\n| student | {c['student']} |")
+
+
+def zeroshot_table(report):
+    """evaluate.py's results.json with --ckpt: accuracy per task, teacher and student, with standard errors."""
+    rows = ["| task | n | teacher acc | student acc | teacher acc_norm | student acc_norm |", "|---|---:|---|---|---|---|"]
+    t, st = report["results"], report["student"]["results"]
+    f = lambda r, k: "–" if r[k] is None else f"{r[k]:.3f} ± {r[k + '_stderr']:.3f}"
+    for task in t:
+        rows.append(f"| {task} | {t[task]['n']} | {f(t[task], 'acc')} | {f(st[task], 'acc')} | "
+                    f"{f(t[task], 'acc_norm')} | {f(st[task], 'acc_norm')} |")
+    mean = lambda r: np.mean([v["acc"] for v in r.values()])
+    rows.append(f"| mean | | {mean(t):.3f} | {mean(st):.3f} | | |")
+    return "\n".join(rows)
+
+
 def blocks(grid, records):
     """The generated markdown blocks of one grid: name -> text."""
     return {f"{grid}:summary": summary_table(records), f"{grid}:paired": paired_table(records),
@@ -254,8 +280,13 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
     """Rebuild every generated block of `docs` (between their markers) and each grid's learning-curve figure."""
     made = {}
     for grid in sorted(p.name for p in Path(results).iterdir() if p.is_dir()):
+        if grid == "zeroshot":                       # evaluate.py's results.json, not distill.py runs
+            for p in sorted((Path(results) / grid).glob("*.json")):
+                made[f"zeroshot:{p.stem}"] = zeroshot_table(json.loads(p.read_text()))
+            continue
         records = load(grid, results)
         if grid == "recipe":                         # shown against the layerwise students it starts from
+            made[f"{grid}:continuations"] = continuations(records)
             records = [r for r in load("claim", results) if r["group"] == "64/DoF"] + records
             made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, "DoF")
         elif records:
