@@ -810,6 +810,34 @@ def main(argv=None):
         raise ModelError(f"could not fetch {e.what}: the Hugging Face hub cannot be reached; {OFFLINE}") from None
 
 
+def train(model, t_cores, s_cores, optim, cfg, amp, step, metrics, validate_at, save_at, next_batch):
+    """The training loop from `step` to --max-steps: a step, a log line every --log-interval steps, validation and
+    a checkpoint every --eval-interval steps and at the end. Returns the last step."""
+    if step == 0 or not metrics["val"]:
+        metrics["val"].append(validate_at(step))
+    pending, since, t_train = [], time.time(), 0.0                  # pending: steps whose losses are on the device
+    with tqdm(total=max(0, cfg.max_steps - step) if optim else 0, desc="distill", unit="step",
+              dynamic_ncols=True, disable=not is_main()) as bar:
+        while optim is not None and step < cfg.max_steps:
+            losses = train_step(model, t_cores, s_cores, optim, next_batch, cfg, amp, step)
+            step += 1
+            pending.append((step, optim.param_groups[0]["lr"], losses))
+            bar.update(1)
+            if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.max_steps:
+                t_train += record(metrics, pending, since, cfg, bar)
+                if step % cfg.eval_interval == 0 and step < cfg.max_steps:
+                    metrics["val"].append(validate_at(step))
+                    save_at(step)
+                since = time.time()
+    if metrics["val"][-1]["step"] != step:
+        metrics["val"].append(validate_at(step))
+    if metrics["history"]:
+        metrics["last_mean5"] = np.mean([r["loss"] for r in metrics["history"][-5:]], axis=0).tolist()
+    metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + t_train
+    save_at(step)
+    return step
+
+
 def run(cfg):
     t_start = time.time()
     prev = check_out_dir(cfg)                                       # the checkpoint's config.json on --resume
@@ -853,28 +881,7 @@ def run(cfg):
                       optim, train_gen, metrics)
     next_batch = partial(get_batch, data["train"], cfg.batch_size, cfg.block_size, train_gen, device,
                          (get_rank(), get_world_size()))
-    if step == 0 or not metrics["val"]:
-        metrics["val"].append(validate_at(step))
-    pending, since, t_train = [], time.time(), 0.0                  # pending: steps whose losses are on the device
-    with tqdm(total=max(0, cfg.max_steps - step) if optim else 0, desc="distill", unit="step",
-              dynamic_ncols=True, disable=not is_main()) as bar:
-        while optim is not None and step < cfg.max_steps:
-            losses = train_step(model, t_cores, s_cores, optim, next_batch, cfg, amp, step)
-            step += 1
-            pending.append((step, optim.param_groups[0]["lr"], losses))
-            bar.update(1)
-            if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.max_steps:
-                t_train += record(metrics, pending, since, cfg, bar)
-                if step % cfg.eval_interval == 0 and step < cfg.max_steps:
-                    metrics["val"].append(validate_at(step))
-                    save_at(step)
-                since = time.time()
-    if metrics["val"][-1]["step"] != step:
-        metrics["val"].append(validate_at(step))
-    if metrics["history"]:
-        metrics["last_mean5"] = np.mean([r["loss"] for r in metrics["history"][-5:]], axis=0).tolist()
-    metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + t_train
-    save_at(step)
+    step = train(model, t_cores, s_cores, optim, cfg, amp, step, metrics, validate_at, save_at, next_batch)
     print_summary(cfg, metrics, dims, layer_dof, step, time.time() - t_start)
     if is_main():
         print_continuations(model, t_cores, s_cores, enc, cfg, device, amp)
