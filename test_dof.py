@@ -1252,6 +1252,7 @@ def test_allocate_examples():
     assert dof.allocate(torch.tensor([10.0, 20, 30, 40]), 64, clip=64) == [26, 51, 64, 64]
     assert dof.allocate([10, 20, 30, 40], 64, order="reverse") == [102, 77, 51, 26]
     assert dof.allocate([10, 20, 30, 40], 64, order="fix") == [64] * 4
+    assert dof.allocate([12, 25, 47], 32) == [14, 28, 54]              # the README's worked example, by hand
     assert dof.allocate([0, 0, 100], 2) == [1, 1, 4]              # shares below 1 are lifted to 1, mean kept
     assert dof.allocate([0.0, 0.0], 5) == [5, 5]                  # no DoF anywhere: uniform
     assert dof.allocate([3.0], 7) == [7]
@@ -2281,9 +2282,8 @@ def test_ppl_text_keeps_special_tokens(enc, tmp_path):
     assert 50256 not in list(E.read_tokens(text, enc))
 
 
-def test_cli_student_next_to_teacher(ckpt, tmp_path, capsys):
-    """--ckpt: a distill.py checkpoint's student is scored next to its teacher, the same way."""
-    distill = pytest.importorskip("distill")
+def student_ckpt(ckpt, tmp_path):
+    """A distill.py checkpoint directory holding an untrained student of `ckpt` (8 PRF features per layer)."""
     from safetensors.torch import save_file
     student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
     d = tmp_path / "student"
@@ -2291,6 +2291,12 @@ def test_cli_student_next_to_teacher(ckpt, tmp_path, capsys):
     save_file(distill.feature_state(distill.dof.attention_cores(student)), str(d / "features.safetensors"))
     (d / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [8, 8], "feature_map": "prf",
                                                "chunk_size": 16}))
+    return d
+
+
+def test_cli_student_next_to_teacher(ckpt, tmp_path, capsys):
+    """--ckpt: a distill.py checkpoint's student is scored next to its teacher, the same way."""
+    d = student_ckpt(ckpt, tmp_path)
     out = tmp_path / "r.json"
     E.main(["--model", str(ckpt), "--ckpt", str(d), "--tasks", "arc_easy,winogrande", "--data-dir", str(EVAL),
             "--limit", "2", "--output", str(out)])
@@ -2316,13 +2322,7 @@ def without_timings(report):
 def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, tmp_path, capsys):
     """torchrun --nproc_per_node 2: each process scores a share of every task (teacher and student) and of the
     --ppl windows; rank 0 writes results.json equal to one process's, bit for bit, apart from timings and world_size."""
-    from safetensors.torch import save_file
-    student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
-    d = tmp_path / "student"
-    d.mkdir()
-    save_file(distill.feature_state(distill.dof.attention_cores(student)), str(d / "features.safetensors"))
-    (d / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [8, 8], "feature_map": "prf",
-                                               "chunk_size": 16}))
+    d = student_ckpt(ckpt, tmp_path)
     args = ["--model", ckpt, "--ckpt", d, "--tasks", "all", "--data-dir", EVAL, "--limit", "5", "--batch-size",
             "3", "--ppl", WIKITEXT, "--ppl-max-tokens", "700", "--ppl-context", "64"]
     E.main([*map(str, args), "--output", str(tmp_path / "one.json")])
