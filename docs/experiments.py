@@ -148,16 +148,19 @@ def mean_std(xs):
 
 
 def groups(records):
+    """Records by configuration ("budget/allocation"), budgets ascending, then Fix, DoF, DoF+Clip, Reverse, others."""
     out = {}
     for r in records:
         out.setdefault(r["group"], []).append(r)
-    return out
+    order = list(ALLOCS)
+    key = lambda g: (int(g.split("/")[0]), order.index(g.split("/")[1]) if g.split("/")[1] in order else len(order), g)
+    return {g: out[g] for g in sorted(out, key=key)}
 
 
 def summary_table(records):
     """One row per configuration: held-out next-token loss and mean attention KL, mean ± std over seeds."""
     rows = ["| budget | allocation | seeds | dims: mean (min–max) | next-token loss | gap to teacher "
-            "| attention KL (mean over layers) | minutes per run |", "|---:|---|---:|---|---|---|---|---:|"]
+            "| attention KL (mean over layers) | wall minutes per run |", "|---:|---|---:|---|---|---|---|---:|"]
     for g, rs in groups(records).items():
         budget, alloc = g.split("/")
         loss, kl = mean_std([final(r)[0] for r in rs]), mean_std([final(r)[1] for r in rs])
