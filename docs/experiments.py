@@ -210,6 +210,7 @@ def curves(records, path):
     """Held-out next-token loss against step, mean ± std over seeds, one line per configuration."""
     try:
         import matplotlib
+        import matplotlib.ticker
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -222,8 +223,10 @@ def curves(records, path):
         m, s = y.mean(0), (y.std(0, ddof=1) if len(y) > 1 else 0 * y[0])
         ax.plot(steps, m, label=f"budget {g.replace('/', ', ')}")
         ax.fill_between(steps, m - s, m + s, alpha=0.2)
-    ax.axhline(final(records[0])[2], color="k", ls="--", lw=1, label="teacher")
+    ax.axhline(np.mean([final(r)[2] for r in records]), color="k", ls="--", lw=1, label="teacher (mean over seeds)")
     ax.set(xlabel="step", ylabel="held-out next-token loss", yscale="log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
