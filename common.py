@@ -240,7 +240,8 @@ def read_tokens(path, enc=None, max_tokens=None, special=False):
         raise ModelError(f"{p} is not a .bin token file; tokenize it with data/text/prepare.py")
     else:
         try:
-            text = p.read_text(encoding="utf-8") if max_tokens is None else p.open(encoding="utf-8").read(16 * max_tokens)
+            with p.open(encoding="utf-8") as f:
+                text = f.read(-1 if max_tokens is None else 16 * max_tokens)      # 16 characters per token: plenty
         except UnicodeDecodeError:
             raise ModelError(f"{p} is neither a .bin token file nor UTF-8 text") from None
         ids = enc.encode(text, allowed_special="all") if special else enc.encode_ordinary(text)
