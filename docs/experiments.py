@@ -73,16 +73,21 @@ def tiny_grid(model, data, seeds=(0, 1)):
 
 def recipe_grid(seeds=(0, 1, 2)):
     """Towards a student close to its teacher at budget 64: end-to-end (direct) fine-tuning of the claim grid's
-    layerwise DoF students, and layerwise training without key centring."""
+    layerwise DoF students, a second layerwise stage of 240 steps from them, and layerwise training without key
+    centring."""
     direct = [Run("recipe", f"b64-dof-direct-s{s}", "64/DoF + direct", s,
                   SMOL[:4] + ["--loss", "direct", "--block-size", "256", "--batch-size", "1", "--eval-iters", "8",
                   "--log-interval", "10", "--lr-z", "2e-3", "--lr-alpha", "2e-2", "--max-steps", "100",
                   "--warmup-steps", "10", "--eval-interval", "50", "--init-from", f"out-experiments/claim/b64-dof-s{s}"])
               for s in seeds]
+    longer = [Run("recipe", f"b64-dof-longer-s{s}", "64/DoF, 240 more layerwise steps", s,
+                  SMOL[:4] + ["--loss", "softmax", "--block-size", "256", "--batch-size", "1", "--eval-iters", "8",
+                  "--log-interval", "20", "--init-from", f"out-experiments/claim/b64-dof-s{s}"] + CLAIM_STEPS)
+              for s in seeds]
     plain = [Run("recipe", f"b64-dof-uncentred-s{s}", "64/DoF, keys not centred", s,
                  [f for f in SMOL if f != "--center-keys"] + CLAIM_STEPS + ["--budget", "64", "--alloc", "dof"])
              for s in seeds]
-    return direct + plain
+    return direct + longer + plain
 
 
 GRIDS = {"claim": claim_grid, "recipe": recipe_grid}
