@@ -3,6 +3,7 @@
     python bench.py                          # T = 1024, 4096, 16384; B = 1, H = 12, M = D = 64; chunk sweep 32..256
     python bench.py --T 1024 4096 --chunks 64 --repeats 5
     python bench.py --T --decode-steps 32    # the decoding table alone
+    python bench.py --T --decode-ctx --heads docs/results/heads/b32-dof-head-s0.json   # per-head vs per-layer dims
 
 Linear: the PRF feature map of queries and keys plus the chunked causal scan, forward only (torch.no_grad).
 Softmax: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) on the same inputs.
@@ -19,6 +20,11 @@ Every (method, T, chunk size) runs in a fresh subprocess, so its peak memory is 
 The tables are markdown; the lines under the first say whether linear is no slower than SDPA at T = 4096 and at
 least 6x faster at T = 16384, and whether its peak memory grows linearly in T. The decoding table times one token
 of a Pythia-160M-shape model with random weights: softmax with a KV cache against the linear state.
+The per-head table (--heads) times every layer's student core at SmolLM2-135M's shape (9 query heads, 3 key heads,
+D = 64) on random inputs, with the run's per-head DoF turned into dims two ways at the same total: per layer
+(M_l from each layer's largest head DoF, shared by its heads) and per head (M_lh from each head's DoF). Per step:
+distill.layer_loss with its backward (softmax loss, as a distillation step pays on top of the teacher's forward),
+and the forward scan; the two layouts alternate, the median of --repeats rounds is reported.
 """
 import json
 import os
@@ -51,6 +57,9 @@ class BenchConfig:
     decode_ctx: list[int] = opt([256, 512, 1024, 2048], "context lengths for the decoding table (Pythia-160M shape, "
                                 "random weights); none to skip it")
     decode_steps: int = opt(32, "tokens decoded per context length (mean ms reported)")
+    heads: str = opt("", "a distill.py --alloc dof-head run's JSON (its per-head DoF, docs/results/heads/*.json): "
+                     "time per-head against per-layer dims at the same total; empty to skip")
+    heads_T: list[int] = opt([256, 1024], "tokens per sequence of the per-head table (distill.py's --block-size)")
     worker: list[str] | None = opt(None, "internal: METHOD T CHUNK measures one case ('linear' or 'sdpa') in this "
                                    "process and prints it as JSON")
 
@@ -222,6 +231,54 @@ def decode_table(cfg, device):
           f"softmax: {res[-1][1] / res[0][1]:.2f}x")
 
 
+def heads_table(cfg, device):
+    """Per-head against per-layer dims at the same total features: distillation loss + backward, and the scan."""
+    import distill
+    import dof
+    from model import LinearAttention
+    run = json.loads(open(cfg.heads).read())
+    N = torch.tensor(run["args"]["dof"], dtype=torch.float64)                     # (L, H) per-head DoF
+    if N.ndim != 2:
+        raise ModelError(f"{cfg.heads} has per-layer DoF; pass the JSON of a distill.py --alloc dof-head run")
+    L, H = N.shape
+    Hkv, D, budget = 3, 64, run["args"]["budget"]
+    layouts = {"per layer": dof.allocate(N.amax(-1), budget), "per head": dof.allocate(N, budget)}
+    torch.manual_seed(0)
+    cores = {name: [LinearAttention(H, Hkv, D, m).to(device) for m in dims] for name, dims in layouts.items()}
+    print(f"\nper-head against per-layer dims, {L} layers x {H} heads (SmolLM2-135M shape), B={cfg.B}, budget "
+          f"{budget} from {cfg.heads}, on {device}, {cfg.threads} threads; ms for all layers, median of "
+          f"{cfg.repeats} rounds:\n")
+    print("| T | dims | features summed over heads | groups per layer (mean) | loss + backward ms | forward scan ms |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for T in cfg.heads_T:
+        q, k, v = (torch.randn(L, cfg.B, h, T, D, device=device) for h in (H, Hkv, Hkv))
+
+        def step(name, train):
+            sync(device)
+            t0 = time.perf_counter()
+            for l, core in enumerate(cores[name]):
+                if train:
+                    distill.layer_loss(core, q[l], k[l], "softmax", 128, scale=1.0)
+                else:
+                    with torch.no_grad():
+                        core(q[l], k[l], v[l])
+            sync(device)
+            return 1e3 * (time.perf_counter() - t0)
+
+        times = {(name, train): [] for name in layouts for train in (True, False)}
+        for _ in range(cfg.repeats + 1):                                           # the first round warms up
+            for key in times:
+                times[key].append(step(*key))
+        ms = {}
+        for name in layouts:
+            total = sum(sum(c.dims) for c in cores[name])
+            groups = sum(len(c.sizes) for c in cores[name]) / L
+            ms[name] = [statistics.median(times[name, train][1:]) for train in (True, False)]
+            print(f"| {T} | {name} | {total} | {groups:.1f} | {ms[name][0]:.0f} | {ms[name][1]:.0f} |")
+        r = [ms["per head"][i] / ms["per layer"][i] for i in (0, 1)]
+        print(f"| {T} | per head / per layer | | | {r[0]:.2f}x | {r[1]:.2f}x |")
+
+
 def main(argv=None):
     cfg = parse_config(BenchConfig, argv, description=__doc__)
     torch.set_num_threads(cfg.threads)
@@ -232,6 +289,8 @@ def main(argv=None):
         scan_table(cfg, device)
     if cfg.decode_ctx:
         decode_table(cfg, device)
+    if cfg.heads:
+        heads_table(cfg, device)
 
 
 if __name__ == "__main__":

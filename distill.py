@@ -102,9 +102,10 @@ class DistillConfig:
                       choices=("", "cpu"))
     # feature dimensions (dof.py, Algorithm 1)
     budget: int = opt(64, "mean feature dimension C over the layers (the inference cost)")
-    alloc: str = opt("dof", "feature dims: dof (proportional to each layer's DoF), fix (C everywhere), clip (DoF "
-                     "capped at the head size), reverse (the DoF dims in reverse DoF order)",
-                     choices=("dof", "fix", "clip", "reverse"))
+    alloc: str = opt("dof", "feature dims: dof (proportional to each layer's DoF, shared by its heads), fix (C "
+                     "everywhere), clip (DoF capped at the head size), reverse (the DoF dims in reverse DoF order), "
+                     "dof-head / clip-head (each head its own dim, proportional to its DoF; total C x heads x layers)",
+                     choices=("dof", "fix", "clip", "reverse", "dof-head", "clip-head"))
     lam: float = opt(2 ** -4, "lambda of the degrees of freedom N = tr(S (S + lambda I)^-1)")
     lam_relative: bool = opt(False, "take lambda as a fraction of tr(S), which makes the DoF invariant to the "
                              "kernel's scale")
@@ -114,6 +115,10 @@ class DistillConfig:
     # student
     feature_map: str = opt("prf", "student feature map: prf (learned, the paper's), performer (fixed FAVOR+), "
                            "dijiang (fixed DCT)", choices=("prf", "performer", "dijiang"))
+    init: str = opt("gaussian", "prf features at the start: gaussian (z ~ N(0, I), alpha = 1, the paper's) or "
+                    "leverage (each head's z drawn from its kernel's ridge leverage density on calibration queries "
+                    "and keys, alpha the importance weights; dof.leverage_features)", choices=("gaussian", "leverage"))
+    pool: int = opt(16, "--init leverage: candidate directions drawn per feature")
     chunk_size: int = opt(64, "chunk length of the causal linear-attention scan")
     center_keys: bool = opt(False, "subtract each head's mean key (from the calibration batches) before the feature "
                             "map")
@@ -178,6 +183,12 @@ def check_config(cfg):
         raise ModelError(f"--lam must be positive, got {cfg.lam}")
     if not 0 < cfg.val_fraction < 1:
         raise ModelError(f"--val-fraction must be between 0 and 1, got {cfg.val_fraction}")
+    if cfg.init == "leverage" and cfg.feature_map != "prf":
+        raise ModelError(f"--init leverage draws prf features; it does not apply to --feature-map {cfg.feature_map}")
+    if cfg.init == "leverage" and cfg.init_from:
+        raise ModelError("--init leverage and --init-from both set the starting features; pass one of them")
+    if cfg.pool < 1:
+        raise ModelError(f"--pool must be at least 1, got {cfg.pool}")
     if cfg.resume and cfg.overwrite:
         raise ModelError("--resume and --overwrite contradict each other; pass one of them")
 
@@ -369,14 +380,24 @@ def causal_mask(s, e, device):
     return torch.arange(s, e, device=device)[:, None] >= torch.arange(e, device=device)[None, :]
 
 
+def products(fq, fk, s, e):
+    """The student's unnormalised scores a_ij = phi_q,i . phi_k,j for queries s..e-1 and keys 0..e-1, (B, H, e-s, e).
+    fq, fk: one (B, H_g, T, M_g) per group of heads sharing a feature dimension (LinearAttention.features), the
+    groups' scores stacked along heads in that order: every later op of the losses then runs once for all heads."""
+    a = [p[:, :, s:e] @ r[:, :, :e].mT for p, r in zip(fq, fk)]
+    return a[0] if len(a) == 1 else torch.cat(a, 1)
+
+
 def softmax_loss(q, k, phi_q, phi_k):
     """Mean over (batch, heads, queries i) of KL(p_i || p^_i): p_i = softmax_{j<=i}(q_i.k_j / sqrt d) the teacher's
     row, p^_i(j) = a_ij / sum_{j'<=i} a_ij' with a = phi_q phi_k^T the student's. q, k (B, H, T, D) teacher;
-    phi_q, phi_k (B, H, T, M) student. The whole T x T matrices; autograd gives the gradient."""
-    mask = causal_mask(0, q.size(2), q.device)                                        # (T, T)
-    tiny = torch.finfo(phi_q.dtype).tiny                                              # logs of underflow stay finite
+    phi_q, phi_k lists of (B, H_g, T, M_g) student features, one per group of heads in q's head order (one
+    (B, H, T, M) each when the heads share M). The whole T x T matrices; autograd gives the gradient."""
+    T = q.size(2)
+    mask = causal_mask(0, T, q.device)                                                # (T, T)
+    tiny = torch.finfo(phi_q[0].dtype).tiny                                           # logs of underflow stay finite
     logp = torch.log_softmax((q @ k.mT / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf")), -1)
-    a = (phi_q @ phi_k.mT).masked_fill(~mask, 0.0)                                    # (B, H, T, T)
+    a = products(phi_q, phi_k, 0, T).masked_fill(~mask, 0.0)                          # (B, H, T, T)
     log_phat = a.clamp_min(tiny).log() - a.sum(-1, keepdim=True).clamp_min(tiny).log()
     return (logp.exp() * (logp - log_phat)).masked_fill(~mask, 0.0).sum(-1).mean()
 
@@ -384,15 +405,16 @@ def softmax_loss(q, k, phi_q, phi_k):
 def softmax_loss_blockwise(q, k, pq, pk, query_block, grad_scale=None):
     """softmax_loss's sum over rows, built query_block rows at a time: memory O(query_block * T), not T^2; needed
     once B * H * T^2 floats no longer fit. q (B, H, T, D) teacher queries already divided by sqrt(d), k (B, H, T, D)
-    keys; pq, pk (B, H, T, M) student features. Returns the sum (a 0-dim float64 tensor, left on the device). With
-    grad_scale, adds grad_scale * dsum/dpq, dsum/dpk into pq.grad, pk.grad, the gradient written out: with
-    a_ij = pq_i.pk_j, S_i = sum_{j<=i} a_ij, p^_ij = a_ij / S_i, and rows of p summing to 1,
+    keys; pq, pk lists of (B, H_g, T, M_g) student features per group of heads (as softmax_loss). Returns the sum
+    (a 0-dim float64 tensor, left on the device). With grad_scale, adds grad_scale * dsum/dpq, dsum/dpk into the
+    features' .grad, the gradient written out: with a_ij = pq_i.pk_j, S_i = sum_{j<=i} a_ij, p^_ij = a_ij / S_i,
+    and rows of p summing to 1,
 
         KL_i = sum_j p_ij log p_ij - sum_j p_ij log a_ij + log S_i,     dKL_i/da_ij = 1/S_i - p_ij / a_ij,
 
     so no autograd graph over a (B, H, b, T) block: half the passes over it, which is where the time goes. a and S
     are clamped at the smallest normal float before their logs (zero gradient where clamped, as autograd gives)."""
-    T, tiny = q.size(2), torch.finfo(pq.dtype).tiny
+    T, tiny, sizes = q.size(2), torch.finfo(pq[0].dtype).tiny, [p.size(1) for p in pq]
     total = torch.zeros((), dtype=torch.float64, device=q.device)
     for s in range(0, T, query_block):
         e = min(T, s + query_block)
@@ -400,7 +422,7 @@ def softmax_loss_blockwise(q, k, pq, pk, query_block, grad_scale=None):
         with torch.no_grad():
             logits = q[:, :, s:e] @ k[:, :, :e].mT
             p = torch.log_softmax(logits.masked_fill_(~mask, float("-inf")), -1).exp_()   # teacher (B, H, b, e)
-            a = (pq[:, :, s:e] @ pk[:, :, :e].mT).masked_fill_(~mask, 0.0)            # (B, H, b, e), >= 0
+            a = products(pq, pk, s, e).masked_fill_(~mask, 0.0)                       # (B, H, b, e), >= 0
             S = a.sum(-1, keepdim=True)                                               # (B, H, b, 1)
             under = a < tiny if grad_scale is not None else None
             a.clamp_min_(tiny)
@@ -409,8 +431,9 @@ def softmax_loss_blockwise(q, k, pq, pk, query_block, grad_scale=None):
                 continue
             inv_s = torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0)
             g = p.div_(a).masked_fill_(under, 0.0).neg_().add_(inv_s).masked_fill_(~mask, 0.0).mul_(grad_scale)
-            pq.grad[:, :, s:e] += g @ pk[:, :, :e]                                    # a = pq pk^T
-            pk.grad[:, :, :e] += g.mT @ pq[:, :, s:e]
+            for gg, fq, fk in zip(g.split(sizes, 1), pq, pk):                         # a = pq pk^T, per group
+                fq.grad[:, :, s:e] += gg @ fk[:, :, :e]
+                fk.grad[:, :, :e] += gg.mT @ fq[:, :, s:e]
     return total
 
 
@@ -422,72 +445,65 @@ def l2_loss_blockwise(q, k, lq, lk, query_block, grad_scale=None):
     row divided by its largest teacher kernel value: real models reach q.k / sqrt d of 30 and more, where exp
     overflows and the largest rows would swamp all others. K^/m is computed as exp(u_i - m_i) (Fq Fk^T)_ij with
     Fq, Fk in (0, 1] (shifts per query and per feature, exact), its exponent capped at 30 so that a wild early
-    student gives a large loss, not inf. q (B, H, T, D) divided by sqrt(d), k (B, H, T, D) teacher; lq, lk
-    (B, H, T, M). Returns the sum (0-dim float64); with grad_scale, each block's autograd adds into lq.grad, lk.grad."""
-    T = q.size(2)
+    student gives a large loss, not inf. q (B, H, T, D) divided by sqrt(d), k (B, H, T, D) teacher; lq, lk lists
+    of (B, H_g, T, M_g) per group of heads (as softmax_loss). Returns the sum (0-dim float64); with grad_scale, each
+    block's autograd adds into the log-features' .grad."""
+    T, sizes = q.size(2), [x.size(1) for x in lq]
     total = torch.zeros((), dtype=torch.float64, device=q.device)
     for s in range(0, T, query_block):
         e = min(T, s + query_block)
         mask = causal_mask(s, e, q.device)
-        bq, bk = lq[:, :, s:e], lk[:, :, :e]
         with torch.no_grad():
             logits = (q[:, :, s:e] @ k[:, :, :e].mT).masked_fill_(~mask, float("-inf"))
             m = logits.amax(-1, keepdim=True)                                         # (B, H, b, 1) log row max
             kern = logits.sub_(m).exp_()                                              # K / m in [0, 1]
-            w = bk.amax(2, keepdim=True)                                              # (B, H, 1, M) per feature
-            u = (bq + w).amax(-1, keepdim=True)                                       # (B, H, b, 1) per query
-        khat = ((bq + w - u).exp() @ (bk - w).exp().mT) * (u - m).clamp_max(30.0).exp()
-        loss = ((kern - khat) ** 2).masked_fill(~mask, 0.0).sum()
+        khat = []
+        for bq, bk, mg in zip((x[:, :, s:e] for x in lq), (x[:, :, :e] for x in lk), m.split(sizes, 1)):
+            with torch.no_grad():
+                w = bk.amax(2, keepdim=True)                                          # (B, H_g, 1, M_g) per feature
+                u = (bq + w).amax(-1, keepdim=True)                                   # (B, H_g, b, 1) per query
+            khat.append(((bq + w - u).exp() @ (bk - w).exp().mT) * (u - mg).clamp_max(30.0).exp())
+        loss = ((kern - torch.cat(khat, 1)) ** 2).masked_fill(~mask, 0.0).sum()
         if grad_scale is not None:
             (loss * grad_scale).backward()
         total += loss.detach().double()
     return total
 
 
-def student_features(core, q, k, kind):
-    """The student's features of one layer for the loss: (phi_q, phi_k) (B, H, T, M) as the model uses them
-    (softmax loss), or their logs on the kernel's absolute scale (l2 loss; keys centred and repeated as in
-    LinearAttention.features)."""
-    if kind == "softmax":
-        return core.features(q, k)
-    kc = repeat_kv(k, q.size(1)) - core.key_mean[:, None].to(k.dtype)
-    return core.feature_map.log_features(q), core.feature_map.log_features(kc)
-
-
 def layer_loss(core, q, k, kind, query_block, scale=None):
     """Mean over (batch, heads, queries) of one layer's softmax or l2 loss, a 0-dim float64 tensor on the device.
     With scale, also backpropagates scale * loss into the core's feature parameters. When one block holds every
-    query (T <= query_block), the plain softmax_loss; otherwise the blockwise form puts each block's gradient into
-    the features' gradients (pq.grad, pk.grad), then one backward pass goes through the feature map."""
+    query (T <= query_block), the softmax loss is the plain softmax_loss; otherwise the blockwise forms, whose
+    gradients land in the features' .grad, then one backward pass goes through the feature maps. Heads come in the
+    core's groups of equal feature dimension (LinearAttention.group)."""
     B, H, T, D = q.shape
-    grad = scale is not None
+    n, grad = B * H * T, scale is not None
     with torch.autocast(q.device.type, enabled=False), torch.set_grad_enabled(grad):
-        fq, fk = student_features(core, q, k, kind)                                    # (B, H, T, M) each
-        fk = repeat_kv(fk, H)
         # keys centred as the student sees them: the teacher's softmax rows do not change (a per-query shift of
         # the logits), and the l2 loss compares K(q, k - mu) with its estimate, on the same scale
-        kc = repeat_kv(k, H) - core.key_mean[:, None].to(k.dtype)                      # (B, H, T, D)
+        fq, fk = zip(*core.features(q, k, log=kind == "l2"))     # per group (B, H_g, T, M_g), logs for l2
+        kc = core.group(repeat_kv(k, H) - core.key_mean[:, None].to(k.dtype))          # (B, H, T, D), grouped
+        q = core.group(q)
         if kind == "softmax" and T <= query_block:
             loss = softmax_loss(q, kc, fq, fk)
             if grad and loss.requires_grad:
                 (loss * scale).backward()
             return loss.detach().double()
-        n = B * H * T
-        pq, pk = fq.detach().requires_grad_(grad), fk.detach().requires_grad_(grad)
-        if grad:
-            pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
+        pq, pk = [f.detach().requires_grad_(grad) for f in fq], [f.detach().requires_grad_(grad) for f in fk]
+        for f in pq + pk if grad else ():
+            f.grad = torch.zeros_like(f)
         blockwise = softmax_loss_blockwise if kind == "softmax" else l2_loss_blockwise
         total = blockwise(q * D ** -0.5, kc, pq, pk, query_block, scale / n if grad else None)
-        if grad and fq.requires_grad:
-            torch.autograd.backward([fq, fk], [pq.grad, pk.grad])
-    return total / n
+        if grad and fq[0].requires_grad:
+            torch.autograd.backward(fq + fk, [f.grad for f in pq + pk])
+        return total / n
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Feature dims (dof.py), key means and the student
 
 def choose_dims(cfg, model, calib):
-    """-> (dims, per-layer DoF or None)."""
+    """-> (dims, DoF or None): per layer, or per head (lists of n_head) for --alloc dof-head / clip-head."""
     L = model.config.n_layer
     if cfg.dims:
         try:
@@ -502,10 +518,11 @@ def choose_dims(cfg, model, calib):
     x = dof.collect_qk(model, calib, cfg.J, seed=cfg.seed)                      # (L, H, J, D)
     per_head = dof.degrees_of_freedom(x, cfg.lam, relative=cfg.lam_relative)    # (L, H)
     layer_dof = per_head.amax(-1)
-    clip = model.config.head_dim if cfg.alloc == "clip" else None
+    clip = model.config.head_dim if cfg.alloc.startswith("clip") else None
+    if cfg.alloc.endswith("-head"):                                              # M_lh proportional to N_lh
+        return dof.allocate(per_head, cfg.budget, clip=clip), per_head.tolist()
     order = "reverse" if cfg.alloc == "reverse" else "dof"
-    dims = dof.allocate(layer_dof, cfg.budget, clip=clip, order=order)
-    return [int(d) for d in dims], [float(v) for v in layer_dof]
+    return dof.allocate(layer_dof, cfg.budget, clip=clip, order=order), layer_dof.tolist()
 
 
 @torch.no_grad()
@@ -523,18 +540,35 @@ def key_means(model, calib, cores, amp):
 
 def build_student(model, dims, cfg, calib, amp):
     """The linear-attention cores of model.linearize(dims), leaving model with its softmax cores: with --init-from,
-    that checkpoint's features and key means; otherwise freshly drawn features and, with --center-keys, each
-    core's key_mean its layer's mean calibration key."""
+    that checkpoint's features and key means; otherwise freshly drawn features (--init) and, with --center-keys,
+    each core's key_mean its layer's mean calibration key."""
     t_cores = dof.attention_cores(model)
     s_cores = dof.attention_cores(model.linearize(dims, feature_map=cfg.feature_map, chunk_size=cfg.chunk_size))
     for blk, c in zip(model.h, t_cores):
         blk.attn.core = c
     if cfg.init_from:
         load_feature_state(s_cores, load_file(str(Path(cfg.init_from) / "features.safetensors")), cfg.init_from)
-    elif cfg.center_keys:
+        return s_cores
+    if cfg.center_keys:
         for c, mu in zip(s_cores, key_means(model, calib, t_cores, amp)):          # (Hkv, D) -> (H, D)
             c.key_mean.copy_(repeat_kv(mu[None, :, None], c.key_mean.size(0))[0, :, 0])
+    if cfg.init == "leverage":
+        leverage_init(model, s_cores, cfg, calib)
     return s_cores
+
+
+@torch.no_grad()
+def leverage_init(model, s_cores, cfg, calib):
+    """Each head's PRF directions and weights drawn from its kernel's ridge leverage density (dof.leverage_features)
+    on J of its calibration queries and keys, centred as the student sees them."""
+    x = dof.collect_qk(model, calib, cfg.J, seed=cfg.seed, key_means=[c.key_mean for c in s_cores])  # (L, H, J, D)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    for l, core in enumerate(tqdm(s_cores, desc="leverage features", unit="layer", disable=not is_main())):
+        heads = core.split(torch.arange(core.n_head)[None])                        # head numbers of each group
+        for f, hs in zip(core.feature_maps, heads):
+            for i, h in enumerate(hs[0].tolist()):
+                z, log_alpha = dof.leverage_features(x[l, h].double(), f.M, cfg.lam, cfg.lam_relative, cfg.pool, gen)
+                f.z[i], f.log_alpha[i] = z, log_alpha
 
 
 def make_optimizer(cores, cfg):
@@ -559,6 +593,8 @@ def feature_state(cores):
 
 
 def load_feature_state(cores, sd, where):
+    # checkpoints written before per-head dims held each layer's one feature map as core.feature_map: group 0 now
+    sd = {k.replace(".core.feature_map.", ".core.feature_maps.0."): v for k, v in sd.items()}
     mine = feature_state(cores)
     if set(mine) != set(sd) or any(mine[k].shape != sd[k].shape for k in mine):
         missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
@@ -584,7 +620,8 @@ def load_student(ckpt_dir, device="cpu", dtype=torch.float32):
 def checkpoint_config(cfg, teacher, dims, layer_dof, meta):
     """config.json: what load_student needs (teacher, dims, feature map, chunk size) and how the run was made."""
     return {"teacher": teacher, "dims": dims, "feature_map": cfg.feature_map, "chunk_size": cfg.chunk_size,
-            "center_keys": cfg.center_keys, "loss": cfg.loss, "lam": cfg.lam, "lam_relative": cfg.lam_relative,
+            "center_keys": cfg.center_keys, "init": cfg.init, "loss": cfg.loss, "lam": cfg.lam,
+            "lam_relative": cfg.lam_relative,
             "budget": cfg.budget, "alloc": "dims" if cfg.dims else cfg.alloc, "J": cfg.J, "dof": layer_dof,
             "step": 0, "seed": cfg.seed, "block_size": cfg.block_size, "init_from": cfg.init_from or None,
             "world_size": get_world_size(),
@@ -754,13 +791,15 @@ def validate(model, t_cores, s_cores, batches, amp, cfg, teacher_loss, step):
 
 def describe(cfg, mc, meta, dims, layer_dof, t_dims, optim, device, amp, step):
     """The run's opening lines: teacher and data, dims, student and training setup."""
-    n_feat = sum(d * mc.n_head for d in dims)
+    n_feat = sum(np.sum(d) * (1 if isinstance(d, list) else mc.n_head) for d in dims)     # per token, all heads
     trainable = sum(p.numel() for g in optim.param_groups for p in g["params"]) if optim else 0
     print(f"teacher {cfg.model}: {mc.n_layer} layers, {mc.n_head} heads of {mc.head_dim}; data {cfg.data} "
           f"({meta['tokens']['train']:,} train tokens)")
     how = f"from {cfg.init_from}" if cfg.init_from else "--dims" if cfg.dims else f"{cfg.alloc}, budget {cfg.budget}"
-    print(f"dims ({how}, mean {np.mean(dims):.2f}): {dims}"
-          + (f"  [DoF in {t_dims:.1f}s: {', '.join(f'{v:.1f}' for v in layer_dof)}]" if layer_dof else ""))
+    per = " per head" if isinstance(dims[0], list) else ""
+    print(f"dims{per} ({how}, mean {n_feat / (mc.n_layer * mc.n_head):.2f}): {dims}"
+          + (f"  [DoF in {t_dims:.1f}s, layer max: {', '.join(f'{np.max(v):.1f}' for v in layer_dof)}]"
+             if layer_dof else ""))
     batch, N = f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step", get_world_size()
     if N > 1:
         batch += f" in each of {N} processes (global batch {N * cfg.batch_size * cfg.grad_accum})"
@@ -781,8 +820,9 @@ def print_summary(cfg, metrics, dims, layer_dof, step, seconds):
     for l in range(len(dims)):
         first = f"{metrics['first'][l]:11.4f}" if per_layer else f"{'-':>11}"
         last = f"{metrics['last'][l]:10.4f}" if per_layer else f"{'-':>10}"
-        dofv = f"{layer_dof[l]:8.2f}" if layer_dof else f"{'-':>8}"
-        print(f"{l:>5} {dims[l]:>5} {dofv} {first} {last} {v0['attn_kl'][l]:>13.4f} {v1['attn_kl'][l]:>11.4f}")
+        dofv = f"{np.max(layer_dof[l]):8.2f}" if layer_dof else f"{'-':>8}"   # per head: the layer's max
+        dim = f"{dims[l]:>5}" if isinstance(dims[l], int) else f"{np.mean(dims[l]):5.1f}"  # per head: their mean
+        print(f"{l:>5} {dim} {dofv} {first} {last} {v0['attn_kl'][l]:>13.4f} {v1['attn_kl'][l]:>11.4f}")
     print(f"validation next-token loss: teacher {v1['teacher_loss']:.4f}, student {v0['student_loss']:.4f} "
           f"({'from ' + cfg.init_from if cfg.init_from else 'untrained'}) -> {v1['student_loss']:.4f}")
 

@@ -15,7 +15,14 @@ everywhere):
 
     M_l = C N_l / mean(N).
 
-DoF+Clip caps each layer at the head size.
+DoF+Clip caps each layer at the head size. Per head (distill.py --alloc dof-head), M_lh = C N_lh / mean(N) over
+all heads instead.
+
+The count M ~ N_lam log N_lam comes from features drawn from the kernel's ridge leverage density (Bach 2017),
+
+    q_lam(z) ~ l(z) N(z; 0, I),   l(z) = <phi_z, (Sigma + lam I)^-1 phi_z>,   E_z~N(0,I)[l(z)] = N_lam,
+
+with importance weights that keep the kernel estimate unbiased; `leverage_features` draws them (section 4).
 """
 
 import json
@@ -64,10 +71,11 @@ def capture_qk(model):
 
 
 @torch.no_grad()
-def collect_qk(model, batches, J, seed=0):
+def collect_qk(model, batches, J, seed=0, key_means=None):
     """Run token batches (B, T) through the frozen model; -> (n_layer, n_head, J, head_dim) float32 on the CPU.
-    Each query head pools its queries with its KV head's keys; every point gets an i.i.d. uniform random key and
-    the J points with the largest keys are kept as the batches stream by (a reservoir: uniform without replacement)."""
+    Each query head pools its queries with its KV head's keys (minus key_means[l] (H, D), if given); every point
+    gets an i.i.d. uniform random key and the J points with the largest keys are kept as the batches stream by (a
+    reservoir: uniform without replacement)."""
     L = len(attention_cores(model))
     gen = torch.Generator().manual_seed(seed)
     kept, prio = [None] * L, [None] * L                               # per layer: (H, <=J, D) points, (H, <=J) keys
@@ -78,6 +86,8 @@ def collect_qk(model, batches, J, seed=0):
         for l, (q, k) in enumerate(qk):                               # (B, H, T, D), (B, Hkv, T, D)
             H, D = q.size(1), q.size(-1)
             k = M.repeat_kv(k, H)                                    # each query head sees its KV head's keys
+            if key_means is not None:
+                k = k - key_means[l][:, None].to(k)
             x = torch.cat((q, k), 2).transpose(0, 1).reshape(H, -1, D).float().cpu()   # (H, 2BT, D)
             r = torch.rand(x.shape[:2], generator=gen)
             if kept[l] is not None:
@@ -117,7 +127,14 @@ def dof_from_logits(S, lam, relative=False, J=None):
     N = tr(G (G + cI)^-1) = n - c tr((G + cI)^-1) = n - sum_i (1 - a_i) (A^-1)_ii, A^-1 from A's Cholesky factor.
     J (default n): the number of points when S's n rows stand for several copies each (see degrees_of_freedom)."""
     n = S.size(-1)
-    J = n if J is None else J
+    C, _, w = regularised_cholesky(S, lam, relative, n if J is None else J)
+    A_inv_diag = torch.cholesky_inverse(C).diagonal(dim1=-2, dim2=-1)       # (..., n)
+    return (n - (w * A_inv_diag).sum(-1)).clamp(0, n if J is None else J)
+
+
+def regularised_cholesky(S, lam, relative, J):
+    """dof_from_logits' factorisation: logits S (..., n, n) -> (C, u, w): C the Cholesky factor of A, u_i =
+    log D_ii^-1/2 = -log(G_ii + c) / 2 and w_i = 1 - a_i = c / (G_ii + c), so that G + cI = D^1/2 C C^T D^1/2."""
     s = S.diagonal(dim1=-2, dim2=-1)                                        # (..., n) log G_ii = |x_i|^2 / sqrt d
     log_c = math.log(lam) + (torch.logsumexp(s, -1, keepdim=True) if relative else math.log(J))
     u = (F.logsigmoid(s - log_c) - s) / 2                                   # (log a_i - S_ii) / 2
@@ -128,8 +145,7 @@ def dof_from_logits(S, lam, relative=False, J=None):
     if info.any():
         raise ModelError("the kernel matrix is numerically singular (near-duplicate queries/keys with logits far "
                          "above log(J lambda)); raise --lam or use --lam-relative, which keeps it well conditioned")
-    A_inv_diag = torch.cholesky_inverse(C).diagonal(dim1=-2, dim2=-1)       # (..., n)
-    return (n - (w * A_inv_diag).sum(-1)).clamp(0, J)
+    return C, u, w
 
 
 def degrees_of_freedom(x, lam, relative=False):
@@ -152,19 +168,21 @@ def degrees_of_freedom(x, lam, relative=False):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 3. Feature dimensions for a budget: M_l = C N_l / mean(N)
+# 3. Feature dimensions for a budget: M_l = C N_l / mean(N), per layer or per head
 
 def allocate(dof, budget, clip=None, order="dof"):
-    """Per-layer DoF (n_layer,) -> feature dims (list of int), proportional to the DoF with mean exactly `budget`.
+    """DoF per layer (n_layer,) or per head (n_layer, n_head) -> feature dims of the same shape (nested lists of
+    int), proportional to the DoF with mean exactly `budget`, so the total is budget x entries.
     clip: cap at the head size (DoF+Clip; nothing is redistributed, so the mean can fall below the budget).
     order: "dof"; "reverse" (the same dims, largest DoF getting the smallest); "fix" (budget everywhere)."""
-    N = np.asarray(torch.as_tensor(dof, dtype=torch.float64).cpu()).reshape(-1)
+    N = np.asarray(torch.as_tensor(dof, dtype=torch.float64).cpu())
+    shape, N = N.shape, N.reshape(-1)
     if int(budget) != budget or budget < 1:
         raise ModelError(f"the budget must be a whole number of at least 1 feature per layer, got {budget}")
     if order not in ("dof", "reverse", "fix"):
         raise ModelError(f"order must be dof, reverse or fix, got {order!r}")
     if N.size == 0 or not np.isfinite(N).all() or (N < 0).any():
-        raise ModelError(f"allocate needs one finite non-negative DoF per layer, got {N.tolist()}")
+        raise ModelError(f"allocate needs finite non-negative DoF, one per layer or head, got {N.tolist()}")
     C = int(budget)
     if order == "fix":
         dims = np.full(N.size, C)
@@ -178,7 +196,7 @@ def allocate(dof, budget, clip=None, order="dof"):
             dims = rev
     if clip is not None:
         dims = np.minimum(dims, int(clip))
-    return [int(v) for v in dims]
+    return dims.astype(int).reshape(shape).tolist()
 
 
 def whole_dims(M):
@@ -198,7 +216,62 @@ def whole_dims(M):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 4. The command: a model's DoF profile
+# 4. Features drawn from the kernel's ridge leverage scores (Bach 2017), the density Algorithm 1's M ~ N_lam assumes
+
+def prf_log(x, z):
+    """log phi_z(x) = z.x~ - |x~|^2 / 2, x~ = x / d^(1/4): the PRF feature of direction z with alpha = 1 and
+    without the 1/sqrt(M), so that E_z[phi_z(x) phi_z(y)] = K(x, y). x (n, d), z (P, d) -> (n, P)."""
+    xt = x * x.size(-1) ** -0.25
+    return xt @ z.mT - 0.5 * xt.square().sum(-1, keepdim=True)
+
+
+def leverage_reference(x, z, lam, relative=False):
+    """The plain form: the ridge leverage of each feature direction z_p (P, d) on the points x (J, d),
+
+        l(z) = <phi_z, (Sigma + lam I)^-1 phi_z> in L2 of the points = phi_z^T (G + J lam I)^-1 phi_z,
+
+    phi_z = (phi_z(x_1), ..., phi_z(x_J)), G = exp(x x^T / sqrt d) (relative: lam := lam tr(G / J)). Its mean
+    over z ~ N(0, I) is the DoF N_lam. -> (P,) float64; overflows for large logits (see leverage_log)."""
+    x, z = x.double(), z.double()
+    G = (x @ x.T / math.sqrt(x.size(-1))).exp()                              # (J, J)
+    c = lam * (G.trace() if relative else x.size(0))
+    phi = prf_log(x, z).exp()                                                # (J, P)
+    return (phi * torch.linalg.solve(G + c * torch.eye(len(G), dtype=G.dtype), phi)).sum(0)
+
+
+def leverage_log(x, z, lam, relative=False):
+    """log l(z) of leverage_reference without forming G or phi: with G + cI = D^1/2 C C^T D^1/2
+    (regularised_cholesky), l(z) = |C^-1 D^-1/2 phi_z|^2, and D^-1/2 phi_z is formed from its logs shifted by
+    their largest value (one factor for all z, added back to the logs). x (J, d), z (P, d) -> (P,) float64."""
+    x, z = x.double(), z.double()
+    C, u, _ = regularised_cholesky(x @ x.T / math.sqrt(x.size(-1)), lam, relative, x.size(0))
+    b = prf_log(x, z) + u[:, None]                                           # log of D^-1/2 phi_z (J, P)
+    top = b.max()
+    y = torch.linalg.solve_triangular(C, (b - top).exp(), upper=False)       # C^-1 D^-1/2 phi_z e^-top
+    return 2 * top + y.square().sum(0).log()
+
+
+def leverage_features(x, M, lam, relative=False, pool=16, generator=None):
+    """M PRF features of one head from its ridge leverage density q(z) ~ l(z) N(z; 0, I), on its points x (J, d):
+    a pool of P = pool x M candidates z_p ~ N(0, I), M taken by systematic resampling with probabilities
+    pi_p = l(z_p) / sum l (candidate p taken M pi_p times in expectation; a likely one can be taken twice), and
+    importance weights alpha_m = 1 / (P pi_p(m)) (PRF's sqrt(alpha_m / M)). Then, for any q, k,
+
+        E[sum_m alpha_m phi_zm(q) phi_zm(k) / M] = E[sum_p (M pi_p / M) phi_zp(q) phi_zp(k) / (P pi_p)]
+                                                 = E[sum_p phi_zp(q) phi_zp(k) / P] = K(q, k):
+
+    unbiased, as plain Gaussian PRF. -> z (M, d), log_alpha (M,), float32."""
+    P = pool * M
+    z = torch.randn(P, x.size(-1), generator=generator, dtype=torch.float64)
+    log_l = leverage_log(x, z, lam, relative)                                # (P,)
+    pi = torch.softmax(log_l, 0)                                             # l / sum l
+    u = (torch.rand((), generator=generator, dtype=torch.float64) + torch.arange(M, dtype=torch.float64)) / M
+    take = torch.searchsorted(pi.cumsum(0), u).clamp_max(P - 1)              # systematic resampling (M,)
+    return z[take].float(), (-(P * pi[take]).log()).float()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 5. The command: a model's DoF profile
 
 @dataclass
 class DofConfig:
@@ -330,7 +403,7 @@ def main(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 5. The figure
+# 6. The figure
 
 def plot(path_png, per_head, dims, title):
     """Per-head DoF heatmap and per-layer dims; False when matplotlib is not installed."""

@@ -196,7 +196,7 @@ class DiJiang(nn.Module):
 
     def __init__(self, n_head, head_dim, M):
         super().__init__()
-        nb = -(-M // head_dim)
+        self.M, nb = M, -(-M // head_dim)
         sobol = torch.quasirandom.SobolEngine(1, scramble=True, seed=int(torch.randint(2 ** 31, ())))
         u = sobol.draw(nb * head_dim, dtype=torch.float64).view(nb, 1, head_dim)
         w = torch.special.ndtri(u.clamp(1e-7, 1 - 1e-7))                                # (nb, 1, d)
@@ -273,48 +273,85 @@ class LinearAttention(nn.Module):
     forward(q (B, H, T, D), k, v (B, Hkv, T, D), cache=None) -> (B, H, T, D); q and k are after rotary.
     k and v are repeated to H heads (GQA, as HF's repeat_kv) and keys are centred by the buffer key_mean (H, D),
     zero unless distillation sets it (q.(k - mu) shifts every logit of a query equally: softmax unchanged).
-    With a cache dict, decoding keeps only the state S (B, H, M, D), s (B, H, M) there: fixed size, no KV cache.
-    Features, scan and step run in fp32 with autocast off (bf16 autocast would run their matmuls and sums in bf16).
+    M is one feature dimension shared by the heads (the paper's) or one per head (n_head ints). Heads of equal M
+    run together, one feature map each: feature_maps[g] serves the sizes[g] heads of the g-th smallest M, so a
+    layer costs sum_h M_h features, not n_head * max M; `split` and `merge` reorder the heads into those groups.
+    With a cache dict, decoding keeps only the state S (B, H_g, M_g, D), s (B, H_g, M_g) of each group there:
+    fixed size, no KV cache. Features, scan and step run in fp32 with autocast off (bf16 autocast would run their
+    matmuls and sums in bf16).
     """
 
     def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
         super().__init__()
         if feature_map not in FEATURE_MAPS:
             raise ModelError(f"unknown feature map {feature_map!r}; choose one of {', '.join(FEATURE_MAPS)}")
-        self.n_head, self.n_kv_head, self.M, self.chunk_size = n_head, n_kv_head, M, chunk_size
-        self.feature_map = FEATURE_MAPS[feature_map](n_head, head_dim, M)
+        self.dims = [int(m) for m in M] if isinstance(M, (list, tuple)) else [int(M)] * n_head   # M_h per head
+        if len(self.dims) != n_head or min(self.dims) < 1:
+            raise ModelError(f"LinearAttention needs one feature dimension or one per head ({n_head}), each at "
+                             f"least 1, got {M}")
+        self.n_head, self.n_kv_head, self.chunk_size = n_head, n_kv_head, chunk_size
+        order = sorted(range(n_head), key=self.dims.__getitem__)                        # heads by M, stable
+        self.order = None if order == list(range(n_head)) else order                    # None: already grouped
+        self.inverse = None if self.order is None else sorted(range(n_head), key=order.__getitem__)
+        groups = sorted(set(self.dims))
+        self.sizes = [self.dims.count(m) for m in groups]                               # heads per group
+        self.feature_maps = nn.ModuleList(FEATURE_MAPS[feature_map](n, head_dim, m) for n, m in zip(self.sizes, groups))
         self.register_buffer("key_mean", torch.zeros(n_head, head_dim))                # (H, D)
 
-    def features(self, q, k):
-        """(phi_q, phi_k), each (B, H, T, M) fp32, for queries q (B, H, T, D) and keys k (B, Hkv, T, D)."""
+    def group(self, x):
+        """(B, H, ...) with its heads reordered into the groups (no copy when they already are)."""
+        return x if self.order is None else x[:, self.order]
+
+    def split(self, x):
+        """(B, H, ...) -> one (B, H_g, ...) per group, its heads in head order."""
+        return self.group(x).split(self.sizes, 1)
+
+    def merge(self, ys):
+        """split's inverse: one (B, H_g, ...) per group -> (B, H, ...)."""
+        y = torch.cat(ys, 1)
+        return y if self.inverse is None else y[:, self.inverse]
+
+    def features(self, q, k, log=False):
+        """[(phi_q, phi_k)], each (B, H_g, T, M_g) fp32, one pair per group, for queries q (B, H, T, D) and keys
+        k (B, Hkv, T, D); log=True: log Phi of queries and centred keys, on the kernel's own scale (the l2 loss)."""
         dt = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
             q, k = q.to(dt), repeat_kv(k, self.n_head).to(dt) - self.key_mean[:, None].to(dt)
-            return self.feature_map(q, is_query=True), self.feature_map(k, is_query=False)
+            if log:
+                return [(f.log_features(qg), f.log_features(kg)) for f, qg, kg in
+                        zip(self.feature_maps, self.split(q), self.split(k))]
+            return [(f(qg, is_query=True), f(kg, is_query=False)) for f, qg, kg in
+                    zip(self.feature_maps, self.split(q), self.split(k))]
 
     def scores(self, q, k):
         """The student's normalised causal attention matrix (B, H, T, T): row i = phi_q,i . phi_k,j / sum_j<=i."""
         with torch.autocast(q.device.type, enabled=False):
-            phi_q, phi_k = self.features(q, k)
-            A = (phi_q @ phi_k.mT).tril()
+            A = self.merge([(phi_q @ phi_k.mT).tril() for phi_q, phi_k in self.features(q, k)])
             return A / A.sum(-1, keepdim=True)
 
     def forward(self, q, k, v, cache=None):
         with torch.autocast(q.device.type, enabled=False):
-            phi_q, phi_k = self.features(q, k)                                           # (B, H, T, M)
-            v = repeat_kv(v, self.n_head)                                                # (B, H, T, D)
+            feats, vs = self.features(q, k), self.split(repeat_kv(v, self.n_head))     # per group
             if cache is None:
-                return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
-            if "S" not in cache:
-                B, H, _, D = v.shape
-                cache["S"], cache["s"] = phi_q.new_zeros(B, H, self.M, D), phi_q.new_zeros(B, H, self.M)
-            if q.size(2) == 1:                                                           # one token: the step
-                y, cache["S"], cache["s"] = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0],
-                                                                  cache["S"], cache["s"])
-                return y[:, :, None].to(q.dtype)
-            y, cache["S"], cache["s"] = causal_linear_attention(phi_q, phi_k, v, self.chunk_size,
-                                                                state=(cache["S"], cache["s"]), return_state=True)
-            return y.to(q.dtype)
+                ys = [causal_linear_attention(pq, pk, vg, self.chunk_size) for (pq, pk), vg in zip(feats, vs)]
+            else:
+                ys = [self.decode(pq, pk, vg, cache, g) for g, ((pq, pk), vg) in enumerate(zip(feats, vs))]
+            return self.merge(ys).to(q.dtype)
+
+    def decode(self, phi_q, phi_k, v, cache, g):
+        """Group g's tokens with its state in cache["S"][g], cache["s"][g] (made at the first call)."""
+        if "S" not in cache:
+            B, D = v.size(0), v.size(-1)
+            cache["S"] = [v.new_zeros(B, n, f.M, D, dtype=phi_q.dtype) for n, f in zip(self.sizes, self.feature_maps)]
+            cache["s"] = [v.new_zeros(B, n, f.M, dtype=phi_q.dtype) for n, f in zip(self.sizes, self.feature_maps)]
+        S, s = cache["S"][g], cache["s"][g]
+        if phi_q.size(2) == 1:                                                           # one token: the step
+            y, S, s = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], S, s)
+            y = y[:, :, None]
+        else:
+            y, S, s = causal_linear_attention(phi_q, phi_k, v, self.chunk_size, state=(S, s), return_state=True)
+        cache["S"][g], cache["s"][g] = S, s
+        return y
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -426,13 +463,14 @@ class GPT(nn.Module):
         return idx
 
     def linearize(self, dims, feature_map="prf", chunk_size=64):
-        """Replace every layer's softmax core by LinearAttention with dims[l] features (shared by the layer's heads).
-        Projections, rotary and everything else stay the checkpoint's; only the new feature maps can train."""
+        """Replace every layer's softmax core by LinearAttention with dims[l] features: one int (shared by the
+        layer's heads) or n_head ints (per head). Projections, rotary and everything else stay the checkpoint's; only
+        the new feature maps can train."""
         c = self.config
-        if len(dims) != c.n_layer or min(dims) < 1:
-            raise ModelError(f"linearize needs {c.n_layer} feature dimensions of at least 1, got {list(dims)}")
+        if len(dims) != c.n_layer:
+            raise ModelError(f"linearize needs {c.n_layer} feature dimensions (one per layer), got {list(dims)}")
         for block, m in zip(self.h, dims):
-            block.attn.core = LinearAttention(c.n_head, c.n_kv_head, c.head_dim, int(m), feature_map, chunk_size)
+            block.attn.core = LinearAttention(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)
         return self.to(self.wte.weight.device)
 
     @classmethod

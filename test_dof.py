@@ -800,7 +800,7 @@ def test_full_path_gradients(fmap, T):
     x64 = [x.double().requires_grad_() for x in (q, k, v)]
     g = torch.randn(B, H, T, D)
     y32 = m32(*x32)
-    phi_q, phi_k = m64.features(x64[0], x64[1])
+    phi_q, phi_k = m64.features(x64[0], x64[1])[0]
     y64 = linear_attention_reference(phi_q, phi_k, repeat_kv(x64[2], m64.n_head))
     (y32 * g).sum().backward()
     (y64 * g.double()).sum().backward()
@@ -859,7 +859,7 @@ def test_large_norms_stay_finite(fmap, dtype):
     q, k = (unit() * norms).to(dtype), (unit() * norms.flip(2)).to(dtype)
     v = torch.randn(B, H, T, D, generator=g).to(dtype)
     q.requires_grad_(), k.requires_grad_()
-    phi_q, phi_k = m.features(q, k)
+    phi_q, phi_k = m.features(q, k)[0]
     for phi in (phi_q, phi_k):
         assert torch.isfinite(phi).all() and (phi >= 0).all()
     y = m(q, k, v)
@@ -911,9 +911,10 @@ def test_stabilised_features_give_the_same_attention_as_raw_features():
     torch.manual_seed(8)
     m = LinearAttention(3, 3, 16, 40, "prf")
     with torch.no_grad():
-        m.feature_map.log_alpha.normal_()
+        m.feature_maps[0].log_alpha.normal_()
     q, k, _ = qkv(2, 3, 3, 50, 16, seed=8)
-    A = (m.feature_map.log_features(q).exp() @ m.feature_map.log_features(k).exp().mT).tril()
+    f = m.feature_maps[0]
+    A = (f.log_features(q).exp() @ f.log_features(k).exp().mT).tril()
     assert rel(m.scores(q, k), A / A.sum(-1, keepdim=True)) < 1e-5
 
 
@@ -984,7 +985,8 @@ def test_cache_prefill_then_steps_equal_full_forward(fmap):
     for t in range(60, T):                                                  # one token at a time
         parts.append(m(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache))
     assert rel(torch.cat(parts, 2), y_full) < 1e-5
-    assert set(cache) == {"S", "s"} and cache["S"].shape == (B, H, 24, D) and cache["s"].shape == (B, H, 24)
+    assert set(cache) == {"S", "s"} and [S.shape for S in cache["S"]] == [(B, H, 24, D)]
+    assert [s.shape for s in cache["s"]] == [(B, H, 24)]
 
 
 def test_gqa_repeat_matches_explicit_heads():
@@ -1047,7 +1049,7 @@ def test_linearized_generation_equals_full_forward_greedy(family):
     cache = Cache(cfg.n_layer)                               # the decoding state: S and s per layer, no KV cache
     with torch.no_grad():
         model(idx, cache=cache)
-    assert [sorted(c) for c in cache] == [["S", "s"]] * 2 and cache[0]["S"].shape == (1, 4, 8, 16)
+    assert [sorted(c) for c in cache] == [["S", "s"]] * 2 and cache[0]["S"][0].shape == (1, 4, 8, 16)
 
 
 @pytest.mark.parametrize("fmap", MAPS)
@@ -1609,7 +1611,7 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
     value = distill.layer_loss(core, q, k, "softmax", query_block=16, scale=1.0)
     g_fast = grads(core)
     core.zero_grad()
-    ref = distill.softmax_loss(q, distill.repeat_kv(k, 4), *core.features(q, k))
+    ref = distill.softmax_loss(q, distill.repeat_kv(k, 4), *zip(*core.features(q, k)))
     ref.backward()
     g_plain = grads(core)
     assert value.dtype == torch.float64 and value.dim() == 0
@@ -1631,7 +1633,8 @@ def test_l2_loss_blocks_equal_the_plain_kernel_error():
     core.zero_grad()
     kc = distill.repeat_kv(k, 4) - core.key_mean[:, None]
     kern = torch.exp(q @ kc.mT / 4.0)                       # exp(q.(k - mu) / sqrt(16)): the centred keys' kernel
-    khat = core.feature_map.log_features(q).exp() @ core.feature_map.log_features(kc).exp().mT
+    f = core.feature_maps[0]
+    khat = f.log_features(q).exp() @ f.log_features(kc).exp().mT
     mask = distill.causal_mask(0, q.size(2), q.device)
     m = kern.masked_fill(~mask, 0).amax(-1, keepdim=True)
     ref = (((kern - khat) / m) ** 2).masked_fill(~mask, 0).sum(-1).mean()
@@ -1964,6 +1967,186 @@ def test_preset_prints_its_flags_and_flags_given_win(capsys):
     cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
     assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)
     assert distill.PRESETS["cpu"] in capsys.readouterr().out
+
+
+# ==================================================================================================================
+# Per-head feature dims (heads grouped by dim) and features drawn from the kernel's ridge leverage scores
+
+HEAD_DIMS = [5, 3, 5, 8, 3, 1]                                       # 4 groups; heads of a group not adjacent
+
+
+def per_head_reference(core, q, k, v):
+    """LinearAttention's output computed one head at a time from the PRF formula and the plain T x T form."""
+    B, H, T, D = q.shape
+    k, v = repeat_kv(k, H) - core.key_mean[:, None], repeat_kv(v, H)
+    ys = []
+    for h, m in enumerate(core.dims):
+        g = sorted(set(core.dims)).index(m)                                    # the group of dim m
+        i = [j for j in range(H) if core.dims[j] == m].index(h)                # h's place in it
+        f = core.feature_maps[g]
+        z, log_alpha = f.z[i], f.log_alpha[i]                                  # (M, D), (M,)
+        phi = lambda x: torch.exp(x * D ** -0.25 @ z.T - (x * D ** -0.25).square().sum(-1, keepdim=True) / 2
+                                  + (log_alpha - math.log(m)) / 2)            # Phi(x) (B, T, M) as PRF's docstring
+        ys.append(linear_attention_reference(phi(q[:, h])[:, None], phi(k[:, h])[:, None], v[:, h, None]))
+    return torch.cat(ys, 1)                                                    # (B, H, T, D)
+
+
+def per_head_core(seed=0, D=16, dtype=torch.float64):
+    torch.manual_seed(seed)
+    core = M.LinearAttention(6, 2, D, HEAD_DIMS, "prf", chunk_size=16).to(dtype)
+    with torch.no_grad():
+        core.key_mean.normal_(0, 0.3)
+        for f in core.feature_maps:
+            f.log_alpha.normal_(0, 0.5)
+    return core
+
+
+def test_per_head_dims_group_heads_by_dim_and_cost_the_sum():
+    core = per_head_core()
+    assert [f.M for f in core.feature_maps] == [1, 3, 5, 8] and core.sizes == [1, 2, 2, 1]
+    assert [tuple(f.z.shape) for f in core.feature_maps] == [(1, 1, 16), (2, 3, 16), (2, 5, 16), (1, 8, 16)]
+    assert sum(f.z.shape[0] * f.M for f in core.feature_maps) == sum(HEAD_DIMS)        # no padding to max M
+    x = torch.arange(6.0)[None, :, None]                                               # (1, H, 1)
+    assert torch.equal(core.merge(list(core.split(x))), x)
+    assert [g[0, :, 0].tolist() for g in core.split(x)] == [[5], [1, 4], [0, 2], [3]]
+    uniform = M.LinearAttention(6, 2, 16, 4, "prf")
+    assert uniform.order is None and uniform.dims == [4] * 6 and len(uniform.feature_maps) == 1
+    with pytest.raises(ModelError, match="one per head"):
+        M.LinearAttention(6, 2, 16, [4, 4], "prf")
+    with pytest.raises(ModelError, match="at least 1"):
+        M.LinearAttention(2, 2, 16, [4, 0], "prf")
+
+
+@pytest.mark.parametrize("T", [1, 37, 70])
+def test_per_head_dims_match_a_head_by_head_reference_forward_and_backward(T):
+    core = per_head_core(seed=T)
+    q, k, v = [x.double().requires_grad_() for x in qkv(2, 6, 2, T, 16, seed=T)]
+    g = torch.randn(2, 6, T, 16, dtype=torch.float64)
+    y = core(q, k, v)
+    fast = torch.autograd.grad((y * g).sum(), [q, k, v, *core.parameters()])
+    ref = per_head_reference(core, q, k, v)
+    slow = torch.autograd.grad((ref * g).sum(), [q, k, v, *core.parameters()])
+    assert rel(y, ref) < 1e-10
+    for a, b in zip(fast, slow):          # against |dv|: some are exactly zero (alpha of a one-feature head; T = 1)
+        assert (a - b).norm() < 1e-12 * fast[2].norm()
+    A = core.scores(q, k)                                                      # the normalised rows, per head
+    assert rel(A @ repeat_kv(v, 6), ref) < 1e-10
+
+
+def test_per_head_dims_decode_with_one_state_per_group():
+    core = per_head_core(seed=3)
+    q, k, v = [x.double() for x in qkv(2, 6, 2, 50, 16, seed=3)]
+    cache = {}
+    parts = [core(q[:, :, :21], k[:, :, :21], v[:, :, :21], cache)]           # prefill, then one token at a time
+    parts += [core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache) for t in range(21, 50)]
+    assert rel(torch.cat(parts, 2), core(q, k, v)) < 1e-10
+    assert [tuple(S.shape) for S in cache["S"]] == [(2, n, m, 16) for n, m in zip([1, 2, 2, 1], [1, 3, 5, 8])]
+
+
+def test_checkpoints_of_one_shared_feature_map_still_load():
+    """Keys written before per-head dims (core.feature_map.z) load into group 0; a real mismatch is still refused."""
+    src, dst = M.LinearAttention(4, 2, 8, 5), M.LinearAttention(4, 2, 8, 5)
+    old = {k.replace("feature_maps.0.", "feature_map."): v for k, v in distill.feature_state([src]).items()}
+    assert any(".core.feature_map.z" in k for k in old)
+    distill.load_feature_state([dst], old, "old")
+    assert torch.equal(dst.feature_maps[0].z, src.feature_maps[0].z)
+    with pytest.raises(ModelError, match="does not fit this student"):
+        distill.load_feature_state([M.LinearAttention(4, 2, 8, [5, 5, 6, 5])], old, "old")
+
+
+@pytest.mark.parametrize("kind", ["softmax", "l2"])
+@pytest.mark.parametrize("query_block", [16, 40])
+def test_per_head_layer_loss_is_the_mean_of_per_head_losses(kind, query_block):
+    """layer_loss over grouped heads equals the mean over heads of each head's loss computed alone (a one-head core
+    holding that head's features), in value and gradients; T = 40: plain (softmax) and blockwise forms."""
+    core = per_head_core(seed=5, dtype=torch.float32)
+    q, k = 1.5 * torch.randn(2, 6, 40, 16), 1.5 * torch.randn(2, 2, 40, 16)
+    value = distill.layer_loss(core, q, k, kind, query_block, scale=1.0)
+    kc, ref, ones = repeat_kv(k, 6), 0.0, []
+    for h, m in enumerate(core.dims):
+        g, i = sorted(set(core.dims)).index(m), [j for j in range(6) if core.dims[j] == m].index(h)
+        one = M.LinearAttention(1, 1, 16, m, "prf")
+        with torch.no_grad():
+            one.feature_maps[0].z.copy_(core.feature_maps[g].z[i:i + 1])
+            one.feature_maps[0].log_alpha.copy_(core.feature_maps[g].log_alpha[i:i + 1])
+            one.key_mean.copy_(core.key_mean[h:h + 1])
+        ref = ref + distill.layer_loss(one, q[:, h:h + 1], kc[:, h:h + 1], kind, query_block, scale=1 / 6) / 6
+        ones.append((one, g, i))
+    assert abs(value.item() - ref.item()) < 1e-5 * abs(ref.item())
+    for one, g, i in ones:
+        f = core.feature_maps[g]
+        assert rel(f.z.grad[i], one.feature_maps[0].z.grad[0]) < 1e-4
+        assert rel(f.log_alpha.grad[i], one.feature_maps[0].log_alpha.grad[0]) < 1e-4
+
+
+def test_allocate_per_head_sums_exactly_and_clips_per_head():
+    rng = np.random.default_rng(1)
+    for trial in range(300):
+        L, H = int(rng.integers(1, 31)), int(rng.integers(1, 13))
+        budget = int(rng.choice([1, 4, 16, 32, 64]))
+        N = rng.lognormal(2, rng.uniform(0, 2), (L, H)) * (rng.random((L, H)) > 0.05)
+        dims = np.array(dof.allocate(N, budget))
+        assert dims.shape == (L, H) and dims.sum() == budget * L * H and dims.min() >= 1
+        assert (dims.reshape(-1) == dof.allocate(N.reshape(-1), budget)).all()    # one pool of L x H heads
+        clipped = np.array(dof.allocate(N, budget, clip=16))
+        assert (clipped == np.minimum(dims, 16)).all()
+    assert dof.allocate([[1, 3], [0, 4]], 8) == [[4, 12], [1, 15]]               # worked by hand: 32 = 4+12+1+15
+
+
+def test_leverage_scores_stable_form_equals_the_plain_form_and_averages_to_the_dof():
+    g = torch.Generator().manual_seed(0)
+    x = 0.8 * torch.randn(150, 8, generator=g, dtype=torch.float64)
+    z = torch.randn(20000, 8, generator=g, dtype=torch.float64)
+    for lam, relative in ((0.05, False), (1e-2, True)):
+        plain = dof.leverage_reference(x, z[:200], lam, relative)
+        assert rel(dof.leverage_log(x, z[:200], lam, relative).exp(), plain) < 1e-10
+        l = dof.leverage_log(x, z, lam, relative).exp()          # E_z[l(z)] = tr(Sigma (Sigma + lam)^-1) = N_lam
+        N = dof.degrees_of_freedom(x, lam, relative).item()
+        assert abs(l.mean().item() - N) < 4 * l.std().item() / math.sqrt(len(l)), (l.mean().item(), N)
+    big = 6.0 * torch.randn(100, 8, generator=g, dtype=torch.float64)   # logits past exp's range
+    assert torch.isfinite(dof.leverage_log(big, z[:100], 1e-3, True)).all()
+
+
+def test_leverage_features_give_an_unbiased_kernel_estimate():
+    """The mean over draws of sum_m alpha_m phi_zm(q) phi_zm(k) / M is exp(q.k / sqrt d); without the importance
+    weights (alpha = 1) the same draws are biased."""
+    g = torch.Generator().manual_seed(1)
+    x = 1.2 * torch.randn(96, 4, generator=g, dtype=torch.float64)
+    q, k = x[:5], x[5:10]
+    K = ((q * k).sum(-1) / 2).exp()                                                    # sqrt(d) = 2
+    weighted, plain = [], []
+    for _ in range(3000):
+        z, log_alpha = dof.leverage_features(x, 8, 1e-2, True, pool=16, generator=g)
+        pk = (dof.prf_log(q, z.double()) + dof.prf_log(k, z.double())).exp()         # (5, M)
+        weighted.append((pk * log_alpha.double().exp()).mean(-1))
+        plain.append(pk.mean(-1))
+    for est, unbiased in ((torch.stack(weighted), True), (torch.stack(plain), False)):
+        z_score = (est.mean(0) - K).abs() / (est.std(0) / math.sqrt(len(est)))
+        assert (z_score.max() < 4.5) if unbiased else (z_score.max() > 10), z_score
+
+
+def test_distill_per_head_dims_with_leverage_init_save_and_load(setup, tmp_path):
+    """--alloc dof-head: the total is budget x heads x layers; config.json records the per-head dims and
+    load_student rebuilds them; --init leverage starts from weighted features; bad combinations are refused."""
+    d, ckpt, data = setup
+    out = tmp_path / "heads"
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 6, "--alloc", "dof-head", "--init",
+            "leverage", "--max-steps", 4, "--out-dir", out, *FAST)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = json.loads((out / "config.json").read_text())
+    dims = np.array(cfg["dims"])
+    assert dims.shape == (4, 4) and dims.sum() == 6 * 4 * 4 and dims.min() >= 1 and len(set(dims.ravel())) > 1
+    assert cfg["init"] == "leverage" and np.array(cfg["dof"]).shape == (4, 4)
+    student, _ = distill.load_student(out)
+    cores = dof.attention_cores(student)
+    assert [c.dims for c in cores] == cfg["dims"]
+    assert sum(f.z.shape[0] * f.M for c in cores for f in c.feature_maps) == 6 * 4 * 4
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 6, "--alloc", "dof-head", "--init",
+            "leverage", "--max-steps", 6, "--out-dir", out, "--resume", *FAST)
+    assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-3000:]
+    run_bad(["--model", ckpt, "--data", data, "--init", "leverage", "--feature-map", "performer",
+             "--out-dir", tmp_path / "x"], "--init leverage draws prf features")
+    assert not (tmp_path / "x").exists()
 
 
 # ==================================================================================================================

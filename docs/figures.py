@@ -169,7 +169,7 @@ def fig_attention(plt, path, model, tokens, head, cfg):
     maps = {"teacher (softmax)": causal_softmax(q, k)[0, h]}
     with torch.no_grad():
         for name, core in student_cores(cfg.ckpt, model, l, cfg.budget).items():
-            maps[f"{name} student, M = {core.M}"] = core.scores(q, k)[0, h]              # (T, T)
+            maps[f"{name} student, M = {core.dims[h]}"] = core.scores(q, k)[0, h]              # (T, T)
     fig, axes = plt.subplots(1, len(maps), figsize=(2.6 * len(maps) + 0.8, 3), layout="constrained")
     for ax, (name, A) in zip(axes, maps.items()):
         im = ax.imshow(A.clamp_min(1e-4).numpy(), norm=LogNorm(1e-4, 1), cmap="magma")
