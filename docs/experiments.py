@@ -90,7 +90,13 @@ def recipe_grid(seeds=(0, 1, 2)):
     return direct + longer + plain
 
 
-GRIDS = {"claim": claim_grid, "recipe": recipe_grid}
+def heads_grid(seeds=(0, 1, 2)):
+    """Per-head dims against the claim grid's per-layer DoF at budget 32: the same flags, steps and seeds."""
+    return [Run("heads", f"b32-dof-head-s{s}", "32/DoF per head", s,
+                SMOL + CLAIM_STEPS + ["--budget", "32", "--alloc", "dof-head"]) for s in seeds]
+
+
+GRIDS = {"claim": claim_grid, "recipe": recipe_grid, "heads": heads_grid}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,18 +293,40 @@ def splice(text, name, body):
     return head + begin + "\n" + body + "\n" + rest[rest.index(end):]
 
 
+# grids whose tables also show the claim grid's runs of this configuration, paired seed by seed: the recipe
+# continues the layerwise 64/DoF students; per-head dims compare with per-layer dims at budget 32
+BASELINE = {"recipe": "64/DoF", "heads": "32/DoF"}
+
+
 def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESULTS, figures=ROOT / "docs"):
     """Rebuild every generated block of `docs` (between their markers) and each grid's learning-curve figure."""
     made = {}
     for grid in sorted(p.name for p in Path(results).iterdir() if p.is_dir()):
+        if grid == "gpu":                            # gpu_check.py's JSON: its own table and targets
+            import gpu_check
+            for p in sorted((Path(results) / grid).glob("*.json")):
+                res = json.loads(p.read_text())
+                made[f"gpu:{p.stem}"] = "\n".join([gpu_check.table(res), ""] + gpu_check.targets(res))
+            continue
+        if grid == "heads-kl":                       # docs/heads.py: per-head error against M, the synthetic check
+            import heads
+            for p in sorted((Path(results) / grid).glob("*.json")):
+                res = json.loads(p.read_text())
+                if p.stem == "synthetic":
+                    made[f"heads-kl:{p.stem}"] = heads.synthetic_table(res)
+                else:
+                    made[f"heads-kl:{p.stem}"] = heads.table(res)
+                    heads.figure(res, Path(figures) / "fig-heads.png")
+            continue
         if grid == "zeroshot":                       # evaluate.py's results.json, not distill.py runs
             for p in sorted((Path(results) / grid).glob("*.json")):
                 made[f"zeroshot:{p.stem}"] = zeroshot_table(json.loads(p.read_text()))
             continue
         records = load(grid, results)
-        if grid == "recipe":                         # shown against the layerwise students it starts from
-            made[f"{grid}:continuations"] = continuations(records)
-            records = [r for r in load("claim", results) if r["group"] == "64/DoF"] + records
+        if grid in BASELINE:                         # shown against the claim grid's per-layer DoF runs
+            if grid == "recipe":
+                made[f"{grid}:continuations"] = continuations(records)
+            records = [r for r in load("claim", results) if r["group"] == BASELINE[grid]] + records
             made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, "DoF")
         elif records:
             made.update(blocks(grid, records))

@@ -1,0 +1,263 @@
+"""
+Per-head measurement on a real model: the error of untrained and trained feature maps against the feature count
+M, per head, and whether features in proportion to each head's DoF even out the error across heads.
+
+    python docs/heads.py                   # SmolLM2-135M layers 0, 15, 29 and the synthetic check; ~20 minutes
+    python docs/heads.py --synthetic       # the synthetic Gaussian-kernel check alone; seconds
+    python docs/experiments.py --report    # their tables in docs/results.md, docs/fig-heads.png
+
+Error: held-out KL(p || p^) of each head's normalised causal attention rows (the softmax loss of distill.py),
+averaged over queries, on --eval-seqs sequences of val.bin; features drawn or trained on --calib-seqs sequences of
+train.bin, keys centred by their calibration mean (as distill.py --center-keys). Feature maps, for each M:
+  gaussian     PRF with z ~ N(0, I), alpha = 1 (the paper's init)
+  orthogonal   Performer's orthogonal random features
+  leverage     PRF drawn from each head's ridge leverage density (dof.leverage_features)
+  trained      PRF from the gaussian init, --steps Adam steps of the softmax loss on the calibration sequences
+Untrained maps are the mean over --seeds draws. Then per head at M = N_lam (rounded) for gaussian and leverage,
+and the spread of the error across heads at mean M = --budget: the same M for every head against M ~ N_lam.
+
+The synthetic check has the kernel itself to compare with: J = 128 points x ~ N(0, s^2 I_8), K = exp(x x^T / sqrt 8)
+exactly, M = N_lam of those points; the relative error |K^ - K|_F / |K|_F (what the leverage density is optimal
+for) and the mean KL of K's normalised rows (what attention uses), mean over 20 draws of each map.
+"""
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import distill  # noqa: E402
+import dof  # noqa: E402
+import model as M  # noqa: E402
+from common import atomic_path, opt, parse_config, read_tokens, run_main, write_text_atomic  # noqa: E402
+
+METHODS = ("gaussian", "orthogonal", "leverage", "trained")
+
+
+@dataclass
+class HeadsConfig:
+    """Per-head error of linear attention against M for untrained and trained feature maps."""
+    model: str = opt("smollm2-135m", "teacher checkpoint")
+    data: str = opt("data/wikitext-smollm2", "directory of train.bin / val.bin in the teacher's tokens")
+    layers: list[int] = opt([0, 15, 29], "layers to measure (all their heads)")
+    Ms: list[int] = opt([8, 16, 32, 64, 128], "feature counts")
+    block_size: int = opt(256, "tokens per sequence")
+    calib_seqs: int = opt(4, "calibration sequences (DoF, key means, leverage, training)")
+    eval_seqs: int = opt(4, "held-out sequences the error is measured on")
+    J: int = opt(1024, "points per head for the DoF and the leverage scores")
+    lam: float = opt(1e-3, "lambda, relative to tr(S) (as the SmolLM2 experiments)")
+    budget: int = opt(32, "mean M of the equal-error comparison")
+    steps: int = opt(100, "Adam steps of the trained maps")
+    seeds: int = opt(3, "draws averaged for the untrained maps")
+    synthetic: bool = opt(False, "only the synthetic Gaussian-kernel check (seconds)")
+    out: str = opt("docs/results/heads-kl", "directory of the results: smollm2.json, synthetic.json")
+
+
+def sequences(path, n, T, seed):
+    tokens = read_tokens(path)
+    g = np.random.default_rng(seed)
+    return torch.from_numpy(np.stack([tokens[i:i + T].astype(np.int64) for i in g.integers(0, len(tokens) - T, n)]))
+
+
+@torch.no_grad()
+def head_kl(core, q, k):
+    """(H,) held-out KL(p || p^) per head, mean over sequences and queries; q (B, H, T, D), k (B, Hkv, T, D)."""
+    H = q.size(1)
+    kc = M.repeat_kv(k, H) - core.key_mean[:, None]
+    T = q.size(2)
+    mask = distill.causal_mask(0, T, q.device)
+    logp = torch.log_softmax((q @ kc.mT / q.size(-1) ** 0.5).masked_fill(~mask, float("-inf")), -1)
+    phat = core.scores(q, k).clamp_min(torch.finfo(torch.float32).tiny)
+    return (logp.exp() * (logp - phat.log())).masked_fill(~mask, 0).sum(-1).mean((0, 2))
+
+
+def make_core(cfg, mc, dims, kind, mu, x, seed):
+    torch.manual_seed(seed)
+    core = M.LinearAttention(mc.n_head, mc.n_kv_head, mc.head_dim, dims, "performer" if kind == "orthogonal" else "prf")
+    core.key_mean.copy_(mu)
+    if kind == "leverage":
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for f, hs in zip(core.feature_maps, core.split(torch.arange(mc.n_head)[None])):
+                for i, h in enumerate(hs[0].tolist()):
+                    f.z[i], f.log_alpha[i] = dof.leverage_features(x[h].double(), f.M, cfg.lam, True, 16, g)
+    return core
+
+
+def train(core, q, k, steps):
+    opt_ = torch.optim.Adam([{"params": [f.z for f in core.feature_maps], "lr": 0.02},
+                             {"params": [f.log_alpha for f in core.feature_maps], "lr": 0.2}])
+    for _ in range(steps):
+        distill.layer_loss(core, q, k, "softmax", q.size(2), scale=1.0)
+        opt_.step()
+        opt_.zero_grad()
+    return core
+
+
+def calibration_points(qc, kc, H, J):
+    """Each head's mean calibration key mu (H, D) and J of its calibration queries and centred keys (H, J, D)."""
+    mu = M.repeat_kv(kc.mean((0, 2))[None, :, None], H)[0, :, 0]                                   # (H, D)
+    x = torch.cat((qc, M.repeat_kv(kc, H) - mu[:, None]), 2).transpose(0, 1).flatten(1, 2)        # (H, 2BT, D)
+    return mu, x[:, torch.randperm(x.size(1), generator=torch.Generator().manual_seed(0))[:J]]
+
+
+def untrained_kl(cfg, mc, dims, kind, mu, x, qh, kh):
+    """(H,) held-out KL of an untrained feature map, the mean over --seeds draws."""
+    return torch.stack([head_kl(make_core(cfg, mc, dims, kind, mu, x, s), qh, kh) for s in range(cfg.seeds)]).mean(0)
+
+
+def measure(cfg):
+    model = M.GPT.from_pretrained(cfg.model)
+    mc = model.config
+    calib = sequences(Path(cfg.data) / "train.bin", cfg.calib_seqs, cfg.block_size, 0)
+    held = sequences(Path(cfg.data) / "val.bin", cfg.eval_seqs, cfg.block_size, 1)
+    with torch.no_grad(), dof.capture_qk(model) as qk_c:
+        model.hidden(calib)
+    with torch.no_grad(), dof.capture_qk(model) as qk_h:
+        model.hidden(held)
+    points = {l: calibration_points(*qk_c[l], mc.n_head, cfg.J) for l in cfg.layers}
+    res = {"settings": asdict(cfg), "layers": []}
+    for l in cfg.layers:
+        (qc, kc), (qh, kh), (mu, x) = qk_c[l], qk_h[l], points[l]
+        N = dof.degrees_of_freedom(x, cfg.lam, relative=True)                                # (H,)
+        row = {"layer": l, "dof": N.tolist(), "kl": {}}
+        for kind in METHODS:
+            row["kl"][kind] = {}
+            for m in cfg.Ms:
+                if kind == "trained":
+                    kl = head_kl(train(make_core(cfg, mc, m, "gaussian", mu, x, 0), qc, kc, cfg.steps), qh, kh)
+                else:
+                    kl = untrained_kl(cfg, mc, m, kind, mu, x, qh, kh)
+                row["kl"][kind][str(m)] = kl.tolist()
+                print(f"layer {l} {kind:10s} M={m:4d}: KL mean over heads {kl.mean():.3f}", flush=True)
+        at_n = [max(1, round(n)) for n in N.tolist()]
+        row["at_dof"] = {"M": at_n, **{kind: untrained_kl(cfg, mc, at_n, kind, mu, x, qh, kh).tolist()
+                                       for kind in ("gaussian", "leverage")}}
+        res["layers"].append(row)
+    # equal error? mean M = budget over the measured heads: the same M everywhere against M ~ N_lam
+    prop = dof.allocate(np.array([r["dof"] for r in res["layers"]]), cfg.budget)                 # (layers, H)
+    res["equal"] = {"proportional_M": prop}
+    for kind in ("gaussian", "leverage"):
+        same, propk = [], []
+        for l, dims in zip(cfg.layers, prop):
+            (qh, kh), (mu, x) = qk_h[l], points[l]
+            same.append(untrained_kl(cfg, mc, cfg.budget, kind, mu, x, qh, kh).tolist())
+            propk.append(untrained_kl(cfg, mc, dims, kind, mu, x, qh, kh).tolist())
+        res["equal"][kind] = {"same_M": same, "proportional": propk}
+    return res
+
+
+SCALES = (0.5, 0.7, 1.0, 1.2, 1.6)
+
+
+def synthetic(cfg, J=128, d=8, draws=20):
+    """Gaussian PRF against leverage-sampled PRF at M = N_lam on x ~ N(0, s^2 I_d), K = exp(x x^T / sqrt d)."""
+    rows = []
+    for s in SCALES:
+        x = s * torch.randn(J, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        logK = x @ x.T / d ** 0.5
+        logp = torch.log_softmax(logK, -1)
+        N = float(dof.degrees_of_freedom(x[None], cfg.lam, relative=True)[0])
+        m = max(1, round(N))
+        row = {"scale": s, "dof": N, "M": m}
+        for kind in ("gaussian", "leverage"):
+            err, kl = [], []
+            for seed in range(draws):
+                g = torch.Generator().manual_seed(seed)
+                if kind == "gaussian":
+                    z = torch.randn(m, d, generator=g, dtype=torch.float64)
+                    log_alpha = torch.zeros(m, dtype=torch.float64)
+                else:
+                    z, log_alpha = (t.double() for t in dof.leverage_features(x, m, cfg.lam, True, 16, g))
+                phi = (dof.prf_log(x, z) + 0.5 * log_alpha).exp()                      # (J, M), alpha-weighted
+                Khat = phi @ phi.T / m
+                err.append(float((Khat - logK.exp()).norm() / logK.exp().norm()))
+                logq = Khat.clamp_min(1e-300).log() - Khat.sum(-1, keepdim=True).log()
+                kl.append(float((logp.exp() * (logp - logq)).sum(-1).mean()))
+            row[kind] = {"kernel_error": float(np.mean(err)), "kl": float(np.mean(kl))}
+        rows.append(row)
+        print(f"scale {s}: N_lam {N:.1f}, kernel error gaussian {row['gaussian']['kernel_error']:.3f} leverage "
+              f"{row['leverage']['kernel_error']:.3f}; KL {row['gaussian']['kl']:.3f} {row['leverage']['kl']:.3f}")
+    return {"settings": {"J": J, "d": d, "draws": draws, "lam": cfg.lam, "pool": 16}, "rows": rows}
+
+
+def synthetic_table(res):
+    """Markdown: the synthetic check, one row per scale of the points."""
+    rows = ["| scale s of x | N_lam = M | kernel error: gaussian | leverage | row KL: gaussian | leverage |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        g, l = r["gaussian"], r["leverage"]
+        rows.append(f"| {r['scale']} | {r['M']} | {g['kernel_error']:.3f} | {l['kernel_error']:.3f} | {g['kl']:.3f} "
+                    f"| {l['kl']:.3f} |")
+    return "\n".join(rows)
+
+
+def cv(a):
+    a = np.asarray(a, float).ravel()
+    return a.std() / a.mean()
+
+
+def table(res):
+    """Markdown: mean KL over the measured heads per feature map and M; then M = N_lam and the spread."""
+    Ms = res["settings"]["Ms"]
+    kl = lambda kind, m: np.mean([r["kl"][kind][str(m)] for r in res["layers"]])
+    rows = ["| feature map | " + " | ".join(f"M = {m}" for m in Ms) + " |", "|---|" + "---:|" * len(Ms)]
+    rows += [f"| {kind} | " + " | ".join(f"{kl(kind, m):.3f}" for m in Ms) + " |" for kind in METHODS]
+    at = {k: np.concatenate([r["at_dof"][k] for r in res["layers"]]) for k in ("gaussian", "leverage")}
+    wins = int((at["leverage"] < at["gaussian"]).sum())
+    rows += ["", f"At M = N_lam (each head its own, rounded; {len(at['gaussian'])} heads): mean KL gaussian "
+             f"{at['gaussian'].mean():.3f}, leverage {at['leverage'].mean():.3f}; leverage lower on {wins} heads.", ""]
+    rows += ["| untrained map | KL, M = budget for every head: mean (CV across heads) | KL, M ~ N_lam: mean (CV) |",
+             "|---|---:|---:|"]
+    for kind in ("gaussian", "leverage"):
+        e = res["equal"][kind]
+        rows.append(f"| {kind} | {np.mean(e['same_M']):.3f} ({cv(e['same_M']):.2f}) | "
+                    f"{np.mean(e['proportional']):.3f} ({cv(e['proportional']):.2f}) |")
+    return "\n".join(rows)
+
+
+def figure(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    Ms = res["settings"]["Ms"]
+    fig, (a0, a1) = plt.subplots(1, 2, figsize=(11, 4))
+    for kind in METHODS:
+        a0.loglog(Ms, [np.mean([r["kl"][kind][str(m)] for r in res["layers"]]) for m in Ms], "o-", label=kind)
+    a0.set(xlabel="features per head M", ylabel="held-out attention KL (mean over heads)",
+           title=f"{res['settings']['model']}, layers {', '.join(map(str, res['settings']['layers']))}")
+    a0.legend()
+    N = np.concatenate([r["dof"] for r in res["layers"]])
+    for kind, c in (("gaussian", "C0"), ("leverage", "C2")):
+        a1.loglog(N, np.concatenate([r["kl"][kind]["32"] for r in res["layers"]]), "o", color=c, alpha=0.7,
+                  label=f"{kind}, M = 32")
+    a1.set(xlabel="head's DoF $N_\\lambda$", ylabel="held-out attention KL", title="per head: error against DoF")
+    a1.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    cfg = parse_config(HeadsConfig, argv)
+    torch.set_grad_enabled(True)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = {"synthetic": (synthetic, synthetic_table)}
+    if not cfg.synthetic:
+        parts = {"smollm2": (measure, table), **parts}
+    for name, (run, show) in parts.items():
+        res = run(cfg)
+        write_text_atomic(out / f"{name}.json", json.dumps(res, indent=1) + "\n")
+        print(show(res))
+        print(f"wrote {out / name}.json")
+
+
+if __name__ == "__main__":
+    run_main(main)
