@@ -2,7 +2,7 @@
 Per-head measurement on a real model: the error of untrained and trained feature maps against the feature count
 M, per head, and whether features in proportion to each head's DoF even out the error across heads.
 
-    python docs/heads.py                   # SmolLM2-135M layers 0, 15, 29 and the synthetic check; ~20 minutes
+    python docs/heads.py                   # SmolLM2-135M layers 0, 15, 29 and the synthetic check; ~10 minutes
     python docs/heads.py --synthetic       # the synthetic Gaussian-kernel check alone; seconds
     python docs/experiments.py --report    # their tables in docs/results.md, docs/fig-heads.png
 
@@ -13,8 +13,10 @@ train.bin, keys centred by their calibration mean (as distill.py --center-keys).
   orthogonal   Performer's orthogonal random features
   leverage     PRF drawn from each head's ridge leverage density (dof.leverage_features)
   trained      PRF from the gaussian init, --steps Adam steps of the softmax loss on the calibration sequences
+  trained-leverage   the same from the leverage init (distill.py --init leverage)
 Untrained maps are the mean over --seeds draws. Then per head at M = N_lam (rounded) for gaussian and leverage,
-and the spread of the error across heads at mean M = --budget: the same M for every head against M ~ N_lam.
+and the spread of the error across heads at mean M = --budget (gaussian, leverage, trained): the same M for every
+head against M ~ N_lam.
 
 The synthetic check has the kernel itself to compare with: J = 128 points x ~ N(0, s^2 I_8), K = exp(x x^T / sqrt 8)
 exactly, M = N_lam of those points; the relative error |K^ - K|_F / |K|_F (what the leverage density is optimal
@@ -36,7 +38,8 @@ import dof  # noqa: E402
 import model as M  # noqa: E402
 from common import atomic_path, opt, parse_config, read_tokens, run_main, write_text_atomic  # noqa: E402
 
-METHODS = ("gaussian", "orthogonal", "leverage", "trained")
+METHODS = ("gaussian", "orthogonal", "leverage", "trained", "trained-leverage")
+EQUAL = ("gaussian", "leverage", "trained")
 
 
 @dataclass
@@ -106,9 +109,13 @@ def calibration_points(qc, kc, H, J):
     return mu, x[:, torch.randperm(x.size(1), generator=torch.Generator().manual_seed(0))[:J]]
 
 
-def untrained_kl(cfg, mc, dims, kind, mu, x, qh, kh):
-    """(H,) held-out KL of an untrained feature map, the mean over --seeds draws."""
-    return torch.stack([head_kl(make_core(cfg, mc, dims, kind, mu, x, s), qh, kh) for s in range(cfg.seeds)]).mean(0)
+def map_kl(cfg, mc, dims, kind, mu, x, calib, held):
+    """(H,) held-out KL of one feature map (METHODS): an untrained one the mean over --seeds draws, a trained one
+    --steps Adam steps on the calibration (q, k) from draw 0 of its init. held: the held-out (q, k)."""
+    if kind.startswith("trained"):
+        init = "leverage" if kind == "trained-leverage" else "gaussian"
+        return head_kl(train(make_core(cfg, mc, dims, init, mu, x, 0), *calib, cfg.steps), *held)
+    return torch.stack([head_kl(make_core(cfg, mc, dims, kind, mu, x, s), *held) for s in range(cfg.seeds)]).mean(0)
 
 
 def measure(cfg):
@@ -123,31 +130,27 @@ def measure(cfg):
     points = {l: calibration_points(*qk_c[l], mc.n_head, cfg.J) for l in cfg.layers}
     res = {"settings": asdict(cfg), "layers": []}
     for l in cfg.layers:
-        (qc, kc), (qh, kh), (mu, x) = qk_c[l], qk_h[l], points[l]
+        mu, x = points[l]
         N = dof.degrees_of_freedom(x, cfg.lam, relative=True)                                # (H,)
         row = {"layer": l, "dof": N.tolist(), "kl": {}}
         for kind in METHODS:
             row["kl"][kind] = {}
             for m in cfg.Ms:
-                if kind == "trained":
-                    kl = head_kl(train(make_core(cfg, mc, m, "gaussian", mu, x, 0), qc, kc, cfg.steps), qh, kh)
-                else:
-                    kl = untrained_kl(cfg, mc, m, kind, mu, x, qh, kh)
+                kl = map_kl(cfg, mc, m, kind, mu, x, qk_c[l], qk_h[l])
                 row["kl"][kind][str(m)] = kl.tolist()
                 print(f"layer {l} {kind:10s} M={m:4d}: KL mean over heads {kl.mean():.3f}", flush=True)
         at_n = [max(1, round(n)) for n in N.tolist()]
-        row["at_dof"] = {"M": at_n, **{kind: untrained_kl(cfg, mc, at_n, kind, mu, x, qh, kh).tolist()
+        row["at_dof"] = {"M": at_n, **{kind: map_kl(cfg, mc, at_n, kind, mu, x, qk_c[l], qk_h[l]).tolist()
                                        for kind in ("gaussian", "leverage")}}
         res["layers"].append(row)
     # equal error? mean M = budget over the measured heads: the same M everywhere against M ~ N_lam
     prop = dof.allocate(np.array([r["dof"] for r in res["layers"]]), cfg.budget)                 # (layers, H)
     res["equal"] = {"proportional_M": prop}
-    for kind in ("gaussian", "leverage"):
+    for kind in EQUAL:
         same, propk = [], []
         for l, dims in zip(cfg.layers, prop):
-            (qh, kh), (mu, x) = qk_h[l], points[l]
-            same.append(untrained_kl(cfg, mc, cfg.budget, kind, mu, x, qh, kh).tolist())
-            propk.append(untrained_kl(cfg, mc, dims, kind, mu, x, qh, kh).tolist())
+            same.append(map_kl(cfg, mc, cfg.budget, kind, *points[l], qk_c[l], qk_h[l]).tolist())
+            propk.append(map_kl(cfg, mc, dims, kind, *points[l], qk_c[l], qk_h[l]).tolist())
         res["equal"][kind] = {"same_M": same, "proportional": propk}
     return res
 
@@ -194,6 +197,10 @@ def synthetic_table(res):
         g, l = r["gaussian"], r["leverage"]
         rows.append(f"| {r['scale']} | {r['M']} | {g['kernel_error']:.3f} | {l['kernel_error']:.3f} | {g['kl']:.3f} "
                     f"| {l['kl']:.3f} |")
+    st = res["settings"]
+    rows += ["", f"J = {st['J']} points in d = {st['d']} (seed 0), relative lambda {st['lam']:g}; each error the mean "
+             f"over {st['draws']} draws of the features (seeds 0–{st['draws'] - 1}), leverage from a pool of "
+             f"{st['pool']}·M."]
     return "\n".join(rows)
 
 
@@ -208,13 +215,16 @@ def table(res):
     kl = lambda kind, m: np.mean([r["kl"][kind][str(m)] for r in res["layers"]])
     rows = ["| feature map | " + " | ".join(f"M = {m}" for m in Ms) + " |", "|---|" + "---:|" * len(Ms)]
     rows += [f"| {kind} | " + " | ".join(f"{kl(kind, m):.3f}" for m in Ms) + " |" for kind in METHODS]
+    st, n = res["settings"], sum(len(r["dof"]) for r in res["layers"])
+    rows += ["", f"Mean held-out KL over the {n} heads of layers {', '.join(map(str, st['layers']))}; untrained maps "
+             f"averaged over draws (seeds) 0–{st['seeds'] - 1}, trained maps one run from draw 0, {st['steps']} steps."]
     at = {k: np.concatenate([r["at_dof"][k] for r in res["layers"]]) for k in ("gaussian", "leverage")}
     wins = int((at["leverage"] < at["gaussian"]).sum())
     rows += ["", f"At M = N_lam (each head its own, rounded; {len(at['gaussian'])} heads): mean KL gaussian "
              f"{at['gaussian'].mean():.3f}, leverage {at['leverage'].mean():.3f}; leverage lower on {wins} heads.", ""]
-    rows += ["| untrained map | KL, M = budget for every head: mean (CV across heads) | KL, M ~ N_lam: mean (CV) |",
+    rows += ["| feature map | KL, M = budget for every head: mean (CV across heads) | KL, M ~ N_lam: mean (CV) |",
              "|---|---:|---:|"]
-    for kind in ("gaussian", "leverage"):
+    for kind in EQUAL:
         e = res["equal"][kind]
         rows.append(f"| {kind} | {np.mean(e['same_M']):.3f} ({cv(e['same_M']):.2f}) | "
                     f"{np.mean(e['proportional']):.3f} ({cv(e['proportional']):.2f}) |")
