@@ -222,7 +222,15 @@ def table(res):
     wins = int((at["leverage"] < at["gaussian"]).sum())
     rows += ["", f"At M = N_lam (each head its own, rounded; {len(at['gaussian'])} heads): mean KL gaussian "
              f"{at['gaussian'].mean():.3f}, leverage {at['leverage'].mean():.3f}; leverage lower on {wins} heads.", ""]
-    rows += ["| feature map | KL, M = budget for every head: mean (CV across heads) | KL, M ~ N_lam: mean (CV) |",
+    N = np.concatenate([r["dof"] for r in res["layers"]])
+    rank = lambda a: np.argsort(np.argsort(a))
+    for kind in ("gaussian", "trained"):
+        e = np.concatenate([r["kl"][kind]["32"] for r in res["layers"]])
+        rows.append(f"- {kind}, M = 32: Spearman correlation of a head's N_lam with its KL "
+                    f"{np.corrcoef(rank(N), rank(e))[0, 1]:+.2f}; mean KL {e[N < 3].mean():.2f} over the "
+                    f"{(N < 3).sum()} heads with N_lam < 3, {e[N >= 10].mean():.2f} over the {(N >= 10).sum()} with "
+                    f"N_lam >= 10.")
+    rows += ["", "| feature map | KL, M = budget for every head: mean (CV across heads) | KL, M ~ N_lam: mean (CV) |",
              "|---|---:|---:|"]
     for kind in EQUAL:
         e = res["equal"][kind]
