@@ -24,7 +24,8 @@ The per-head table (--heads) times every layer's student core at SmolLM2-135M's 
 D = 64) on random inputs, with the run's per-head DoF turned into dims two ways at the same total: per layer
 (M_l from each layer's largest head DoF, shared by its heads) and per head (M_lh from each head's DoF). Per step:
 distill.layer_loss with its backward (softmax loss, as a distillation step pays on top of the teacher's forward),
-and the forward scan; the two layouts alternate, the median of --repeats rounds is reported.
+and the forward scan; the two layouts alternate, the median of --repeats rounds is reported. A last line times one
+head's three loss products per query block against M: below some M they cost no less, which per-head dims pay for.
 """
 import json
 import os
@@ -277,6 +278,20 @@ def heads_table(cfg, device):
             print(f"| {T} | {name} | {total} | {groups:.1f} | {ms[name][0]:.0f} | {ms[name][1]:.0f} |")
         r = [ms["per head"][i] / ms["per layer"][i] for i in (0, 1)]
         print(f"| {T} | per head / per layer | | | {r[0]:.2f}x | {r[1]:.2f}x |")
+    # one head's three products in a block of the loss (scores, and the gradient into each feature side) against M
+    b, T = 128, cfg.heads_T[-1]
+    row = []
+    for m in (3, 8, 16, 64, 256):
+        pq, pk, g = (torch.rand(cfg.B, 1, n, w, device=device) for n, w in ((b, m), (T, m), (b, T)))
+        prod = lambda: (pq @ pk.mT, g @ pk, g.mT @ pq)
+        prod()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            prod()
+        sync(device)
+        row.append(f"M={m}: {100 * (time.perf_counter() - t0):.2f} ms")
+    print(f"\none head's loss products per block of {b} queries (B={cfg.B}, T={T}): " + ", ".join(row))
 
 
 def main(argv=None):
