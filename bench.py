@@ -278,9 +278,13 @@ def heads_table(cfg, device):
             print(f"| {T} | {name} | {total} | {groups:.1f} | {ms[name][0]:.0f} | {ms[name][1]:.0f} |")
         r = [ms["per head"][i] / ms["per layer"][i] for i in (0, 1)]
         print(f"| {T} | per head / per layer | | | {r[0]:.2f}x | {r[1]:.2f}x |")
-    # one head's three products in a block of the loss (scores, and the gradient into each feature side) against M
-    b, T = 128, cfg.heads_T[-1]
-    row = []
+    products_line(cfg, device)
+
+
+def products_line(cfg, device, b=128):
+    """One head's three products in a block of the loss (scores, and the gradient into each feature side) against
+    M, at the last of cfg.heads_T."""
+    T, row = cfg.heads_T[-1], []
     for m in (3, 8, 16, 64, 256):
         pq, pk, g = (torch.rand(cfg.B, 1, n, w, device=device) for n, w in ((b, m), (T, m), (b, T)))
         prod = lambda: (pq @ pk.mT, g @ pk, g.mT @ pq)

@@ -564,11 +564,7 @@ def leverage_init(model, s_cores, cfg, calib):
     x = dof.collect_qk(model, calib, cfg.J, seed=cfg.seed, key_means=[c.key_mean for c in s_cores])  # (L, H, J, D)
     gen = torch.Generator().manual_seed(cfg.seed)
     for l, core in enumerate(tqdm(s_cores, desc="leverage features", unit="layer", disable=not is_main())):
-        heads = core.split(torch.arange(core.n_head)[None])                        # head numbers of each group
-        for f, hs in zip(core.feature_maps, heads):
-            for i, h in enumerate(hs[0].tolist()):
-                z, log_alpha = dof.leverage_features(x[l, h].double(), f.M, cfg.lam, cfg.lam_relative, cfg.pool, gen)
-                f.z[i], f.log_alpha[i] = z, log_alpha
+        dof.init_leverage(core, x[l], cfg.lam, cfg.lam_relative, cfg.pool, gen)
 
 
 def make_optimizer(cores, cfg):

@@ -270,6 +270,16 @@ def leverage_features(x, M, lam, relative=False, pool=16, generator=None):
     return z[take].float(), (-(P * pi[take]).log()).float()
 
 
+@torch.no_grad()
+def init_leverage(core, x, lam, relative=False, pool=16, generator=None):
+    """Set every head's PRF directions and weights of a LinearAttention `core` by leverage_features on that head's
+    points x (H, J, d), head by head in the order of its groups."""
+    heads = core.split(torch.arange(core.n_head)[None])                        # head numbers of each group
+    for f, hs in zip(core.feature_maps, heads):
+        for i, h in enumerate(hs[0].tolist()):
+            f.z[i], f.log_alpha[i] = leverage_features(x[h].double(), f.M, lam, relative, pool, generator)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 5. The command: a model's DoF profile
 

@@ -84,11 +84,7 @@ def make_core(cfg, mc, dims, kind, mu, x, seed):
     core = M.LinearAttention(mc.n_head, mc.n_kv_head, mc.head_dim, dims, "performer" if kind == "orthogonal" else "prf")
     core.key_mean.copy_(mu)
     if kind == "leverage":
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for f, hs in zip(core.feature_maps, core.split(torch.arange(mc.n_head)[None])):
-                for i, h in enumerate(hs[0].tolist()):
-                    f.z[i], f.log_alpha[i] = dof.leverage_features(x[h].double(), f.M, cfg.lam, True, 16, g)
+        dof.init_leverage(core, x, cfg.lam, True, 16, torch.Generator().manual_seed(seed))
     return core
 
 
