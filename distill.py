@@ -380,14 +380,6 @@ def causal_mask(s, e, device):
     return torch.arange(s, e, device=device)[:, None] >= torch.arange(e, device=device)[None, :]
 
 
-def products(fq, fk, s, e):
-    """The student's unnormalised scores a_ij = phi_q,i . phi_k,j for queries s..e-1 and keys 0..e-1, (B, H, e-s, e).
-    fq, fk: one (B, H_g, T, M_g) per group of heads sharing a feature dimension (LinearAttention.features), the
-    groups' scores stacked along heads in that order: every later op of the losses then runs once for all heads."""
-    a = [p[:, :, s:e] @ r[:, :, :e].mT for p, r in zip(fq, fk)]
-    return a[0] if len(a) == 1 else torch.cat(a, 1)
-
-
 def softmax_loss(q, k, phi_q, phi_k):
     """Mean over (batch, heads, queries i) of KL(p_i || p^_i): p_i = softmax_{j<=i}(q_i.k_j / sqrt d) the teacher's
     row, p^_i(j) = a_ij / sum_{j'<=i} a_ij' with a = phi_q phi_k^T the student's. q, k (B, H, T, D) teacher;
@@ -397,7 +389,7 @@ def softmax_loss(q, k, phi_q, phi_k):
     mask = causal_mask(0, T, q.device)                                                # (T, T)
     tiny = torch.finfo(phi_q[0].dtype).tiny                                           # logs of underflow stay finite
     logp = torch.log_softmax((q @ k.mT / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf")), -1)
-    a = products(phi_q, phi_k, 0, T).masked_fill(~mask, 0.0)                          # (B, H, T, T)
+    a = torch.cat([fq @ fk.mT for fq, fk in zip(phi_q, phi_k)], 1).masked_fill(~mask, 0.0)   # (B, H, T, T)
     log_phat = a.clamp_min(tiny).log() - a.sum(-1, keepdim=True).clamp_min(tiny).log()
     return (logp.exp() * (logp - log_phat)).masked_fill(~mask, 0.0).sum(-1).mean()
 
@@ -413,28 +405,41 @@ def softmax_loss_blockwise(q, k, pq, pk, query_block, grad_scale=None):
         KL_i = sum_j p_ij log p_ij - sum_j p_ij log a_ij + log S_i,     dKL_i/da_ij = 1/S_i - p_ij / a_ij,
 
     so no autograd graph over a (B, H, b, T) block: half the passes over it, which is where the time goes. a and S
-    are clamped at the smallest normal float before their logs (zero gradient where clamped, as autograd gives)."""
+    are clamped at the smallest normal float before their logs (zero gradient where clamped, as autograd gives).
+    The teacher's rows are built once for all heads, the student's terms one group of heads at a time."""
     T, tiny, sizes = q.size(2), torch.finfo(pq[0].dtype).tiny, [p.size(1) for p in pq]
     total = torch.zeros((), dtype=torch.float64, device=q.device)
     for s in range(0, T, query_block):
         e = min(T, s + query_block)
-        mask = causal_mask(s, e, q.device)                                            # (b, e)
+        future = ~causal_mask(s, e, q.device)                                         # (b, e) keys j > i
         with torch.no_grad():
             logits = q[:, :, s:e] @ k[:, :, :e].mT
-            p = torch.log_softmax(logits.masked_fill_(~mask, float("-inf")), -1).exp_()   # teacher (B, H, b, e)
-            a = products(pq, pk, s, e).masked_fill_(~mask, 0.0)                       # (B, H, b, e), >= 0
-            S = a.sum(-1, keepdim=True)                                               # (B, H, b, 1)
-            under = a < tiny if grad_scale is not None else None
-            a.clamp_min_(tiny)
-            total += (torch.xlogy(p, p).sum() - (p * a.log()).sum() + S.clamp_min(tiny).log().sum()).double()
-            if grad_scale is None:
-                continue
-            inv_s = torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0)
-            g = p.div_(a).masked_fill_(under, 0.0).neg_().add_(inv_s).masked_fill_(~mask, 0.0).mul_(grad_scale)
-            for gg, fq, fk in zip(g.split(sizes, 1), pq, pk):                         # a = pq pk^T, per group
-                fq.grad[:, :, s:e] += gg @ fk[:, :, :e]
-                fk.grad[:, :, :e] += gg.mT @ fq[:, :, s:e]
+            p = torch.log_softmax(logits.masked_fill_(future, float("-inf")), -1).exp_()   # teacher (B, H, b, e)
+            total += torch.xlogy(p, p).sum().double()
+            for pg, fq, fk in zip(p.split(sizes, 1), pq, pk):                         # (B, H_g, b, e) per group
+                a = (fq[:, :, s:e] @ fk[:, :, :e].mT).masked_fill_(future, 0.0)       # a >= 0
+                S = a.sum(-1, keepdim=True)                                           # (B, H_g, b, 1)
+                under = a < tiny if grad_scale is not None else None
+                a.clamp_min_(tiny)
+                total += (S.clamp_min(tiny).log().sum() - (pg * a.log()).sum()).double()
+                if grad_scale is None:
+                    continue
+                inv_s = torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0)
+                g = pg.div_(a).masked_fill_(under, 0.0).neg_().add_(inv_s).masked_fill_(future, 0.0).mul_(grad_scale)
+                add_feature_grads(g, fq, fk, s, e)
     return total
+
+
+def add_feature_grads(g, fq, fk, s, e):
+    """With a = fq[s:e] fk[:e]^T and g = dsum/da (B, H_g, b, e): fq.grad[s:e] += g fk, fk.grad[:e] += g^T fq.
+    The same products are written transposed below 16 features, where CPU matmuls with so few output columns run
+    2-3 times slower (bench.py --heads times both)."""
+    if fq.size(-1) >= 16:
+        fq.grad[:, :, s:e] += g @ fk[:, :, :e]                                          # (B, H_g, b, M)
+        fk.grad[:, :, :e] += g.mT @ fq[:, :, s:e]                                       # (B, H_g, e, M)
+    else:
+        fq.grad[:, :, s:e] += (fk[:, :, :e].mT @ g.mT).mT
+        fk.grad[:, :, :e] += (fq[:, :, s:e].mT @ g).mT
 
 
 def l2_loss_blockwise(q, k, lq, lk, query_block, grad_scale=None):
@@ -452,9 +457,9 @@ def l2_loss_blockwise(q, k, lq, lk, query_block, grad_scale=None):
     total = torch.zeros((), dtype=torch.float64, device=q.device)
     for s in range(0, T, query_block):
         e = min(T, s + query_block)
-        mask = causal_mask(s, e, q.device)
+        future = ~causal_mask(s, e, q.device)
         with torch.no_grad():
-            logits = (q[:, :, s:e] @ k[:, :, :e].mT).masked_fill_(~mask, float("-inf"))
+            logits = (q[:, :, s:e] @ k[:, :, :e].mT).masked_fill_(future, float("-inf"))
             m = logits.amax(-1, keepdim=True)                                         # (B, H, b, 1) log row max
             kern = logits.sub_(m).exp_()                                              # K / m in [0, 1]
         khat = []
@@ -463,7 +468,7 @@ def l2_loss_blockwise(q, k, lq, lk, query_block, grad_scale=None):
                 w = bk.amax(2, keepdim=True)                                          # (B, H_g, 1, M_g) per feature
                 u = (bq + w).amax(-1, keepdim=True)                                   # (B, H_g, b, 1) per query
             khat.append(((bq + w - u).exp() @ (bk - w).exp().mT) * (u - mg).clamp_max(30.0).exp())
-        loss = ((kern - torch.cat(khat, 1)) ** 2).masked_fill(~mask, 0.0).sum()
+        loss = ((kern - torch.cat(khat, 1)) ** 2).masked_fill(future, 0.0).sum()
         if grad_scale is not None:
             (loss * grad_scale).backward()
         total += loss.detach().double()
@@ -475,15 +480,14 @@ def layer_loss(core, q, k, kind, query_block, scale=None):
     With scale, also backpropagates scale * loss into the core's feature parameters. When one block holds every
     query (T <= query_block), the softmax loss is the plain softmax_loss; otherwise the blockwise forms, whose
     gradients land in the features' .grad, then one backward pass goes through the feature maps. Heads come in the
-    core's groups of equal feature dimension (LinearAttention.group)."""
+    core's groups of equal feature dimension (LinearAttention.inputs)."""
     B, H, T, D = q.shape
     n, grad = B * H * T, scale is not None
     with torch.autocast(q.device.type, enabled=False), torch.set_grad_enabled(grad):
         # keys centred as the student sees them: the teacher's softmax rows do not change (a per-query shift of
         # the logits), and the l2 loss compares K(q, k - mu) with its estimate, on the same scale
-        fq, fk = zip(*core.features(q, k, log=kind == "l2"))     # per group (B, H_g, T, M_g), logs for l2
-        kc = core.group(repeat_kv(k, H) - core.key_mean[:, None].to(k.dtype))          # (B, H, T, D), grouped
-        q = core.group(q)
+        q, kc = core.inputs(q, k)                                                      # (B, H, T, D), grouped
+        fq, fk = zip(*core.features(q, kc, log=kind == "l2", grouped=True))          # per group (B, H_g, T, M_g)
         if kind == "softmax" and T <= query_block:
             loss = softmax_loss(q, kc, fq, fk)
             if grad and loss.requires_grad:

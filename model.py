@@ -311,17 +311,23 @@ class LinearAttention(nn.Module):
         y = torch.cat(ys, 1)
         return y if self.inverse is None else y[:, self.inverse]
 
-    def features(self, q, k, log=False):
-        """[(phi_q, phi_k)], each (B, H_g, T, M_g) fp32, one pair per group, for queries q (B, H, T, D) and keys
-        k (B, Hkv, T, D); log=True: log Phi of queries and centred keys, on the kernel's own scale (the l2 loss)."""
+    def inputs(self, q, k):
+        """The queries and centred keys the feature maps see: q (B, H, T, D), k (B, Hkv, T, D) -> (B, H, T, D)
+        each, fp32, heads reordered into the groups."""
         dt = torch.promote_types(q.dtype, torch.float32)
+        k = repeat_kv(k, self.n_head).to(dt) - self.key_mean[:, None].to(dt)
+        return self.group(q.to(dt)), self.group(k)
+
+    def features(self, q, k, log=False, grouped=False):
+        """[(phi_q, phi_k)], each (B, H_g, T, M_g) fp32, one pair per group, for queries q (B, H, T, D) and keys
+        k (B, Hkv, T, D), or for `inputs`' q and k with grouped=True; log=True: log Phi of queries and centred keys,
+        on the kernel's own scale (the l2 loss)."""
         with torch.autocast(q.device.type, enabled=False):
-            q, k = q.to(dt), repeat_kv(k, self.n_head).to(dt) - self.key_mean[:, None].to(dt)
+            q, k = (q, k) if grouped else self.inputs(q, k)
+            pairs = zip(self.feature_maps, q.split(self.sizes, 1), k.split(self.sizes, 1))
             if log:
-                return [(f.log_features(qg), f.log_features(kg)) for f, qg, kg in
-                        zip(self.feature_maps, self.split(q), self.split(k))]
-            return [(f(qg, is_query=True), f(kg, is_query=False)) for f, qg, kg in
-                    zip(self.feature_maps, self.split(q), self.split(k))]
+                return [(f.log_features(qg), f.log_features(kg)) for f, qg, kg in pairs]
+            return [(f(qg, is_query=True), f(kg, is_query=False)) for f, qg, kg in pairs]
 
     def scores(self, q, k):
         """The student's normalised causal attention matrix (B, H, T, T): row i = phi_q,i . phi_k,j / sum_j<=i."""
