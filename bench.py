@@ -25,7 +25,7 @@ D = 64) on random inputs, with the run's per-head DoF turned into dims two ways 
 (M_l from each layer's largest head DoF, shared by its heads) and per head (M_lh from each head's DoF). Per step:
 distill.layer_loss with its backward (softmax loss, as a distillation step pays on top of the teacher's forward),
 and the forward scan; the two layouts alternate, the median of --repeats rounds is reported. A last line times one
-head's three loss products per query block against M, as the loss runs them and in their plain form.
+head's three loss products per query block against M.
 """
 import json
 import os
@@ -282,28 +282,20 @@ def heads_table(cfg, device):
 
 
 def products_line(cfg, device, b=128):
-    """One head's three products in a block of the loss against M, at the last of cfg.heads_T: the scores, and the
-    gradient into each feature side as distill.add_feature_grads writes them (and, in brackets, in the plain form
-    g @ fk, g^T @ fq, which it uses from 16 features up)."""
-    import distill
+    """One head's three products in a block of the loss (scores, and the gradient into each feature side) against
+    M, at the last of cfg.heads_T: how much a head's cost falls with its feature count."""
     T, row = cfg.heads_T[-1], []
-    for m in (3, 8, 15, 16, 64, 256):
+    for m in (3, 8, 16, 64, 256):
         pq, pk, g = (torch.rand(cfg.B, 1, n, w, device=device) for n, w in ((b, m), (T, m), (b, T)))
-        pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
-        fast = lambda: (pq @ pk.mT, distill.add_feature_grads(g, pq, pk, 0, T))       # pq: the block's b queries
-        plain = lambda: (pq @ pk.mT, g @ pk, g.mT @ pq)
-        ms = []
-        for f in (fast, plain):
-            f()
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(10):
-                f()
-            sync(device)
-            ms.append(100 * (time.perf_counter() - t0))
-        row.append(f"M={m}: {ms[0]:.2f} ms ({ms[1]:.2f})")
-    print(f"\none head's loss products per block of {b} queries (B={cfg.B}, T={T}), as the loss runs them (plain "
-          f"form): " + ", ".join(row))
+        prod = lambda: (pq @ pk.mT, g @ pk, g.mT @ pq)
+        prod()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            prod()
+        sync(device)
+        row.append(f"M={m}: {100 * (time.perf_counter() - t0):.2f} ms")
+    print(f"\none head's loss products per block of {b} queries (B={cfg.B}, T={T}): " + ", ".join(row))
 
 
 def main(argv=None):

@@ -426,20 +426,9 @@ def softmax_loss_blockwise(q, k, pq, pk, query_block, grad_scale=None):
                     continue
                 inv_s = torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0)
                 g = pg.div_(a).masked_fill_(under, 0.0).neg_().add_(inv_s).masked_fill_(future, 0.0).mul_(grad_scale)
-                add_feature_grads(g, fq, fk, s, e)
+                fq.grad[:, :, s:e] += g @ fk[:, :, :e]                                  # (B, H_g, b, M_g)
+                fk.grad[:, :, :e] += g.mT @ fq[:, :, s:e]                               # (B, H_g, e, M_g)
     return total
-
-
-def add_feature_grads(g, fq, fk, s, e):
-    """With a = fq[s:e] fk[:e]^T and g = dsum/da (B, H_g, b, e): fq.grad[s:e] += g fk, fk.grad[:e] += g^T fq.
-    The same products are written transposed below 16 features, where CPU matmuls with so few output columns run
-    2-3 times slower (bench.py --heads times both)."""
-    if fq.size(-1) >= 16:
-        fq.grad[:, :, s:e] += g @ fk[:, :, :e]                                          # (B, H_g, b, M)
-        fk.grad[:, :, :e] += g.mT @ fq[:, :, s:e]                                       # (B, H_g, e, M)
-    else:
-        fq.grad[:, :, s:e] += (fk[:, :, :e].mT @ g.mT).mT
-        fk.grad[:, :, :e] += (fq[:, :, s:e].mT @ g).mT
 
 
 def l2_loss_blockwise(q, k, lq, lk, query_block, grad_scale=None):
