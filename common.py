@@ -64,18 +64,19 @@ def parse_config(cls, argv=None, description=None):
         flag, meta, hint = "--" + f.name.replace("_", "-"), f.metadata, hints[f.name]
         required = f.default is MISSING and f.default_factory is MISSING
         default = None if required else f.default if f.default is not MISSING else f.default_factory()
+        shown = default is not None and hint is not bool                                # switches: no default shown
+        text = (meta["help"] + (f" (default: {default})" if shown else "")).replace("%", "%%")  # argparse %-formats
         if hint is bool:
-            p.add_argument(flag, action="store_true", help=meta["help"])
+            p.add_argument(flag, action="store_true", help=text)
             continue
         if get_origin(hint) in (Union, UnionType):
             hint = next(t for t in get_args(hint) if t is not type(None))
         many = get_origin(hint) is list
         if required and many:
-            p.add_argument(f.name, type=get_args(hint)[0], nargs="+", help=meta["help"])
+            p.add_argument(f.name, type=get_args(hint)[0], nargs="+", help=text)
             continue
         p.add_argument(flag, type=get_args(hint)[0] if many else hint, nargs="*" if many else None, default=default,
-                       required=required, choices=meta.get("choices"),
-                       help=meta["help"] + ("" if default is None else f" (default: {default})"))
+                       required=required, choices=meta.get("choices"), help=text)
     return cls(**vars(p.parse_args(argv)))
 
 

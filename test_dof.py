@@ -5,6 +5,7 @@ Run: python -m pytest -q test_dof.py    (the SmolLM2 tests skip, saying how to i
 
 from pathlib import Path
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -1768,6 +1769,26 @@ def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
     r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 0, "--out-dir", d / "never")
     assert r.returncode == 2 and r.stderr.strip() == "error: --budget must be at least 1 feature per layer, got 0"
     assert not (d / "never").exists()
+
+
+SCRIPTS = ["distill.py", "dof.py", "evaluate.py", "bench.py", "gpu_check.py", "docs/experiments.py", "docs/figures.py",
+           "docs/heads.py", "data/text/prepare.py", "data/wikipedia/prepare.py"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_prints_its_help(script, capsys):
+    """--help prints every flag of the script's config and exits 0 (argparse %-formats help text: a stray % in one
+    help string would make --help itself fail)."""
+    spec = importlib.util.spec_from_file_location(script.replace("/", "_")[:-3], ROOT / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    out = capsys.readouterr().out
+    config = next(v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__)
+    assert e.value.code == 0 and out.startswith("usage:")
+    for f in dataclasses.fields(config):
+        assert f"--{f.name.replace('_', '-')}" in out or f" {f.name}" in out, f.name
 
 
 def run_bad(argv, match):
