@@ -291,8 +291,9 @@ class LinearAttention(nn.Module):
                              f"least 1, got {M}")
         self.n_head, self.n_kv_head, self.chunk_size = n_head, n_kv_head, chunk_size
         order = sorted(range(n_head), key=self.dims.__getitem__)                        # heads by M, stable
-        self.order = None if order == list(range(n_head)) else order                    # None: already grouped
-        self.inverse = None if self.order is None else sorted(range(n_head), key=order.__getitem__)
+        order = None if order == list(range(n_head)) else torch.tensor(order)          # None: already grouped
+        self.register_buffer("order", order, persistent=False)                          # (H,) heads in group order
+        self.register_buffer("inverse", None if order is None else order.argsort(), persistent=False)
         groups = sorted(set(self.dims))
         self.sizes = [self.dims.count(m) for m in groups]                               # heads per group
         self.feature_maps = nn.ModuleList(FEATURE_MAPS[feature_map](n, head_dim, m) for n, m in zip(self.sizes, groups))
@@ -300,7 +301,7 @@ class LinearAttention(nn.Module):
 
     def group(self, x):
         """(B, H, ...) with its heads reordered into the groups (no copy when they already are)."""
-        return x if self.order is None else x[:, self.order]
+        return x if self.order is None else x.index_select(1, self.order.to(x.device))   # x[:, order]
 
     def split(self, x):
         """(B, H, ...) -> one (B, H_g, ...) per group, its heads in head order."""
@@ -309,7 +310,7 @@ class LinearAttention(nn.Module):
     def merge(self, ys):
         """split's inverse: one (B, H_g, ...) per group -> (B, H, ...)."""
         y = torch.cat(ys, 1)
-        return y if self.inverse is None else y[:, self.inverse]
+        return y if self.order is None else y.index_select(1, self.inverse.to(y.device))
 
     def inputs(self, q, k):
         """The queries and centred keys the feature maps see: q (B, H, T, D), k (B, Hkv, T, D) -> (B, H, T, D)
