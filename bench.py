@@ -61,6 +61,7 @@ class BenchConfig:
     heads: str = opt("", "a distill.py --alloc dof-head run's JSON (its per-head DoF, docs/results/heads/*.json): "
                      "time per-head against per-layer dims at the same total; empty to skip")
     heads_T: list[int] = opt([256, 1024], "tokens per sequence of the per-head table (distill.py's --block-size)")
+    query_block: int = opt(128, "queries per block of the per-head table's loss (distill.py's --query-block)")
     worker: list[str] | None = opt(None, "internal: METHOD T CHUNK measures one case ('linear' or 'sdpa') in this "
                                    "process and prints it as JSON")
 
@@ -247,8 +248,8 @@ def heads_table(cfg, device):
     torch.manual_seed(0)
     cores = {name: [LinearAttention(H, Hkv, D, m).to(device) for m in dims] for name, dims in layouts.items()}
     print(f"\nper-head against per-layer dims, {L} layers x {H} heads (SmolLM2-135M shape), B={cfg.B}, budget "
-          f"{budget} from {cfg.heads}, on {device}, {cfg.threads} threads; ms for all layers, median of "
-          f"{cfg.repeats} rounds:\n")
+          f"{budget} from {cfg.heads}, query block {cfg.query_block}, on {device}, {cfg.threads} threads; ms for all "
+          f"layers, median of {cfg.repeats} rounds:\n")
     print("| T | dims | features summed over heads | groups per layer (mean) | loss + backward ms | forward scan ms |")
     print("|---:|---|---:|---:|---:|---:|")
     for T in cfg.heads_T:
@@ -259,7 +260,7 @@ def heads_table(cfg, device):
             t0 = time.perf_counter()
             for l, core in enumerate(cores[name]):
                 if train:
-                    distill.layer_loss(core, q[l], k[l], "softmax", 128, scale=1.0)
+                    distill.layer_loss(core, q[l], k[l], "softmax", cfg.query_block, scale=1.0)
                 else:
                     with torch.no_grad():
                         core(q[l], k[l], v[l])
@@ -281,10 +282,10 @@ def heads_table(cfg, device):
     products_line(cfg, device)
 
 
-def products_line(cfg, device, b=128):
+def products_line(cfg, device):
     """One head's three products in a block of the loss (scores, and the gradient into each feature side) against
     M, at the last of cfg.heads_T: how much a head's cost falls with its feature count."""
-    T, row = cfg.heads_T[-1], []
+    T, b, row = cfg.heads_T[-1], cfg.query_block, []
     for m in (3, 8, 16, 64, 256):
         pq, pk, g = (torch.rand(cfg.B, 1, n, w, device=device) for n, w in ((b, m), (T, m), (b, T)))
         prod = lambda: (pq @ pk.mT, g @ pk, g.mT @ pq)
@@ -300,6 +301,9 @@ def products_line(cfg, device, b=128):
 
 def main(argv=None):
     cfg = parse_config(BenchConfig, argv, description=__doc__)
+    for name in ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block"):
+        if getattr(cfg, name) < 1:
+            raise ModelError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     torch.set_num_threads(cfg.threads)
     if cfg.worker:
         return worker(cfg)

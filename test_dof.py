@@ -1791,6 +1791,26 @@ def test_every_script_prints_its_help(script, capsys):
         assert f"--{f.name.replace('_', '-')}" in out or f" {f.name}" in out, f.name
 
 
+def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys):
+    """bench.py --heads on a two-layer, six-head run: one row per layout with the same features summed over heads,
+    per-head rows in more groups, a ratio row, the products line; a per-layer JSON and a zero query block refused."""
+    import bench
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"args": {"budget": 4, "dof": [[1.0, 2.0, 9.0, 2.0, 1.0, 3.0], [5.0] * 6]}}))
+    bench.main(["--T", "--decode-ctx", "--heads", str(run), "--heads-T", "40", "--query-block", "16",
+                "--repeats", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = [r.split(" | ") for r in out.splitlines() if r.startswith("| 40 |")]
+    assert [r[1] for r in rows] == ["per layer", "per head", "per head / per layer"]
+    assert rows[0][2] == rows[1][2] == str(4 * 12) and float(rows[0][3]) < float(rows[1][3])
+    assert "one head's loss products per block of 16 queries (B=1, T=40): M=3: " in out
+    run.write_text(json.dumps({"args": {"budget": 4, "dof": [3.0, 5.0]}}))
+    with pytest.raises(ModelError, match="per-layer DoF"):
+        bench.main(["--T", "--decode-ctx", "--heads", str(run)])
+    with pytest.raises(ModelError, match="--query-block must be at least 1, got 0"):
+        bench.main(["--T", "--heads", str(run), "--query-block", "0"])
+
+
 def run_bad(argv, match):
     with pytest.raises(ModelError, match=match) as e:
         distill.main([str(a) for a in argv])
@@ -2033,6 +2053,7 @@ def test_per_head_dims_group_heads_by_dim_and_cost_the_sum():
     x = torch.arange(6.0)[None, :, None]                                               # (1, H, 1)
     assert torch.equal(core.merge(list(core.split(x))), x)
     assert [g[0, :, 0].tolist() for g in core.split(x)] == [[5], [1, 4], [0, 2], [3]]
+    assert not {"order", "inverse"} & set(core.state_dict())                          # rebuilt from dims, not saved
     uniform = M.LinearAttention(6, 2, 16, 4, "prf")
     assert uniform.order is None and uniform.dims == [4] * 6 and len(uniform.feature_maps) == 1
     with pytest.raises(ModelError, match="one per head"):
