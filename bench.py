@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common import ModelError, opt, parse_config, pick_device, run_main, sync
+from common import ModelError, check_positive, opt, parse_config, pick_device, run_main, sync
 from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention
 
 
@@ -301,9 +301,7 @@ def products_line(cfg, device):
 
 def main(argv=None):
     cfg = parse_config(BenchConfig, argv, description=__doc__)
-    for name in ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block"):
-        if getattr(cfg, name) < 1:
-            raise ModelError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    check_positive(cfg, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block"))
     torch.set_num_threads(cfg.threads)
     if cfg.worker:
         return worker(cfg)

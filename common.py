@@ -80,6 +80,13 @@ def parse_config(cls, argv=None, description=None):
     return cls(**vars(p.parse_args(argv)))
 
 
+def check_positive(cfg, names):
+    """A ModelError naming the first of the config's integer fields `names` below 1 (its --flag and value)."""
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ModelError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Device and dtype
 

@@ -70,7 +70,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from checkpoint import HubUnreachable
-from common import (ModelError, all_mean, atomic_path, barrier, broadcast, broadcast_tensors, get_rank,
+from common import (ModelError, all_mean, atomic_path, barrier, broadcast, broadcast_tensors, check_positive, get_rank,
                     get_world_size, init_distributed, is_main, opt, parse_config, pick_device, read_tokens, run_main)
 import dof
 from model import GPT, repeat_kv
@@ -173,10 +173,8 @@ def parse_args(argv=None):
 def check_config(cfg):
     if cfg.budget < 1:
         raise ModelError(f"--budget must be at least 1 feature per layer, got {cfg.budget}")
-    for name in ("block_size", "batch_size", "grad_accum", "query_block", "chunk_size", "eval_interval",
-                 "eval_iters", "log_interval", "J", "calib_batches", "wiki_tokens"):
-        if getattr(cfg, name) < 1:
-            raise ModelError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    check_positive(cfg, ("block_size", "batch_size", "grad_accum", "query_block", "chunk_size", "eval_interval",
+                         "eval_iters", "log_interval", "J", "calib_batches", "wiki_tokens"))
     if cfg.max_steps < 0 or cfg.decay_steps < 0 or cfg.warmup_steps < 0:
         raise ModelError("--max-steps, --decay-steps and --warmup-steps must not be negative")
     if cfg.lam <= 0:

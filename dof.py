@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import model as M
-from common import ModelError, atomic_path, opt, parse_config, pick_device, read_tokens, run_main, write_text_atomic
+from common import (ModelError, atomic_path, check_positive, opt, parse_config, pick_device, read_tokens, run_main,
+                    write_text_atomic)
 from tokenizer import load_tokenizer
 
 
@@ -307,9 +308,7 @@ class DofConfig:
                    "matplotlib)")
 
     def __post_init__(self):
-        for name in ("J", "tokens", "batch_size", "block_size"):
-            if getattr(self, name) < 1:
-                raise ModelError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        check_positive(self, ("J", "tokens", "batch_size", "block_size"))
         if not self.lam > 0:
             raise ModelError(f"--lam must be positive, got {self.lam}")
         if self.budget < 1:
