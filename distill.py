@@ -474,7 +474,7 @@ def layer_loss(core, q, k, kind, query_block, scale=None):
         # keys centred as the student sees them: the teacher's softmax rows do not change (a per-query shift of
         # the logits), and the l2 loss compares K(q, k - mu) with its estimate, on the same scale
         q, kc = core.inputs(q, k)                                                      # (B, H, T, D), grouped
-        fq, fk = zip(*core.features(q, kc, log=kind == "l2", grouped=True))          # per group (B, H_g, T, M_g)
+        fq, fk = zip(*core.grouped_features(q, kc, log=kind == "l2"))                # per group (B, H_g, T, M_g)
         if kind == "softmax" and T <= query_block:
             loss = softmax_loss(q, kc, fq, fk)
             if grad and loss.requires_grad:

@@ -319,12 +319,14 @@ class LinearAttention(nn.Module):
         k = repeat_kv(k, self.n_head).to(dt) - self.key_mean[:, None].to(dt)
         return self.group(q.to(dt)), self.group(k)
 
-    def features(self, q, k, log=False, grouped=False):
+    def features(self, q, k, log=False):
         """[(phi_q, phi_k)], each (B, H_g, T, M_g) fp32, one pair per group, for queries q (B, H, T, D) and keys
-        k (B, Hkv, T, D), or for `inputs`' q and k with grouped=True; log=True: log Phi of queries and centred keys,
-        on the kernel's own scale (the l2 loss)."""
+        k (B, Hkv, T, D); log=True: log Phi of queries and centred keys, on the kernel's own scale (the l2 loss)."""
+        return self.grouped_features(*self.inputs(q, k), log=log)
+
+    def grouped_features(self, q, k, log=False):
+        """features, from `inputs`' grouped queries and centred keys (B, H, T, D)."""
         with torch.autocast(q.device.type, enabled=False):
-            q, k = (q, k) if grouped else self.inputs(q, k)
             pairs = zip(self.feature_maps, q.split(self.sizes, 1), k.split(self.sizes, 1))
             if log:
                 return [(f.log_features(qg), f.log_features(kg)) for f, qg, kg in pairs]

@@ -1615,7 +1615,7 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form(M)
     g_fast = grads(core)
     core.zero_grad()
     qg, kg = core.inputs(q, k)
-    ref = distill.softmax_loss(qg, kg, *zip(*core.features(qg, kg, grouped=True)))
+    ref = distill.softmax_loss(qg, kg, *zip(*core.grouped_features(qg, kg)))
     ref.backward()
     g_plain = grads(core)
     assert value.dtype == torch.float64 and value.dim() == 0
