@@ -36,6 +36,7 @@ class Run:
     group: str                               # the table row it belongs to (seeds of one configuration)
     seed: int
     flags: list = field(default_factory=list)
+    allocation: str = ""                     # the rule that made the dims: fix, dof, dof-raw, measured, ...
 
     def command(self, out_dir):
         return [sys.executable, "distill.py", *self.flags, "--seed", str(self.seed), "--out-dir", str(out_dir)]
@@ -96,7 +97,27 @@ def heads_grid(seeds=(0, 1, 2)):
                 SMOL + CLAIM_STEPS + ["--budget", "32", "--alloc", "dof-head"]) for s in seeds]
 
 
-GRIDS = {"claim": claim_grid, "recipe": recipe_grid, "heads": heads_grid}
+CURVE_DIMS = (4, 8, 16, 32, 64, 128)
+
+
+def curves_grid(seed=0):
+    """Fix at every M of CURVE_DIMS: under teacher forcing the layers are independent problems, so one Fix run at M
+    gives every layer's held-out KL at M. 240 steps (the claim grid's schedule), and 60-step probes of the same."""
+    probe = ["--max-steps", "60", "--warmup-steps", "6", "--eval-interval", "60"]
+    return [Run("curves", f"{name}-m{m}-s{seed}", f"{m}/Fix{suffix}", seed,
+                SMOL + steps + ["--budget", str(m), "--alloc", "fix"], "fix")
+            for name, suffix, steps in (("fix", "", CLAIM_STEPS), ("probe", " (60 steps)", probe))
+            for m in CURVE_DIMS]
+
+
+def allocation_grid(seeds=(1, 2, 3)):
+    """Budget 32, one row per allocation rule, paired seeds other than the curves' seed."""
+    return [Run("allocation", f"b32-fix-s{s}", "32/Fix", s, SMOL + CLAIM_STEPS + ["--budget", "32", "--alloc", "fix"],
+                "fix") for s in seeds]
+
+
+GRIDS = {"claim": claim_grid, "recipe": recipe_grid, "heads": heads_grid, "curves": curves_grid,
+         "allocation": allocation_grid}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -123,7 +144,8 @@ def execute(run, results=RESULTS, scratch=SCRATCH):
     config = json.loads((out / "config.json").read_text())
     metrics = json.loads((out / "metrics.json").read_text())
     said = re.findall(r"greedy continuations of (.*):\n  teacher: (.*)\n  student: (.*)\n", out.with_suffix(".log").read_text())
-    record = {"name": run.name, "group": run.group, "seed": run.seed, "args": config, "dims": config["dims"],
+    record = {"name": run.name, "group": run.group, "seed": run.seed, "allocation": run.allocation or None,
+              "args": relative(config), "dims": config["dims"],
               "val": metrics["val"], "seconds": round(time.time() - t0, 1),
               "train_seconds": round(metrics.get("train_seconds", 0.0), 1),
               "command": "python distill.py " + " ".join(run.flags + ["--seed", str(run.seed)]),
@@ -131,6 +153,17 @@ def execute(run, results=RESULTS, scratch=SCRATCH):
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=1) + "\n")
     return path
+
+
+def relative(x, root=ROOT):
+    """x with every path string under the repository written relative to it (a result file names no machine)."""
+    if isinstance(x, dict):
+        return {k: relative(v, root) for k, v in x.items()}
+    if isinstance(x, list):
+        return [relative(v, root) for v in x]
+    if isinstance(x, str) and x.startswith(str(root) + os.sep):
+        return os.path.relpath(x, root)
+    return x
 
 
 def run_grid(runs, jobs=2, results=RESULTS, scratch=SCRATCH):
