@@ -115,6 +115,14 @@ def hub_download(repo_id, patterns):
                          "and your internet connection, or pass a local directory") from None
 
 
+def read_student(ckpt_dir):
+    """A distill.py checkpoint directory -> (its config.json dict, its features.safetensors tensors)."""
+    d = Path(ckpt_dir)
+    if not (d / "config.json").is_file() or not (d / "features.safetensors").is_file():
+        raise ModelError(f"{ckpt_dir} is not a distill.py checkpoint (no config.json / features.safetensors)")
+    return json.loads((d / "config.json").read_text()), load_safetensors(str(d / "features.safetensors"))
+
+
 def load_safetensors(path):
     from safetensors.torch import load_file
     try:

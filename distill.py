@@ -73,7 +73,7 @@ from checkpoint import HubUnreachable
 from common import (ModelError, all_mean, atomic_path, barrier, broadcast, broadcast_tensors, check_positive, get_rank,
                     get_world_size, init_distributed, is_main, opt, parse_config, pick_device, read_tokens, run_main)
 import dof
-from model import GPT, repeat_kv
+from model import GPT, feature_state, load_feature_state, load_student, repeat_kv
 from tokenizer import load_tokenizer
 
 
@@ -573,36 +573,6 @@ def make_optimizer(cores, cfg):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Checkpoint: save, resume, load
-
-def feature_state(cores):
-    return {f"h.{l}.attn.core.{n}": t.detach().contiguous().clone()
-            for l, c in enumerate(cores) for n, t in c.state_dict().items()}
-
-
-def load_feature_state(cores, sd, where):
-    # checkpoints written before per-head dims held each layer's one feature map as core.feature_map: group 0 now
-    sd = {k.replace(".core.feature_map.", ".core.feature_maps.0."): v for k, v in sd.items()}
-    mine = feature_state(cores)
-    if set(mine) != set(sd) or any(mine[k].shape != sd[k].shape for k in mine):
-        missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
-        raise ModelError(f"{where} does not fit this student (missing: {missing[:4] or 'none'}, unexpected: "
-                         f"{extra[:4] or 'none'}); it was made with another teacher, dims or feature map")
-    for l, c in enumerate(cores):
-        pre = f"h.{l}.attn.core."
-        c.load_state_dict({k[len(pre):]: v for k, v in sd.items() if k.startswith(pre)})
-
-
-def load_student(ckpt_dir, device="cpu", dtype=torch.float32):
-    """A distill.py checkpoint -> (student GPT with trained linear-attention cores, its config.json dict)."""
-    d = Path(ckpt_dir)
-    if not (d / "config.json").is_file() or not (d / "features.safetensors").is_file():
-        raise ModelError(f"{ckpt_dir} is not a distill.py checkpoint (no config.json / features.safetensors)")
-    cfg = json.loads((d / "config.json").read_text())
-    model = GPT.from_pretrained(cfg["teacher"], device=device, dtype=dtype)
-    student = model.linearize(cfg["dims"], feature_map=cfg["feature_map"], chunk_size=cfg["chunk_size"])
-    load_feature_state(dof.attention_cores(student), load_file(str(d / "features.safetensors")), ckpt_dir)
-    return student.to(device=device, dtype=dtype).eval(), cfg
-
 
 def checkpoint_config(cfg, teacher, dims, layer_dof, meta):
     """config.json: what load_student needs (teacher, dims, feature map, chunk size) and how the run was made."""

@@ -55,7 +55,7 @@ from tqdm import tqdm
 from common import (ModelError, all_gather, get_rank, get_world_size, init_distributed, is_main, opt, parse_config,
                     pick_device, read_tokens, run_main, shard, sync, write_text_atomic)
 from fast_scorer import score_windows
-from model import GPT
+from model import GPT, load_student
 from tokenizer import load_tokenizer
 
 ALL_TASKS = ("piqa", "arc_easy", "arc_challenge", "logiqa", "mmlu", "winogrande", "wsc273")
@@ -580,7 +580,6 @@ def load_models(cfg: EvalConfig, device) -> tuple[dict, object]:
     models = {"teacher": GPT.from_pretrained(cfg.model, device=device, dtype=dtype).eval()}
     enc = load_tokenizer(cfg.model)
     if cfg.ckpt is not None:
-        from distill import load_student  # distill.py imports this project's model; only needed here
         models["student"], scfg = load_student(cfg.ckpt, device=device, dtype=dtype)
         _checked_teacher(cfg.ckpt, scfg.get("teacher"), cfg.model)
     return models, enc

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from checkpoint import config_from_hf, convert_state_dict, read_checkpoint
+from checkpoint import config_from_hf, convert_state_dict, read_checkpoint, read_student
 from common import ModelError
 
 
@@ -495,3 +495,35 @@ class GPT(nn.Module):
         if cfg.tie_embeddings:
             model.lm_head.weight = model.wte.weight                # assign=True replaced the shared parameter
         return model.to(device=device, dtype=dtype).eval()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A distill.py checkpoint: the linear-attention cores' tensors (features.safetensors) and config.json
+
+def feature_state(cores):
+    """The cores' parameters and buffers under the student's key names h.{l}.attn.core.*."""
+    return {f"h.{l}.attn.core.{n}": t.detach().contiguous().clone()
+            for l, c in enumerate(cores) for n, t in c.state_dict().items()}
+
+
+def load_feature_state(cores, sd, where):
+    """feature_state's inverse, after a set-equality check of the keys and shapes."""
+    sd = {k.replace(".core.feature_map.", ".core.feature_maps.0."): v for k, v in sd.items()}
+    mine = feature_state(cores)
+    if set(mine) != set(sd) or any(mine[k].shape != sd[k].shape for k in mine):
+        missing, extra = sorted(set(mine) - set(sd)), sorted(set(sd) - set(mine))
+        raise ModelError(f"{where} does not fit this student (missing: {missing[:4] or 'none'}, unexpected: "
+                         f"{extra[:4] or 'none'}); it was made with another teacher, dims or feature map")
+    for l, c in enumerate(cores):
+        pre = f"h.{l}.attn.core."
+        c.load_state_dict({k[len(pre):]: v for k, v in sd.items() if k.startswith(pre)})
+
+
+def load_student(ckpt_dir, device="cpu", dtype=torch.float32):
+    """A distill.py checkpoint directory -> (the student: its teacher with the trained linear-attention cores, the
+    checkpoint's config.json dict)."""
+    cfg, sd = read_student(ckpt_dir)
+    student = GPT.from_pretrained(cfg["teacher"], device=device, dtype=dtype)
+    student.linearize(cfg["dims"], feature_map=cfg["feature_map"], chunk_size=cfg["chunk_size"])
+    load_feature_state([b.attn.core for b in student.h], sd, ckpt_dir)
+    return student.to(device=device, dtype=dtype).eval(), cfg

@@ -1670,7 +1670,7 @@ def test_trained_student_beats_untrained_on_held_out_attention(trained, setup):
     v0, v1 = m["val"][0], m["val"][-1]
     assert v0["step"] == 0 and v1["step"] == 50
     assert all(b < a for a, b in zip(v0["attn_kl"], v1["attn_kl"])), (v0["attn_kl"], v1["attn_kl"])
-    student, cfg = distill.load_student(out)
+    student, cfg = M.load_student(out)
     sd = features(out)
     for l, blk in enumerate(student.h):
         for n, t in blk.attn.core.state_dict().items():
@@ -2002,7 +2002,7 @@ def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setu
     at = lines.index("greedy continuations of 'The history of the city':")
     with torch.no_grad():
         for line, name, model in zip(lines[at + 1:at + 3], ("teacher", "student"),
-                                     (GPT.from_pretrained(ckpt), distill.load_student(out)[0])):
+                                     (GPT.from_pretrained(ckpt), M.load_student(out)[0])):
             ids = model.generate(idx, 30, top_k=1)[0, idx.size(1):].tolist()
             assert line == f"  {name}: {enc.decode(ids)!r}"
 
@@ -2091,12 +2091,12 @@ def test_per_head_dims_decode_with_one_state_per_group():
 def test_checkpoints_of_one_shared_feature_map_still_load():
     """Keys written before per-head dims (core.feature_map.z) load into group 0; a real mismatch is still refused."""
     src, dst = M.LinearAttention(4, 2, 8, 5), M.LinearAttention(4, 2, 8, 5)
-    old = {k.replace("feature_maps.0.", "feature_map."): v for k, v in distill.feature_state([src]).items()}
+    old = {k.replace("feature_maps.0.", "feature_map."): v for k, v in M.feature_state([src]).items()}
     assert any(".core.feature_map.z" in k for k in old)
-    distill.load_feature_state([dst], old, "old")
+    M.load_feature_state([dst], old, "old")
     assert torch.equal(dst.feature_maps[0].z, src.feature_maps[0].z)
     with pytest.raises(ModelError, match="does not fit this student"):
-        distill.load_feature_state([M.LinearAttention(4, 2, 8, [5, 5, 6, 5])], old, "old")
+        M.load_feature_state([M.LinearAttention(4, 2, 8, [5, 5, 6, 5])], old, "old")
 
 
 @pytest.mark.parametrize("kind", ["softmax", "l2"])
@@ -2202,7 +2202,7 @@ def test_distill_per_head_dims_with_leverage_init_save_and_load(setup, tmp_path)
     dims = np.array(cfg["dims"])
     assert dims.shape == (4, 4) and dims.sum() == 6 * 4 * 4 and dims.min() >= 1 and len(set(dims.ravel())) > 1
     assert cfg["init"] == "leverage" and np.array(cfg["dof"]).shape == (4, 4)
-    student, _ = distill.load_student(out)
+    student, _ = M.load_student(out)
     cores = dof.attention_cores(student)
     assert [c.dims for c in cores] == cfg["dims"]
     assert sum(f.z.shape[0] * f.M for c in cores for f in c.feature_maps) == 6 * 4 * 4
@@ -2536,7 +2536,7 @@ def student_ckpt(ckpt, tmp_path):
     student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
     d = tmp_path / "student"
     d.mkdir()
-    save_file(distill.feature_state(distill.dof.attention_cores(student)), str(d / "features.safetensors"))
+    save_file(M.feature_state(distill.dof.attention_cores(student)), str(d / "features.safetensors"))
     (d / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [8, 8], "feature_map": "prf",
                                                "chunk_size": 16}))
     return d
@@ -2553,7 +2553,7 @@ def test_cli_student_next_to_teacher(ckpt, tmp_path, capsys):
     assert list(r["student"]["results"]) == ["arc_easy", "winogrande"]
     s = r["student"]["samples"]["arc_easy"][1]
     assert s["loglikelihoods"] != r["samples"]["arc_easy"][1]["loglikelihoods"]
-    reloaded, _ = distill.load_student(d)
+    reloaded, _ = M.load_student(d)
     enc = load_tokenizer(ckpt)
     for (c, t), ll in zip(s["requests"], s["loglikelihoods"]):
         assert abs(ll - E.loglikelihood(reloaded, *E.encode_pair(enc, c, t))[0]) < 1e-3

@@ -103,7 +103,7 @@ def student_cores(ckpt, model, layer, budget):
     centring of the checkpoint, else `budget` features) and, given a distill.py checkpoint, its trained one."""
     c, cores, dims, fmap = model.config, {}, [budget] * model.config.n_layer, "prf"
     if ckpt:
-        student, cfg = distill.load_student(ckpt)
+        student, cfg = M.load_student(ckpt)
         if student.config != c:
             raise ModelError(f"{ckpt} was distilled from {cfg['teacher']}, not from --model; pass its teacher")
         cores["trained"] = dof.attention_cores(student)[layer]
