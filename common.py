@@ -6,6 +6,7 @@ reader. A learner may skip this file.
 
 import argparse
 import inspect
+import json
 import os
 import shutil
 import sys
@@ -231,6 +232,27 @@ def remove(path):
 def write_text_atomic(path, text):
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def read_json(path, todo):
+    """A JSON file's content; a missing, unreadable or damaged file is one ModelError naming it and `todo`."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelError(f"{path} does not exist; {todo}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"{path} is damaged or not JSON ({e}); {todo}") from None
+
+
+def read_safetensors(path, todo):
+    """A safetensors file's tensors; a missing or damaged file is one ModelError naming it and `todo`."""
+    from safetensors.torch import load_file
+    if not Path(path).is_file():
+        raise ModelError(f"{path} does not exist; {todo}")
+    try:
+        return load_file(str(path))
+    except Exception as e:                                   # safetensors raises its own error types
+        raise ModelError(f"{path} is truncated or not a safetensors file ({e}); {todo}") from None
 
 
 def read_tokens(path, enc=None, max_tokens=None, special=False):
