@@ -328,7 +328,7 @@ def get_batch(data, B, T, gen, device, share=(0, 1)):
     draws the N*B windows of one process's batch and keeps windows r, r+N, ..., so that N processes see the
     batches of one process with N times the batch size. On CUDA the copy runs from pinned memory, not blocking."""
     r, N = share
-    ix = torch.randint(len(data) - T - 1, (N * B,), generator=gen)[r::N].tolist()
+    ix = torch.randint(len(data) - T, (N * B,), generator=gen)[r::N].tolist()            # starts 0 .. len - T - 1
     xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
     if torch.device(device).type == "cuda":
         xy = xy.pin_memory()
