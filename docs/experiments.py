@@ -116,8 +116,17 @@ def allocation_grid(seeds=(1, 2, 3)):
                 "fix") for s in seeds]
 
 
+CONVERGE_STEPS = ["--max-steps", "960", "--warmup-steps", "96", "--eval-interval", "240"]
+
+
+def converge_grid(seeds=(1, 2)):
+    """Closer to convergence: 4x the claim grid's steps (960) at budget 32, on the allocation grid's seeds."""
+    return [Run("converge", f"b32-fix-s{s}", "32/Fix", s, SMOL + CONVERGE_STEPS + ["--budget", "32", "--alloc", "fix"],
+                "fix") for s in seeds]
+
+
 GRIDS = {"claim": claim_grid, "recipe": recipe_grid, "heads": heads_grid, "curves": curves_grid,
-         "allocation": allocation_grid}
+         "allocation": allocation_grid, "converge": converge_grid}
 
 
 # ----------------------------------------------------------------------------------------------------------------
