@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from common import ModelError
+from common import ModelError, read_json, read_safetensors
 
 SMOLLM2_ALIAS = "smollm2-135m"
 SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
@@ -118,9 +118,13 @@ def hub_download(repo_id, patterns):
 def read_student(ckpt_dir):
     """A distill.py checkpoint directory -> (its config.json dict, its features.safetensors tensors)."""
     d = Path(ckpt_dir)
-    if not (d / "config.json").is_file() or not (d / "features.safetensors").is_file():
-        raise ModelError(f"{ckpt_dir} is not a distill.py checkpoint (no config.json / features.safetensors)")
-    return json.loads((d / "config.json").read_text()), load_safetensors(str(d / "features.safetensors"))
+    if not d.is_dir():
+        raise ModelError(f"{ckpt_dir} is not a directory; pass the --out-dir of a distill.py run")
+    todo = f"{ckpt_dir} is not a whole distill.py checkpoint; pass the --out-dir of a finished or saved run"
+    cfg = read_json(d / "config.json", todo)
+    if not isinstance(cfg, dict) or not {"teacher", "dims", "feature_map", "chunk_size"} <= cfg.keys():
+        raise ModelError(f"{d / 'config.json'} lacks the teacher, dims, feature map or chunk size; {todo}")
+    return cfg, read_safetensors(d / "features.safetensors", todo)
 
 
 def load_safetensors(path):

@@ -1,17 +1,21 @@
 """
-Plumbing every entry script shares, written once: the one-sentence error, the command line built from a config
-dataclass, the device/dtype choice, the process group of a torchrun launch, the atomic write and the token-file
-reader. A learner may skip this file.
+Plumbing every entry script shares, written once: the one-sentence error and a clean stop, the command line built
+from a config dataclass, the device, the process group of a torchrun launch, and the project's files (atomic
+writes, one reader per kind of file, the out-dir's lock, token windows). A learner may skip this file.
 """
 
 import argparse
+import fcntl
 import inspect
 import json
 import os
+import re
 import shutil
+import signal
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import MISSING, field, fields
+from datetime import timedelta
 from pathlib import Path
 from types import UnionType
 from typing import Union, get_args, get_origin, get_type_hints
@@ -25,28 +29,44 @@ class ModelError(Exception):
     """Bad input a user can fix: the message is one sentence saying what is wrong and what to do."""
 
 
+class Stopped(BaseException):
+    """SIGTERM, raised in the main thread so that a run stops the way Ctrl-C stops it."""
+
+
+def stop(signum, frame):
+    raise Stopped()
+
+
 def run_main(main):
-    """Run an entry script's main(); a ModelError ends it with one sentence on stderr (under torchrun rank 0's: every
-    process meets the same checks) and exit code 2. Either way the process leaves its process group, if it joined."""
+    """Run an entry script's main(): a ModelError ends it with one sentence on stderr (rank 0's under torchrun) and
+    exit code 2; Ctrl-C or SIGTERM with one line saying where the last checkpoint is (exit 130 / 143). A write is
+    never left half done (atomic_path), so the checkpoint named is whole."""
+    signal.signal(signal.SIGTERM, stop)
+    code = 0
     try:
         main()
     except ModelError as e:
         if is_main():
             print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
+    except (KeyboardInterrupt, Stopped) as e:
+        where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if CLAIMED else ""
+        print(f"\nstopped by {'SIGTERM' if isinstance(e, Stopped) else 'Ctrl-C'}{where}", file=sys.stderr)
+        code = 143 if isinstance(e, Stopped) else 130
     finally:
-        cleanup()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Command lines: a config dataclass whose fields carry their own help
+# Command lines: a config dataclass whose fields carry their own help; options are checked where declared
 
 REQUIRED = MISSING     # opt(REQUIRED, help): a field without a default, which the command line must give
 
 
 def opt(default, help, choices=None):
-    """A config field with its help text (and allowed values): written once, read by parse_config. A list default
-    is copied for each config (dataclasses refuse a shared mutable default)."""
+    """A config field with its help text (and allowed values), read by parse_config."""
     meta = {"help": help, "choices": choices}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
@@ -54,55 +74,55 @@ def opt(default, help, choices=None):
 
 
 def parse_config(cls, argv=None, description=None):
-    """argparse for a config dataclass: one --flag per field (underscores become dashes), its help, its default.
-    Booleans are switches; fields typed `X | None` take an X and default to None (not shown in the help); `list[X]`
-    take zero or more X. A REQUIRED field is a required --flag, or for a list the positional arguments (one or
-    more). The description (the dataclass's docstring unless given) is printed as written."""
+    """argparse for a config dataclass: one --flag per field (underscores become dashes) with its help and default.
+    Booleans are switches; `X | None` fields take an X; `list[X]` take zero or more (a REQUIRED list: positional).
+    The dataclass's own checks (__post_init__) run on the result."""
     p = argparse.ArgumentParser(description=description or inspect.cleandoc(cls.__doc__ or ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = get_type_hints(cls)
     for f in fields(cls):
-        flag, meta, hint = "--" + f.name.replace("_", "-"), f.metadata, hints[f.name]
-        required = f.default is MISSING and f.default_factory is MISSING
+        flag, hint, required = "--" + f.name.replace("_", "-"), hints[f.name], f.default is MISSING is f.default_factory
         default = None if required else f.default if f.default is not MISSING else f.default_factory()
-        shown = default is not None and hint is not bool                                # switches: no default shown
-        text = (meta["help"] + (f" (default: {default})" if shown else "")).replace("%", "%%")  # argparse %-formats
+        shown = f" (default: {default})" if default is not None and hint is not bool else ""
+        text = (f.metadata["help"] + shown).replace("%", "%%")                      # argparse %-formats help
         if hint is bool:
             p.add_argument(flag, action="store_true", help=text)
             continue
         if get_origin(hint) in (Union, UnionType):
             hint = next(t for t in get_args(hint) if t is not type(None))
-        many = get_origin(hint) is list
+        many, typ = get_origin(hint) is list, (get_args(hint) or [hint])[0]
         if required and many:
-            p.add_argument(f.name, type=get_args(hint)[0], nargs="+", help=text)
-            continue
-        p.add_argument(flag, type=get_args(hint)[0] if many else hint, nargs="*" if many else None, default=default,
-                       required=required, choices=meta.get("choices"), help=text)
+            p.add_argument(f.name, type=typ, nargs="+", help=text)
+        else:
+            p.add_argument(flag, type=typ, nargs="*" if many else None, default=default, required=required,
+                           choices=f.metadata["choices"], help=text)
     return cls(**vars(p.parse_args(argv)))
 
 
-def check_positive(cfg, names):
-    """A ModelError naming the first of the config's integer fields `names` below 1 (its --flag and value)."""
+def check_positive(cfg, names, minimum=1):
+    """A ModelError naming the first of the config's numeric fields `names` below `minimum` or not finite."""
     for name in names:
-        if getattr(cfg, name) < 1:
-            raise ModelError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+        v = getattr(cfg, name)
+        if v is not None and not (minimum <= v < float("inf")):
+            raise ModelError(f"--{name.replace('_', '-')} must be a number of at least {minimum}, got {v}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Device and dtype
+# Device
 
 def pick_device(device="auto", dtype="auto"):
     """--device/--dtype -> (device, autocast context). auto: cuda with bf16 autocast if there is a GPU, else cpu in
     fp32. TF32 matmuls are turned on only together with bf16 autocast (an fp32 run stays fp32)."""
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelError(f"--device {device} asked for but no CUDA device is available; use --device cpu")
-    kind = torch.device(device).type
-    bf16 = dtype == "bfloat16" or (dtype == "auto" and kind == "cuda")
-    if bf16 and kind == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return device, (torch.autocast(kind, dtype=torch.bfloat16) if bf16 else nullcontext())
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    m = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device != "cpu" and not (m and int(m.group(1) or 0) < n):
+        have = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(n)])
+        raise ModelError(f"--device {device} is not a device of this machine; use one of auto, {have}")
+    bf16 = dtype == "bfloat16" or (dtype == "auto" and device != "cpu")
+    if bf16 and device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return device, (torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if bf16 else nullcontext())
 
 
 def sync(device):
@@ -113,19 +133,21 @@ def sync(device):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Several processes: `torchrun --nproc_per_node N script.py ...` starts N copies of a script, told apart by their
-# rank; they meet in one process group. A plain `python script.py` has no group: rank 0 of a world of 1.
+# rank, that meet in one process group; a plain `python script.py` is rank 0 of a world of 1.
 
 def init_distributed(device):
-    """Under torchrun (WORLD_SIZE > 1): join the process group, NCCL for CUDA devices and gloo on the CPU, and
-    return this process's device (cuda:LOCAL_RANK for a CUDA device); rank 0 prints for all (the others' stdout
-    goes to os.devnull, their errors still reach stderr). Otherwise return the device as given."""
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on CUDA, cuda:LOCAL_RANK; gloo on the CPU),
+    with a timeout long enough for rank 0 to prepare the data while the others wait; the other ranks' stdout goes
+    to os.devnull. -> this process's device."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return device
-    if torch.device(device).type == "cuda":
+    cuda = device.startswith("cuda")
+    if cuda:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=6),
+                                device_id=torch.device(device) if cuda else None)
     if dist.get_rank() > 0:
         sys.stdout = open(os.devnull, "w")
     return device
@@ -140,12 +162,12 @@ def get_world_size() -> int:
 
 
 def is_main() -> bool:
-    """Rank 0: the process that prints, validates and writes files."""
+    """Rank 0: the process that prints and writes files."""
     return get_rank() == 0
 
 
 def shard(items):
-    """This process's share of a list: items rank, rank + N, rank + 2N, ... of N processes (all, in one)."""
+    """This process's share of a list: items rank, rank + N, ... of N processes (all of them in one)."""
     return items[get_rank()::get_world_size()]
 
 
@@ -160,18 +182,16 @@ def all_gather(obj) -> list:
 
 def broadcast(obj):
     """Rank 0's (picklable) obj, on every process."""
-    if not dist.is_initialized():
-        return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
 def broadcast_tensors(tensors):
     """Rank 0's values copied into every process's tensors, in place."""
-    if dist.is_initialized():
-        for t in tensors:
-            dist.broadcast(t, src=0)
+    for t in tensors if dist.is_initialized() else ():
+        dist.broadcast(t, src=0)
 
 
 def all_mean(tensors):
@@ -180,8 +200,7 @@ def all_mean(tensors):
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat)
-    flat /= get_world_size()
-    for t, mean in zip(tensors, flat.split([t.numel() for t in tensors])):
+    for t, mean in zip(tensors, (flat / get_world_size()).split([t.numel() for t in tensors])):
         t.copy_(mean.view_as(t))
 
 
@@ -190,20 +209,14 @@ def barrier():
         dist.barrier()
 
 
-def cleanup():
-    """Leave the process group, if this process joined one."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Files
+# Files: written whole or not at all; read with one sentence for a missing or damaged file
 
 @contextmanager
 def atomic_path(path):
     """Yield <path>.tmp to write a file or a directory into; on success it replaces `path` (a directory by two
-    renames, so a complete one is on disk at every instant: <path>, or <path>.old between the renames), on failure
-    it is removed. Nothing half-written is ever left at `path`."""
+    renames: a complete one is on disk at every instant, <path> or <path>.old between the renames); on failure or
+    interruption it is removed, and whatever was at `path` stays."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     remove(tmp)
@@ -221,12 +234,19 @@ def atomic_path(path):
         os.replace(tmp, path)
 
 
+def save_dir(path):
+    """atomic_path for a directory, made empty first."""
+    @contextmanager
+    def made():
+        with atomic_path(path) as tmp:
+            tmp.mkdir(parents=True)
+            yield tmp
+    return made()
+
+
 def remove(path):
     path = Path(path)
-    if path.is_dir():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
 def write_text_atomic(path, text):
@@ -234,46 +254,121 @@ def write_text_atomic(path, text):
         tmp.write_text(text, encoding="utf-8")
 
 
-def read_json(path, todo):
-    """A JSON file's content; a missing, unreadable or damaged file is one ModelError naming it and `todo`."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelError(f"{path} does not exist; {todo}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"{path} is damaged or not JSON ({e}); {todo}") from None
+def check_writable(path):
+    """A ModelError, before any work, when a file cannot be written at `path` (its folder missing or read-only, or
+    `path` a directory)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ModelError(f"{path} is a directory; pass a file name")
+    if not p.parent.is_dir() or not os.access(p.parent, os.W_OK):
+        why = "is not writable" if p.parent.is_dir() else "does not exist"
+        raise ModelError(f"cannot write {path}: {p.parent} {why}; create it or pass another path")
 
 
-def read_safetensors(path, todo):
-    """A safetensors file's tensors; a missing or damaged file is one ModelError naming it and `todo`."""
-    from safetensors.torch import load_file
+CLAIMED = []           # the out-dir this process writes checkpoints to (named when a run is stopped)
+
+
+@contextmanager
+def claim_out_dir(out_dir, resume=False, overwrite=False):
+    """Check --out-dir before any work and hold it for the run inside: refuse a file, a directory that is not an
+    empty or a distill.py one (unless --resume or --overwrite fits it), an unwritable place, and a directory another
+    run holds (fcntl.flock on <out_dir>.lock beside it, which the OS releases when a process ends, even by a crash)."""
+    out = Path(out_dir)
+    is_ckpt = (out / "config.json").is_file() and (out / "features.safetensors").is_file()
+    if out.exists() and not out.is_dir():
+        raise ModelError(f"--out-dir {out_dir} is a file; pass a directory")
+    if not out.exists() and (out.with_name(out.name + ".old") / "config.json").is_file():
+        raise ModelError(f"a save into {out_dir} was interrupted and the last checkpoint is in {out.name}.old; "
+                         f"rename it to {out.name} and pass --resume")
+    if resume and not is_ckpt:
+        raise ModelError(f"{out_dir} holds no checkpoint to resume (no config.json and features.safetensors); "
+                         "drop --resume")
+    if out.is_dir() and any(out.iterdir()) and not resume and not (overwrite and is_ckpt):
+        raise ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not replace it; pass another "
+                         "--out-dir" if overwrite else f"{out_dir} already exists and is not empty; pass --resume to "
+                         "continue it, --overwrite to replace it, or another --out-dir")
+    if os.environ.get("RANK", "0") != "0":                       # under torchrun rank 0 writes, and holds the lock
+        yield
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.with_name(out.name + ".lock")
+    check_writable(lock)
+    with open(lock, "w") as fd:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ModelError(f"another run is writing {out_dir} (it holds {lock}); wait for it or pass another "
+                             "--out-dir") from None
+        CLAIMED[:] = [out_dir]
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
+
+
+def read_file(path, todo, reader):
+    """reader(path), the content of one of the project's files; a missing or damaged file is one ModelError naming
+    it and `todo` (what to do)."""
     if not Path(path).is_file():
         raise ModelError(f"{path} does not exist; {todo}")
     try:
-        return load_file(str(path))
-    except Exception as e:                                   # safetensors raises its own error types
-        raise ModelError(f"{path} is truncated or not a safetensors file ({e}); {todo}") from None
+        return reader(path)
+    except Exception as e:                                   # every reader fails in its own way on a damaged file
+        raise ModelError(f"{path} is damaged or truncated ({type(e).__name__}: {str(e)[:80]}); {todo}") from None
 
 
-def read_tokens(path, enc=None, max_tokens=None, special=False):
+def read_json(path, todo):
+    return read_file(path, todo, lambda p: json.loads(Path(p).read_text(encoding="utf-8")))
+
+
+def read_safetensors(path, todo):
+    from safetensors.torch import load_file
+    return read_file(path, todo, lambda p: load_file(str(p)))
+
+
+def torch_load(path, todo):
+    """A torch.save file (the optimizer state), onto the CPU."""
+    return read_file(path, todo, lambda p: torch.load(p, map_location="cpu", weights_only=False))
+
+
+def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None, min_tokens=1):
     """A uint16 token file (memory-mapped) or, given a tokenizer, a UTF-8 text file -> token ids (at most
-    max_tokens). This is the one reader of data/*/prepare.py's train.bin and val.bin. special: a special token's
-    text in the text file becomes that special token (as a Hugging Face tokenizer does), not ordinary text."""
+    max_tokens): the one reader of data/*/prepare.py's train.bin and val.bin, refusing too few tokens and ids
+    beyond vocab_size. special: a special token's text in the text becomes that token (as an HF tokenizer does)."""
     p = Path(path)
     if not p.is_file():
-        raise ModelError(f"{p} does not exist; pass a uint16 token file (data/*/prepare.py) or a text file")
+        raise ModelError(f"{p} {'is a directory' if p.is_dir() else 'does not exist'}; pass a uint16 token file "
+                         "(data/*/prepare.py) or a text file")
     if p.suffix == ".bin":
         if p.stat().st_size % 2:
-            raise ModelError(f"{p} has an odd number of bytes, so it is not a uint16 token file")
-        tokens = np.memmap(p, dtype=np.uint16, mode="r")
+            raise ModelError(f"{p} has an odd number of bytes, so it is not a uint16 token file; prepare it again")
+        tokens = np.memmap(p, dtype=np.uint16, mode="r") if p.stat().st_size else np.zeros(0, np.uint16)
     elif enc is None:
         raise ModelError(f"{p} is not a .bin token file; tokenize it with data/text/prepare.py")
     else:
         try:
-            with p.open(encoding="utf-8") as f:
-                text = f.read(-1 if max_tokens is None else 16 * max_tokens)      # 16 characters per token: plenty
+            text = p.read_text(encoding="utf-8")[:None if max_tokens is None else 16 * max_tokens]
         except UnicodeDecodeError:
             raise ModelError(f"{p} is neither a .bin token file nor UTF-8 text") from None
-        ids = enc.encode(text, allowed_special="all") if special else enc.encode_ordinary(text)
-        tokens = np.array(ids, dtype=np.int64)
-    return tokens[:max_tokens] if max_tokens else tokens
+        tokens = np.array(enc.encode(text, allowed_special="all") if special else enc.encode_ordinary(text), np.int64)
+    tokens = tokens[:max_tokens] if max_tokens else tokens
+    if len(tokens) < min_tokens:
+        raise ModelError(f"{p} holds {len(tokens)} tokens, fewer than the {min_tokens} needed; give it more text "
+                         "(or a shorter --block-size)")
+    if vocab_size is not None and len(tokens) and int(tokens.max()) >= vocab_size:
+        raise ModelError(f"{p} holds token id {int(tokens.max())}, but the model has {vocab_size} embeddings; "
+                         "tokenize the text with this model's tokenizer")
+    return tokens
+
+
+def get_batch(data, B, T, gen, device, share=(0, 1)):
+    """B random windows of T + 1 tokens (starts 0 .. len - T - 1) -> (x, y) (B, T), y shifted by one. share = (r,
+    N): process r of N draws the N*B windows of one process's batch and keeps windows r, r+N, ..., so N processes
+    see the batches of one process N times as large. On CUDA the copy runs from pinned memory, not blocking."""
+    r, N = share
+    ix = torch.randint(len(data) - T, (N * B,), generator=gen)[r::N].tolist()
+    xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
+    if torch.device(device).type == "cuda":
+        xy = xy.pin_memory()
+    xy = xy.to(device, non_blocking=True)
+    return xy[:, :-1], xy[:, 1:]

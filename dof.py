@@ -3,33 +3,21 @@ Algorithm 1 of the paper: how many features does each layer's linear attention n
 
     python dof.py --model gpt2 --lam 0.0625 --J 2048 --budget 64 --data data/wikipedia
 
-For every layer and head: pool the head's queries and keys (after rotary) on calibration text and draw J of them,
-x_1..x_J; form the Gram matrix G_ij = K(x_i, x_j) = exp(x_i.x_j / sqrt d) and the empirical operator G / J. The
-head's degrees of freedom are
+For every layer and head: pool the head's queries and keys (after rotary) on calibration windows, draw J of them,
+form the Gram matrix G_ij = K(x_i, x_j) = exp(x_i.x_j / sqrt d); the head's degrees of freedom are
 
     N_lam = sum_i mu_i / (mu_i + lam) = tr(G (G + J lam I)^-1),   mu_i the eigenvalues of G / J.
 
-A layer's DoF is the maximum over its heads (they share one feature dimension), and the layer gets a feature
-dimension proportional to it, scaled so that the mean over layers is the budget C (same average cost as Fix: C
-everywhere):
-
-    M_l = C N_l / mean(N).
-
-DoF+Clip caps each layer at the head size. Per head (distill.py --alloc dof-head), M_lh = C N_lh / mean(N) over
-all heads instead.
-
-The count M ~ N_lam log N_lam comes from features drawn from the kernel's ridge leverage density (Bach 2017),
-
-    q_lam(z) ~ l(z) N(z; 0, I),   l(z) = <phi_z, (Sigma + lam I)^-1 phi_z>,   E_z~N(0,I)[l(z)] = N_lam,
-
-with importance weights that keep the kernel estimate unbiased; `leverage_features` draws them (section 4).
+A layer's DoF is the maximum over its heads (they share one feature dimension); layer l gets M_l = C N_l / mean(N)
+features, so the mean is the budget C (the cost of Fix: C everywhere). DoF+Clip caps M_l at the head size; Reverse
+hands the same dims out in the opposite order (a control). With key centring the DoF is that of the kernel the
+student learns, K(q, k - mu). distill.py calls the same choose_dims on the same windows: both give the same dims.
 """
 
 import json
 import math
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,68 +26,58 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import model as M
-from common import (ModelError, atomic_path, check_positive, opt, parse_config, pick_device, read_tokens, run_main,
+from common import (ModelError, check_positive, get_batch, opt, parse_config, pick_device, read_tokens, run_main,
                     write_text_atomic)
-from tokenizer import load_tokenizer
+from model import GPT, repeat_kv
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 1. Queries and keys: a uniform random sample of J per head, memory bounded by J
+# 1. Queries and keys
 
-def attention_cores(model):
-    """model.h[l].attn.core for every layer, or a ModelError when the model has no attention of a known kind."""
-    known = tuple(c for c in (getattr(M, "SoftmaxAttention", None), getattr(M, "LinearAttention", None)) if c)
-    cores = [getattr(getattr(b, "attn", None), "core", None) for b in getattr(model, "h", None) or []]
-    if not cores or not all(isinstance(c, known) for c in cores):
-        raise ModelError(f"{type(model).__name__} has no attention layers of a known kind (model.h[l].attn.core: "
-                         "SoftmaxAttention or LinearAttention); load the checkpoint with model.GPT.from_pretrained")
-    return cores
-
-
-@contextmanager
-def capture_qk(model):
-    """While inside, each forward pass of `model` appends every layer's (q (B, H, T, D), k (B, Hkv, T, D)): the
-    inputs of model.h[l].attn.core, after rotary. Yields the list; the one q/k hook of dof.py and distill.py."""
+@torch.no_grad()
+def teacher_qk(model, idx):
+    """One frozen forward pass of idx (B, T) -> [(q (B, H, T, D), k (B, Hkv, T, D))] per layer, fp32: the inputs
+    of every model.h[l].attn.core, after rotary (the project's one q/k hook)."""
     seen = []
-    handles = [c.register_forward_pre_hook(lambda mod, args: seen.append((args[0], args[1])))
-               for c in attention_cores(model)]
+    hooks = [c.register_forward_pre_hook(lambda mod, args: seen.append(args[:2])) for c in model.cores()]
     try:
-        yield seen
+        model.hidden(idx)                                              # hidden states: skip the unused lm_head
     finally:
-        for h in handles:
+        for h in hooks:
             h.remove()
+    return [(q.float(), k.float()) for q, k in seen]
+
+
+def key_means(model, batches):
+    """Each layer's mean key over the batches, repeated to the query heads -> (L, H, D), LinearAttention.key_mean."""
+    sums, n = None, 0
+    for idx in batches:
+        ks = [k.sum(dim=(0, 2)) for _, k in teacher_qk(model, idx)]          # (Hkv, D) per layer
+        sums, n = ks if sums is None else [a + b for a, b in zip(sums, ks)], n + idx.numel()
+    return torch.stack([repeat_kv((s / n)[None, :, None], model.config.n_head)[0, :, 0] for s in sums])
 
 
 @torch.no_grad()
 def collect_qk(model, batches, J, seed=0, key_means=None):
-    """Run token batches (B, T) through the frozen model; -> (n_layer, n_head, J, head_dim) float32 on the CPU.
-    Each query head pools its queries with its KV head's keys (minus key_means[l] (H, D), if given); every point
-    gets an i.i.d. uniform random key and the J points with the largest keys are kept as the batches stream by (a
-    reservoir: uniform without replacement)."""
-    L = len(attention_cores(model))
-    gen = torch.Generator().manual_seed(seed)
-    kept, prio = [None] * L, [None] * L                               # per layer: (H, <=J, D) points, (H, <=J) keys
-    device = next(model.parameters()).device
+    """Token batches (B, T) through the frozen model -> (L, H, J, D) fp32 on its device: each query head's queries
+    pooled with its KV head's keys (minus key_means (L, H, D), if given). Every point gets an i.i.d. uniform random
+    priority and the J with the highest are kept as the batches stream by: uniform without replacement."""
+    gen, kept, prio = torch.Generator().manual_seed(seed), None, None
     for idx in batches:
-        with capture_qk(model) as qk:
-            model.hidden(idx.to(device))                               # hidden states: skip the unused lm_head
-        for l, (q, k) in enumerate(qk):                               # (B, H, T, D), (B, Hkv, T, D)
-            H, D = q.size(1), q.size(-1)
-            k = M.repeat_kv(k, H)                                    # each query head sees its KV head's keys
-            if key_means is not None:
-                k = k - key_means[l][:, None].to(k)
-            x = torch.cat((q, k), 2).transpose(0, 1).reshape(H, -1, D).float().cpu()   # (H, 2BT, D)
-            r = torch.rand(x.shape[:2], generator=gen)
-            if kept[l] is not None:
-                x, r = torch.cat((kept[l], x), 1), torch.cat((prio[l], r), 1)
-            top = r.topk(min(J, r.size(1)), dim=1).indices              # (H, <=J)
-            kept[l], prio[l] = x.gather(1, top[..., None].expand(-1, -1, D)), r.gather(1, top)
-    n = 0 if kept[0] is None else kept[0].size(1)
-    if n < J:
-        raise ModelError(f"J={J} is larger than the {n} queries+keys per head in the calibration data; "
-                         "lower J or give more calibration tokens")
-    return torch.stack(kept)
+        x = []
+        for l, (q, k) in enumerate(teacher_qk(model, idx)):                   # (B, H, T, D), (B, Hkv, T, D)
+            k = repeat_kv(k, q.size(1)) - (0 if key_means is None else key_means[l][:, None].to(k))
+            x.append(torch.cat((q, k), 2).transpose(0, 1).flatten(1, 2))       # (H, 2BT, D)
+        x = torch.stack(x)                                                     # (L, H, 2BT, D)
+        r = torch.rand(x.shape[:3], generator=gen).to(x.device)
+        if kept is not None:
+            x, r = torch.cat((kept, x), 2), torch.cat((prio, r), 2)
+        top = r.topk(min(J, r.size(2)), dim=2).indices                        # (L, H, <=J)
+        kept, prio = x.gather(2, top[..., None].expand(-1, -1, -1, x.size(-1))), r.gather(2, top)
+    if kept is None or kept.size(2) < J:
+        raise ModelError(f"J={J} is more than the {0 if kept is None else kept.size(2)} queries+keys per head in "
+                         "the calibration data; lower J or give more calibration tokens")
+    return kept
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -121,9 +99,7 @@ def dof_reference(S, lam, relative=False):
 def dof_from_logits(S, lam, relative=False, J=None):
     """The same N_lam from the logits S (..., n, n) without forming exp(S). With c = J lam (relative: lam tr(G)),
     a_i = G_ii / (G_ii + c) and D = diag(G_ii + c):
-
         G + cI = D^1/2 A D^1/2,   A = D^-1/2 G D^-1/2 + c D^-1,   A_ij = exp(S_ij - (S_ii + S_jj) / 2) sqrt(a_i a_j),
-
     A_ii = 1 and every entry of A lies in [0, 1] (Cauchy-Schwarz), whatever the logits. Then
     N = tr(G (G + cI)^-1) = n - c tr((G + cI)^-1) = n - sum_i (1 - a_i) (A^-1)_ii, A^-1 from A's Cholesky factor.
     J (default n): the number of points when S's n rows stand for several copies each (see degrees_of_freedom)."""
@@ -154,8 +130,8 @@ def degrees_of_freedom(x, lam, relative=False):
     in float64 on x's device (relative=True: lam times tr(G / J)). Exact duplicates (a position-0 query or key
     depends only on its token) make G singular; each distinct point enters once, its m copies folded into its
     logits, S_ij + (log m_i + log m_j) / 2, which leaves the nonzero eigenvalues of G / J unchanged."""
-    if not lam > 0:
-        raise ModelError(f"lambda must be positive, got {lam}")
+    if not lam > 0 or not math.isfinite(lam):
+        raise ModelError(f"lambda must be a positive number, got {lam}")
     if not torch.isfinite(x).all():
         raise ModelError("the queries/keys contain inf or nan; check the model's weights and dtype")
     *batch, J, d = x.shape
@@ -169,35 +145,24 @@ def degrees_of_freedom(x, lam, relative=False):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 3. Feature dimensions for a budget: M_l = C N_l / mean(N), per layer or per head
+# 3. Feature dimensions for a budget: M_l = C N_l / mean(N)
 
 def allocate(dof, budget, clip=None, order="dof"):
-    """DoF per layer (n_layer,) or per head (n_layer, n_head) -> feature dims of the same shape (nested lists of
-    int), proportional to the DoF with mean exactly `budget`, so the total is budget x entries.
-    clip: cap at the head size (DoF+Clip; nothing is redistributed, so the mean can fall below the budget).
-    order: "dof"; "reverse" (the same dims, largest DoF getting the smallest); "fix" (budget everywhere)."""
-    N = np.asarray(torch.as_tensor(dof, dtype=torch.float64).cpu())
-    shape, N = N.shape, N.reshape(-1)
+    """DoF (n,) -> whole feature dims (list of int), proportional to the DoF with mean exactly `budget`, so the
+    total is budget x n. clip: cap at the head size (DoF+Clip; nothing is redistributed, so the mean can fall below
+    the budget). order: "dof"; "reverse" (the same dims, largest DoF getting the smallest); "fix" (C everywhere)."""
+    N = np.asarray(torch.as_tensor(dof, dtype=torch.float64).cpu()).reshape(-1)
     if int(budget) != budget or budget < 1:
         raise ModelError(f"the budget must be a whole number of at least 1 feature per layer, got {budget}")
     if order not in ("dof", "reverse", "fix"):
         raise ModelError(f"order must be dof, reverse or fix, got {order!r}")
     if N.size == 0 or not np.isfinite(N).all() or (N < 0).any():
-        raise ModelError(f"allocate needs finite non-negative DoF, one per layer or head, got {N.tolist()}")
-    C = int(budget)
-    if order == "fix":
-        dims = np.full(N.size, C)
-    else:
-        if N.sum() == 0:
-            N = np.ones(N.size)                                             # no DoF anywhere: uniform
-        dims = whole_dims(C * N / N.mean())                                 # M_l = C N_l / mean(N), then rounded
-        if order == "reverse":
-            rev = np.empty_like(dims)
-            rev[np.argsort(-N, kind="stable")] = np.sort(dims)              # k-th largest DoF, k-th smallest dim
-            dims = rev
-    if clip is not None:
-        dims = np.minimum(dims, int(clip))
-    return dims.astype(int).reshape(shape).tolist()
+        raise ModelError(f"allocate needs finite non-negative DoF, one per layer, got {N.tolist()}")
+    C, N = int(budget), N if N.sum() > 0 else np.ones(N.size)                 # no DoF anywhere: uniform
+    dims = np.full(N.size, C) if order == "fix" else whole_dims(C * N / N.mean())   # M_l = C N_l / mean(N)
+    if order == "reverse":
+        dims[np.argsort(-N, kind="stable")] = np.sort(dims)                 # k-th largest DoF, k-th smallest dim
+    return np.minimum(dims, clip or dims.max()).astype(int).tolist()
 
 
 def whole_dims(M):
@@ -216,237 +181,93 @@ def whole_dims(M):
     return dims
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 4. Features drawn from the kernel's ridge leverage scores (Bach 2017), the density Algorithm 1's M ~ N_lam assumes
-
-def prf_log(x, z):
-    """log phi_z(x) = z.x~ - |x~|^2 / 2, x~ = x / d^(1/4): the PRF feature of direction z with alpha = 1 and
-    without the 1/sqrt(M), so that E_z[phi_z(x) phi_z(y)] = K(x, y). x (n, d), z (P, d) -> (n, P)."""
-    xt = x * x.size(-1) ** -0.25
-    return xt @ z.mT - 0.5 * xt.square().sum(-1, keepdim=True)
+RULES = ("dof", "fix", "clip", "reverse")      # Fix: C everywhere; DoF+Clip: capped at the head size
 
 
-def leverage_reference(x, z, lam, relative=False):
-    """The plain form: the ridge leverage of each feature direction z_p (P, d) on the points x (J, d),
-
-        l(z) = <phi_z, (Sigma + lam I)^-1 phi_z> in L2 of the points = phi_z^T (G + J lam I)^-1 phi_z,
-
-    phi_z = (phi_z(x_1), ..., phi_z(x_J)), G = exp(x x^T / sqrt d) (relative: lam := lam tr(G / J)). Its mean
-    over z ~ N(0, I) is the DoF N_lam. -> (P,) float64; overflows for large logits (see leverage_log)."""
-    x, z = x.double(), z.double()
-    G = (x @ x.T / math.sqrt(x.size(-1))).exp()                              # (J, J)
-    c = lam * (G.trace() if relative else x.size(0))
-    phi = prf_log(x, z).exp()                                                # (J, P)
-    return (phi * torch.linalg.solve(G + c * torch.eye(len(G), dtype=G.dtype), phi)).sum(0)
+def parse_dims(text, n_layer):
+    """--dims "8,16,..." -> n_layer whole dims >= 1, or a ModelError."""
+    try:
+        dims = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ModelError(f"--dims must be comma-separated integers, got {text!r}") from None
+    if len(dims) != n_layer or min(dims) < 1:
+        raise ModelError(f"--dims needs {n_layer} positive integers, one per layer, got {text!r}")
+    return dims
 
 
-def leverage_log(x, z, lam, relative=False):
-    """log l(z) of leverage_reference without forming G or phi: with G + cI = D^1/2 C C^T D^1/2
-    (regularised_cholesky), l(z) = |C^-1 D^-1/2 phi_z|^2, and D^-1/2 phi_z is formed from its logs shifted by
-    their largest value (one factor for all z, added back to the logs). x (J, d), z (P, d) -> (P,) float64."""
-    x, z = x.double(), z.double()
-    C, u, _ = regularised_cholesky(x @ x.T / math.sqrt(x.size(-1)), lam, relative, x.size(0))
-    b = prf_log(x, z) + u[:, None]                                           # log of D^-1/2 phi_z (J, P)
-    top = b.max()
-    y = torch.linalg.solve_triangular(C, (b - top).exp(), upper=False)       # C^-1 D^-1/2 phi_z e^-top
-    return 2 * top + y.square().sum(0).log()
+def choose_dims(model, batches, budget, alloc="dof", lam=2 ** -4, relative=False, J=2048, seed=0, key_means=None):
+    """Algorithm 1 -> (dims per layer, the layer DoF or None for Fix): J queries+keys per head from the batches
+    (keys minus key_means: the kernel the student learns), N_lam per head, its maximum per layer, allocate."""
+    if alloc == "fix":
+        return [int(budget)] * model.config.n_layer, None
+    x = collect_qk(model, batches, J, seed, key_means)                       # (L, H, J, D)
+    layer = degrees_of_freedom(x, lam, relative).amax(-1).cpu()              # heads share the layer's dimension
+    clip = model.config.head_dim if alloc == "clip" else None
+    return allocate(layer, budget, clip, "reverse" if alloc == "reverse" else "dof"), layer.tolist()
 
 
-def leverage_features(x, M, lam, relative=False, pool=16, generator=None):
-    """M PRF features of one head from its ridge leverage density q(z) ~ l(z) N(z; 0, I), on its points x (J, d):
-    a pool of P = pool x M candidates z_p ~ N(0, I), M taken by systematic resampling with probabilities
-    pi_p = l(z_p) / sum l (candidate p taken M pi_p times in expectation; a likely one can be taken twice), and
-    importance weights alpha_m = 1 / (P pi_p(m)) (PRF's sqrt(alpha_m / M)). Then, for any q, k,
-
-        E[sum_m alpha_m phi_zm(q) phi_zm(k) / M] = E[sum_p (M pi_p / M) phi_zp(q) phi_zp(k) / (P pi_p)]
-                                                 = E[sum_p phi_zp(q) phi_zp(k) / P] = K(q, k):
-
-    unbiased, as plain Gaussian PRF. -> z (M, d), log_alpha (M,), float32."""
-    P = pool * M
-    z = torch.randn(P, x.size(-1), generator=generator, dtype=torch.float64)
-    log_l = leverage_log(x, z, lam, relative)                                # (P,)
-    pi = torch.softmax(log_l, 0)                                             # l / sum l
-    u = (torch.rand((), generator=generator, dtype=torch.float64) + torch.arange(M, dtype=torch.float64)) / M
-    take = torch.searchsorted(pi.cumsum(0), u).clamp_max(P - 1)              # systematic resampling (M,)
-    return z[take].float(), (-(P * pi[take]).log()).float()
-
-
-@torch.no_grad()
-def init_leverage(core, x, lam, relative=False, pool=16, generator=None):
-    """Set every head's PRF directions and weights of a LinearAttention `core` by leverage_features on that head's
-    points x (H, J, d), head by head in the order of its groups."""
-    heads = core.split(torch.arange(core.n_head)[None])                        # head numbers of each group
-    for f, hs in zip(core.feature_maps, heads):
-        for i, h in enumerate(hs[0].tolist()):
-            f.z[i], f.log_alpha[i] = leverage_features(x[h].double(), f.M, lam, relative, pool, generator)
+def calibration_batches(tokens, n, B, T, seed, device):
+    """The n calibration batches (B, T) of a run with this seed: random windows of the training tokens, drawn by
+    their own generator (seed + 2), so that the DoF pass sees the same windows in dof.py and distill.py."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    return [get_batch(tokens, B, T, gen, device)[0] for _ in range(n)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 5. The command: a model's DoF profile
+# 4. The command: a model's DoF profile and every rule's dims
 
 @dataclass
 class DofConfig:
-    """Degrees of freedom of every head's attention kernel and the feature dimensions they give each layer (the
-    paper's Algorithm 1)."""
-    model: str = opt("gpt2", "checkpoint: hub id (gpt2, EleutherAI/pythia-160m), local directory, .gguf file or "
-                     "smollm2-135m")
-    data: str = opt("data/wikipedia", "calibration text: a uint16 token file (train.bin/val.bin), a directory "
-                    "holding train.bin, or a text file")
-    J: int = opt(2048, "queries+keys drawn per head; the DoF is estimated from a J x J Gram matrix (the paper does "
-                 "not give its J)")
-    lam: float = opt(2 ** -4, "lambda of N = tr(S (S + lambda I)^-1) (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B); "
-                     "with --lam-relative a fraction of tr(S)")
-    lam_relative: bool = opt(False, "take --lam as a fraction of tr(S), invariant to the kernel's scale (for large "
-                             "q/k norms, e.g. SmolLM2)")
+    """Degrees of freedom of every head's attention kernel, and the dims they give each layer (Algorithm 1), on the
+    calibration windows distill.py draws with the same flags."""
+    model: str = opt("gpt2", "checkpoint: hub id, local directory, .gguf file or smollm2-135m")
+    data: str = opt("data/wikipedia", "directory of train.bin (data/*/prepare.py, or made by distill.py)")
     budget: int = opt(64, "mean feature dimension C over the layers (paper, GPT-2: 64)")
-    tokens: int = opt(8192, "calibration tokens read from --data (each gives one query and one key per head)")
-    batch_size: int = opt(4, "sequences per forward pass")
-    block_size: int = opt(1024, "tokens per sequence (capped at the model's context length)")
+    lam: float = opt(2 ** -4, "lambda (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B); --lam-relative: times tr(S)")
+    lam_relative: bool = opt(False, "take --lam as a fraction of tr(S), invariant to the kernel's scale (SmolLM2)")
+    J: int = opt(2048, "queries+keys drawn per head: the DoF comes from a J x J Gram matrix")
+    center_keys: bool = opt(False, "the DoF of the centred kernel K(q, k - mu) that distill.py --center-keys trains")
+    calib_batches: int = opt(4, "calibration batches (as distill.py)")
+    batch_size: int = opt(8, "windows per calibration batch (as distill.py)")
+    block_size: int = opt(1024, "tokens per window, at most the model's context (as distill.py)")
+    seed: int = opt(0, "seed of the calibration windows and of the sample of queries+keys (as distill.py)")
     device: str = opt("auto", "auto (cuda if available), cpu, cuda or cuda:N")
-    seed: int = opt(0, "seed of the random sample of queries+keys")
-    out: str = opt("out-dof", "output directory for dof.json and the heatmap (dof.png, or dof.txt without "
-                   "matplotlib)")
+    out: str = opt("out-dof", "output directory for dof.json")
 
     def __post_init__(self):
-        check_positive(self, ("J", "tokens", "batch_size", "block_size"))
-        if not self.lam > 0:
-            raise ModelError(f"--lam must be positive, got {self.lam}")
-        if self.budget < 1:
-            raise ModelError(f"--budget must be at least 1 feature per layer, got {self.budget}")
-
-
-def calibration_tokens(cfg, vocab_size):
-    """--data (a token file, a directory holding train.bin, or a text file) -> up to cfg.tokens ids (np.int64)."""
-    p = Path(cfg.data)
-    p = p / "train.bin" if p.is_dir() else p
-    enc = None if p.suffix == ".bin" or not p.is_file() else load_tokenizer(cfg.model)
-    tokens = np.asarray(read_tokens(p, enc, cfg.tokens), dtype=np.int64)
-    if len(tokens) and tokens.max() >= vocab_size:
-        raise ModelError(f"{p} holds token id {tokens.max()} but the model has {vocab_size} embeddings; "
-                         "tokenize the data with this model's tokenizer")
-    if cfg.J > 2 * len(tokens):
-        raise ModelError(f"--J {cfg.J} is larger than the {2 * len(tokens)} queries+keys per head in {len(tokens)} "
-                         f"calibration tokens; lower --J or give more text (--tokens, --data)")
-    return tokens
-
-
-def batches_of(tokens, B, T):
-    """Consecutive sequences of T tokens, B per batch; the tail (< T tokens) is a last batch of its own."""
-    n = len(tokens) // T
-    out = list(torch.from_numpy(tokens[:n * T]).view(n, T).split(B))
-    if len(tokens) > n * T:
-        out.append(torch.from_numpy(tokens[n * T:])[None])
-    return out
-
-
-def lam_text(cfg):
-    return f"{cfg.lam:g} x tr(S)" if cfg.lam_relative else f"{cfg.lam:g}"
-
-
-def print_table(cfg, mc, n_tokens, per_head, dims):
-    layer = per_head.max(1)
-    sat = layer / cfg.J
-    print(f"{cfg.model}: {mc.n_layer} layers x {mc.n_head} heads, head size {mc.head_dim}; J={cfg.J} of "
-          f"{2 * n_tokens} queries+keys per head, lambda={lam_text(cfg)}, budget {cfg.budget}")
-    print(f"{'layer':>5} {'DoF max':>9} {'DoF mean':>9} {'max/J':>6} {'DoF':>5} {'DoF+Clip':>8} {'Fix':>5}")
-    for l in range(mc.n_layer):
-        print(f"{l:5d} {layer[l]:9.2f} {per_head[l].mean():9.2f} {sat[l]:6.3f} {dims['DoF'][l]:5d} "
-              f"{dims['DoF+Clip'][l]:8d} {dims['Fix'][l]:5d}")
-    print(f"{'mean':>5} {layer.mean():9.2f} {per_head.mean():9.2f} {sat.mean():6.3f} {np.mean(dims['DoF']):5.1f} "
-          f"{np.mean(dims['DoF+Clip']):8.1f} {np.mean(dims['Fix']):5.1f}")
-
-
-def warn_if_saturated(sat):
-    """DoF/J > 0.9 in a layer: the estimate saturates at J and the dims tend to Fix."""
-    hot = [l for l, s in enumerate(sat) if s > 0.9]
-    if not hot:
-        return
-    which = "every layer has" if len(hot) == len(sat) else \
-        f"layer{'s' if len(hot) > 1 else ''} {', '.join(map(str, hot))} {'have' if len(hot) > 1 else 'has'}"
-    print(f"warning: {which} DoF/J > 0.9, so the estimate is saturated (lambda is too small for this model's "
-          "query/key scale and the dims tend to Fix); raise --lam or use --lam-relative (e.g. --lam-relative "
-          "--lam 1e-3)", file=sys.stderr)
-
-
-def write_outputs(cfg, result, per_head, dims):
-    """dof.json, and dof.png (or dof.txt, printed, without matplotlib) in cfg.out."""
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(out / "dof.json", json.dumps(result, indent=1))
-    if plot(out / "dof.png", per_head, dims, f"{cfg.model}: J={cfg.J}, lambda={lam_text(cfg)}, budget {cfg.budget}"):
-        print(f"wrote {out / 'dof.json'} and {out / 'dof.png'}")
-    else:
-        write_text_atomic(out / "dof.txt", text_heatmap(per_head))
-        print(text_heatmap(per_head), end="")
-        print(f"wrote {out / 'dof.json'} and {out / 'dof.txt'} (pip install matplotlib for dof.png)")
+        check_positive(self, ("J", "budget", "calib_batches", "batch_size", "block_size"))
+        if not (self.lam > 0 and math.isfinite(self.lam)):
+            raise ModelError(f"--lam must be a positive number, got {self.lam}")
 
 
 def main(argv=None):
     cfg = parse_config(DofConfig, argv)
     device, _ = pick_device(cfg.device, "float32")                           # queries and keys in float32
-    model = M.GPT.from_pretrained(cfg.model, device=device)
-    attention_cores(model)                                                    # fail early on a model without
-    mc = model.config                                                         # attention of a known kind
-    tokens = calibration_tokens(cfg, mc.vocab_size)
-
+    model = GPT.from_pretrained(cfg.model, device=device)
+    mc, T = model.config, min(cfg.block_size, model.config.block_size)
+    tokens = read_tokens(Path(cfg.data) / "train.bin", vocab_size=mc.vocab_size, min_tokens=T + 1)
     t0 = time.time()
-    batches = batches_of(tokens, cfg.batch_size, min(cfg.block_size, mc.block_size))
-    x = collect_qk(model, tqdm(batches, desc="queries/keys", unit="batch"), cfg.J, cfg.seed)   # (L, H, J, D)
-    t1 = time.time()
-    per_head = torch.stack([degrees_of_freedom(x[l].to(device), cfg.lam, cfg.lam_relative).cpu()
-                            for l in tqdm(range(mc.n_layer), desc="DoF", unit="layer")]).numpy()  # (L, H)
-    t2 = time.time()
-    layer = per_head.max(1)                                                   # heads share the layer's dimension
-    sat = layer / cfg.J                                                       # > 0.9: saturated at J
-    dims = {"DoF": allocate(layer, cfg.budget), "DoF+Clip": allocate(layer, cfg.budget, clip=mc.head_dim),
-            "Fix": allocate(layer, cfg.budget, order="fix"), "Reverse": allocate(layer, cfg.budget, order="reverse")}
-
-    print_table(cfg, mc, len(tokens), per_head, dims)
-    print(f"queries/keys {t1 - t0:.1f}s, DoF {t2 - t1:.1f}s")
-    warn_if_saturated(sat)
-    result = {"settings": {**asdict(cfg), "device": device, "n_layer": mc.n_layer, "n_head": mc.n_head,
-                           "head_dim": mc.head_dim, "calibration_tokens": len(tokens)},
-              "per_head_dof": per_head.tolist(), "layer_dof": layer.tolist(), "saturation": sat.tolist(),
-              "dims": dims, "seconds": {"collect": t1 - t0, "dof": t2 - t1}}
-    write_outputs(cfg, result, per_head, dims)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# 6. The figure
-
-def plot(path_png, per_head, dims, title):
-    """Per-head DoF heatmap and per-layer dims; False when matplotlib is not installed."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    L, H = per_head.shape
-    fig, (a0, a1) = plt.subplots(1, 2, figsize=(12, max(3, 0.3 * L + 1.5)))
-    im = a0.imshow(per_head, aspect="auto", cmap="viridis")
-    a0.set(xlabel="head", ylabel="layer", title="DoF per head")
-    if H <= 32:
-        a0.set_xticks(range(H))
-    fig.colorbar(im, ax=a0, label="DoF")
-    for i, (name, d) in enumerate(dims.items()):
-        a1.barh(np.arange(L) + (i - 1.5) * 0.2, d, height=0.2, label=name)
-    a1.invert_yaxis()
-    a1.set(xlabel="feature dimension", ylabel="layer", title="dims per layer")
-    a1.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    with atomic_path(path_png) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
-    return True
-
-
-def text_heatmap(per_head):
-    ramp, top = " .:-=+*#%@", max(float(per_head.max()), 1e-12)
-    rows = ["".join(ramp[min(9, int(10 * v / top))] for v in row) for row in per_head]
-    return f"DoF per head (rows: layers, columns: heads; '@' = {top:.1f})\n" + \
-        "\n".join(f"{l:3d} |{r}|" for l, r in enumerate(rows)) + "\n"
+    batches = calibration_batches(tokens, cfg.calib_batches, cfg.batch_size, T, cfg.seed, device)
+    x = collect_qk(model, batches, cfg.J, cfg.seed, key_means(model, batches) if cfg.center_keys else None)
+    per_head = torch.stack([degrees_of_freedom(x[l], cfg.lam, cfg.lam_relative).cpu()
+                            for l in tqdm(range(mc.n_layer), desc="DoF", unit="layer")]).numpy()   # (L, H)
+    layer = per_head.max(1)
+    dims = {a: allocate(layer, cfg.budget, mc.head_dim if a == "clip" else None, "dof" if a == "clip" else a)
+            for a in RULES}
+    print(f"{cfg.model}: J={cfg.J} queries+keys per head{' (keys centred)' if cfg.center_keys else ''}, lambda="
+          f"{cfg.lam:g}{' x tr(S)' if cfg.lam_relative else ''}, budget {cfg.budget}\n{'layer':>5} {'DoF max':>8} "
+          f"{'mean':>8} {'max/J':>6}" + "".join(f" {a:>7}" for a in dims))
+    for l in range(mc.n_layer):
+        print(f"{l:5d} {layer[l]:8.2f} {per_head[l].mean():8.2f} {layer[l] / cfg.J:6.3f}"
+              + "".join(f" {d[l]:7d}" for d in dims.values()))
+    if layer.max() > 0.9 * cfg.J:
+        print("warning: DoF/J > 0.9: the estimate saturates at J and the dims tend to Fix; raise --lam or use "
+              "--lam-relative (e.g. --lam-relative --lam 1e-3)", file=sys.stderr)
+    result = {"settings": asdict(cfg), "per_head_dof": per_head.tolist(), "layer_dof": layer.tolist(), "dims": dims,
+              "seconds": time.time() - t0}
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    write_text_atomic(Path(cfg.out) / "dof.json", json.dumps(result, indent=1))
+    print(f"wrote {Path(cfg.out) / 'dof.json'} ({time.time() - t0:.1f}s)")
 
 
 if __name__ == "__main__":

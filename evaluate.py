@@ -317,7 +317,7 @@ def loglikelihood(model, context_tokens, continuation_tokens, device="cpu") -> t
     """One request: Σ_j log p(continuation_j | everything before it) from one full forward pass over the window,
     and whether every continuation token is the argmax (the harness's is_greedy)."""
     inp, targets = harness_window(context_tokens, continuation_tokens, model.config.block_size)
-    logits, _ = model(torch.tensor([inp], device=device))                        # (1, T, V)
+    logits = model(torch.tensor([inp], device=device))                        # (1, T, V)
     logp = F.log_softmax(logits[0].float(), dim=-1)                             # (T, V)
     pos, tok = (torch.tensor(ix, device=device) for ix in zip(*targets))
     return float(logp[pos, tok].sum()), bool((logp[pos].argmax(-1) == tok).all())

@@ -83,12 +83,12 @@ def assert_parity(hf, path, T=64, new_tokens=20):
     m = M.GPT.from_pretrained(path)
     idx = torch.randint(0, hf.config.vocab_size, (2, T))
     with torch.no_grad():
-        ref, ours = hf(idx).logits, m(idx)[0]
+        ref, ours = hf(idx).logits, m(idx)
     assert ref.abs().max() > 1e-2                       # a non-trivial comparison
     assert (ref - ours).abs().max().item() < 1e-4
     prompt = idx[:1, :8]
     ref_gen = hf.generate(prompt, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    assert torch.equal(ref_gen, m.generate(prompt, new_tokens, top_k=1))
+    assert torch.equal(ref_gen, m.generate(prompt, new_tokens))
     return m
 
 
@@ -150,8 +150,8 @@ def test_kv_cache_prefill_in_pieces_equals_full_forward(tmp_path):
     idx = torch.randint(0, 500, (2, 40))
     cache = M.Cache(m.config.n_layer)
     with torch.no_grad():
-        full = m(idx)[0]
-        parts = torch.cat([m(idx[:, a:b], cache=cache)[0] for a, b in [(0, 17), (17, 18), (18, 40)]], dim=1)
+        full = m(idx)
+        parts = torch.cat([m(idx[:, a:b], cache=cache) for a, b in [(0, 17), (17, 18), (18, 40)]], dim=1)
     assert (full - parts).abs().max() < 1e-4
 
 
@@ -801,7 +801,7 @@ def test_full_path_gradients(fmap, T):
     x64 = [x.double().requires_grad_() for x in (q, k, v)]
     g = torch.randn(B, H, T, D)
     y32 = m32(*x32)
-    phi_q, phi_k = m64.features(x64[0], x64[1])[0]
+    phi_q, phi_k = m64.features(*m64.inputs(x64[0], x64[1]))
     y64 = linear_attention_reference(phi_q, phi_k, repeat_kv(x64[2], m64.n_head))
     (y32 * g).sum().backward()
     (y64 * g.double()).sum().backward()
@@ -860,7 +860,7 @@ def test_large_norms_stay_finite(fmap, dtype):
     q, k = (unit() * norms).to(dtype), (unit() * norms.flip(2)).to(dtype)
     v = torch.randn(B, H, T, D, generator=g).to(dtype)
     q.requires_grad_(), k.requires_grad_()
-    phi_q, phi_k = m.features(q, k)[0]
+    phi_q, phi_k = m.features(*m.inputs(q, k))
     for phi in (phi_q, phi_k):
         assert torch.isfinite(phi).all() and (phi >= 0).all()
     y = m(q, k, v)
@@ -907,16 +907,25 @@ def test_prf_unbiased_error_falls_like_inverse_sqrt_M():
     assert -0.6 <= slope <= -0.4, (slope, errs)
 
 
+def student_rows(core, q, k):
+    """The student's normalised causal attention (B, H, T, T): row i = phi_q,i . phi_k,j / sum_{j<=i}."""
+    phi_q, phi_k = core.features(*core.inputs(q, k))
+    A = (phi_q @ phi_k.mT).tril()
+    return A / A.sum(-1, keepdim=True)
+
+
 def test_stabilised_features_give_the_same_attention_as_raw_features():
-    """forward's rescaled features and the raw Phi of log_features give the same normalised attention."""
+    """forward's rescaled features and the raw Phi of log_features give the same normalised attention, and that
+    attention times v is the core's output."""
     torch.manual_seed(8)
     m = LinearAttention(3, 3, 16, 40, "prf")
     with torch.no_grad():
-        m.feature_maps[0].log_alpha.normal_()
-    q, k, _ = qkv(2, 3, 3, 50, 16, seed=8)
-    f = m.feature_maps[0]
+        m.feature_map.log_alpha.normal_()
+    q, k, v = qkv(2, 3, 3, 50, 16, seed=8)
+    f = m.feature_map
     A = (f.log_features(q).exp() @ f.log_features(k).exp().mT).tril()
-    assert rel(m.scores(q, k), A / A.sum(-1, keepdim=True)) < 1e-5
+    assert rel(student_rows(m, q, k), A / A.sum(-1, keepdim=True)) < 1e-5
+    assert rel(student_rows(m, q, k) @ v, m(q, k, v)) < 1e-5
 
 
 def test_overflow_safe_features_are_raw_features_times_the_documented_factors():
@@ -986,8 +995,7 @@ def test_cache_prefill_then_steps_equal_full_forward(fmap):
     for t in range(60, T):                                                  # one token at a time
         parts.append(m(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache))
     assert rel(torch.cat(parts, 2), y_full) < 1e-5
-    assert set(cache) == {"S", "s"} and [S.shape for S in cache["S"]] == [(B, H, 24, D)]
-    assert [s.shape for s in cache["s"]] == [(B, H, 24)]
+    assert set(cache) == {"S", "s"} and cache["S"].shape == (B, H, 24, D) and cache["s"].shape == (B, H, 24)
 
 
 def test_gqa_repeat_matches_explicit_heads():
@@ -1015,16 +1023,6 @@ def test_key_mean_buffer_centres_keys_and_is_saved():
     assert rel(m(q, k, v), plain(q, k - mu[:, None], v)) < 1e-6
 
 
-def test_scores_are_the_normalised_student_attention():
-    torch.manual_seed(14)
-    m = LinearAttention(2, 2, 16, 20, "performer")
-    q, k, v = qkv(1, 2, 2, 45, 16, seed=14)
-    A = m.scores(q, k)
-    assert A.shape == (1, 2, 45, 45) and torch.allclose(A.sum(-1), torch.ones(()), atol=1e-5)
-    assert (A.triu(1) == 0).all()
-    assert rel(A @ v, m(q, k, v)) < 1e-5
-
-
 def test_unknown_feature_map_is_a_clear_error():
     with pytest.raises(ModelError, match="unknown feature map"):
         LinearAttention(2, 2, 16, 8, "cosformer")
@@ -1045,12 +1043,12 @@ def test_linearized_generation_equals_full_forward_greedy(family):
     idx = prompt
     with torch.no_grad():
         for _ in range(40):                                  # crosses chunk boundaries at 32, 48
-            idx = torch.cat((idx, model(idx)[0][:, -1:].argmax(-1)), dim=1)
-    assert torch.equal(model.generate(prompt, 40, top_k=1), idx)
+            idx = torch.cat((idx, model(idx)[:, -1:].argmax(-1)), dim=1)
+    assert torch.equal(model.generate(prompt, 40), idx)
     cache = Cache(cfg.n_layer)                               # the decoding state: S and s per layer, no KV cache
     with torch.no_grad():
         model(idx, cache=cache)
-    assert [sorted(c) for c in cache] == [["S", "s"]] * 2 and cache[0]["S"][0].shape == (1, 4, 8, 16)
+    assert [sorted(c) for c in cache] == [["S", "s"]] * 2 and cache[0]["S"].shape == (1, 4, 8, 16)
 
 
 @pytest.mark.parametrize("fmap", MAPS)
@@ -1063,11 +1061,11 @@ def test_bf16_autocast_runs_features_and_scan_in_fp32(fmap):
     cfg = GPTConfig(family="llama", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=128, head_dim=32,
                     block_size=256, rotary_dim=32, tie_embeddings=False, mlp_hidden=256, bias=False)
     model = GPT(cfg).eval().linearize([32, 48], feature_map=fmap, chunk_size=16)
-    for core in dof.attention_cores(model):  # trained-looking keys: centred by a non-zero key mean
+    for core in model.cores():  # trained-looking keys: centred by a non-zero key mean
         core.key_mean.normal_(0, 0.5)
     seen = []
     hooks = [core.register_forward_hook(lambda m, args, y: seen.append((m, args[:3], y)))
-             for core in dof.attention_cores(model)]
+             for core in model.cores()]
     idx, cache = torch.randint(0, 300, (2, 100)), Cache(cfg.n_layer)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(idx[:, :99], cache=cache)                      # prefill: the chunked scan
@@ -1375,13 +1373,11 @@ def test_collect_qk_sample_is_uniform_over_the_stream(tmp_path):
 def test_collect_qk_bad_input(tmp_path):
     tiny_gpt2(tmp_path)
     m = M.GPT.from_pretrained(tmp_path)
-    with pytest.raises(ModelError, match="J=100 is larger than the 40 queries"):
+    with pytest.raises(ModelError, match="J=100 is more than the 40 queries"):
         dof.collect_qk(m, [torch.randint(0, 100, (1, 20))], J=100)
-    with pytest.raises(ModelError, match="no attention layers of a known kind"):
-        dof.collect_qk(torch.nn.Sequential(torch.nn.Linear(2, 2)), [torch.zeros(1, 2)], J=1)
     with pytest.raises(IndexError):                               # a failing forward pass leaves no hooks behind
         dof.collect_qk(m, [torch.full((1, 4), 10 ** 6)], J=1)
-    assert all(not b.attn.core._forward_hooks for b in m.h)
+    assert all(not b.attn.core._forward_pre_hooks for b in m.h)
 
 
 def run_dof(*args, cwd=ROOT):
@@ -1389,91 +1385,74 @@ def run_dof(*args, cwd=ROOT):
                           text=True, timeout=600)
 
 
-def check_ok(out, stdout, n_layer=2, n_head=2, budget=8):
+def check_ok(out, stdout, n_layer=2, budget=8, head_dim=16):
     res = json.loads((out / "dof.json").read_text())
-    assert np.array(res["per_head_dof"]).shape == (n_layer, n_head)
-    assert sum(res["dims"]["DoF"]) == budget * n_layer and res["dims"]["Fix"] == [budget] * n_layer
-    assert sorted(res["dims"]["Reverse"]) == sorted(res["dims"]["DoF"])
-    assert max(res["dims"]["DoF+Clip"]) <= res["settings"]["head_dim"]
-    assert (out / "dof.png").is_file() or (out / "dof.txt").is_file()
-    assert not list(out.glob("*.tmp"))
-    assert "DoF+Clip" in stdout and "layer" in stdout
+    assert np.array(res["per_head_dof"]).shape == (n_layer, 2)
+    assert sum(res["dims"]["dof"]) == budget * n_layer and res["dims"]["fix"] == [budget] * n_layer
+    assert sorted(res["dims"]["reverse"]) == sorted(res["dims"]["dof"]) and max(res["dims"]["clip"]) <= head_dim
+    assert not list(out.glob("*.tmp")) and "clip" in stdout and "layer" in stdout
     return res
+
+
+def token_dir(path, n=3000, seed=0):
+    path.mkdir(parents=True, exist_ok=True)
+    np.random.default_rng(seed).integers(0, 50257, n).astype(np.uint16).tofile(path / "train.bin")
+    return path
 
 
 def test_command_on_token_files(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     tiny_gpt2(ckpt)
-    data = tmp_path / "data"
-    data.mkdir()
-    np.random.default_rng(0).integers(0, 50257, 3000).astype(np.uint16).tofile(data / "train.bin")
-    r = run_dof("--model", ckpt, "--data", data, "--J", 256, "--budget", 8, "--tokens", 600, "--block-size", 100,
-                "--batch-size", 2, "--device", "cpu", "--out", tmp_path / "o1")
+    data = token_dir(tmp_path / "data")
+    flags = ["--model", ckpt, "--data", data, "--J", 256, "--budget", 8, "--calib-batches", 2, "--block-size", 100,
+             "--batch-size", 2, "--device", "cpu"]
+    r = run_dof(*flags, "--out", tmp_path / "o1")
     assert r.returncode == 0, r.stderr
-    res = check_ok(tmp_path / "o1", r.stdout)
-    assert res["settings"]["calibration_tokens"] == 600
-    dof.main(["--model", str(ckpt), "--data", str(data / "train.bin"), "--J", "256", "--budget", "8", "--tokens",
-              "600", "--block-size", "100", "--out", str(tmp_path / "o2"), "--lam", "1e-3", "--lam-relative"])
+    check_ok(tmp_path / "o1", r.stdout)
+    dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o2"), "--lam", "1e-3", "--lam-relative"])
     res = check_ok(tmp_path / "o2", capsys.readouterr().out)
-    assert max(res["saturation"]) < 0.9                     # relative lambda: far from saturated
-
-
-def test_command_on_text_with_the_checkpoints_tokenizer(tmp_path, capsys):
-    ckpt = tmp_path / "ckpt"
-    tiny_gpt2(ckpt)
-    for f in (DATA / "gpt2-tokenizer").iterdir():
-        shutil.copy(f, ckpt / f.name)
-    text = tmp_path / "calib.txt"
-    text.write_text((WIKITEXT).read_text(encoding="utf-8")[:20000])
-    dof.main(["--model", str(ckpt), "--data", str(text), "--J", "512", "--budget", "8", "--tokens", "1000",
-              "--block-size", "128", "--out", str(tmp_path / "o")])
-    res = check_ok(tmp_path / "o", capsys.readouterr().out)
-    assert res["settings"]["calibration_tokens"] == 1000
+    assert max(res["layer_dof"]) < 0.9 * 256                       # relative lambda: far from saturated
+    dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o3"), "--center-keys"])
+    centred = check_ok(tmp_path / "o3", capsys.readouterr().out)
+    assert centred["per_head_dof"] != json.loads((tmp_path / "o1" / "dof.json").read_text())["per_head_dof"]
 
 
 def test_command_bad_input(tmp_path):
     ckpt = tmp_path / "ckpt"
     tiny_gpt2(ckpt)
-    tokens = tmp_path / "t.bin"
-    np.arange(200, dtype=np.uint16).tofile(tokens)
-    common = ["--model", str(ckpt), "--data", str(tokens), "--out", str(tmp_path / "o")]
-    cases = [(["--lam", "0"], "--lam must be positive"),
-             (["--lam", "-1", "--lam-relative"], "--lam must be positive"),
-             (["--budget", "0"], "--budget must be at least 1"),
-             (["--J", "1000"], "--J 1000 is larger than the 400 queries+keys"),
-             (["--J", "0"], "--J must be at least 1"),
-             (["--data", str(tmp_path / "missing.bin")], f"{tmp_path / 'missing.bin'} does not exist")]
+    data = token_dir(tmp_path / "data", n=200)
+    common = ["--model", str(ckpt), "--data", str(data), "--out", str(tmp_path / "o"), "--device", "cpu",
+              "--block-size", "50", "--batch-size", "1", "--calib-batches", "2"]
+    cases = [(["--lam", "0"], "--lam must be a positive number"),
+             (["--lam", "-1", "--lam-relative"], "--lam must be a positive number"),
+             (["--lam", "inf"], "--lam must be a positive number"),
+             (["--budget", "0"], "--budget must be a number of at least 1"),
+             (["--J", "1000"], "J=1000 is more than the 200 queries+keys"),
+             (["--J", "0"], "--J must be a number of at least 1"),
+             (["--block-size", "500"], "holds 200 tokens, fewer than the 501 needed"),
+             (["--device", "tpu"], "--device tpu is not a device of this machine"),
+             (["--data", str(tmp_path / "missing")], f"{tmp_path / 'missing' / 'train.bin'} does not exist")]
     for extra, msg in cases:
         with pytest.raises(ModelError) as e:
             dof.main(common + extra)
         assert str(e.value).startswith(msg) and "\n" not in str(e.value), (extra, str(e.value))
-    odd = tmp_path / "odd.bin"
-    odd.write_bytes(b"abc")
+    (data / "train.bin").write_bytes(b"abc")
     with pytest.raises(ModelError, match="odd number of bytes"):
-        dof.main(common + ["--data", str(odd)])
-    big = tmp_path / "big.bin"
-    np.array([60000], dtype=np.uint16).tofile(big)
-    with pytest.raises(ModelError, match="token id 60000 but the model has 50257 embeddings"):
-        dof.main(common + ["--data", str(big), "--J", "1"])
-    if not torch.cuda.is_available():
-        with pytest.raises(ModelError, match="no CUDA device"):
-            dof.main(common + ["--device", "cuda"])
+        dof.main(common)
+    np.array([60000] * 200, dtype=np.uint16).tofile(data / "train.bin")
+    with pytest.raises(ModelError, match="token id 60000, but the model has 50257 embeddings"):
+        dof.main(common)
+    (data / "train.bin").write_bytes(b"")
+    with pytest.raises(ModelError, match="holds 0 tokens"):
+        dof.main(common)
     r = run_dof(*common, "--lam", "0")                      # the command: one sentence, exit code 2
-    assert r.returncode == 2 and r.stderr == "error: --lam must be positive, got 0.0\n"
+    assert r.returncode == 2 and r.stderr == "error: --lam must be a positive number, got 0.0\n"
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "bert"}))
     r = run_dof(*common)                                    # not a model with attention of a known kind
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "'bert'" in r.stderr
     assert "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert not (tmp_path / "o").exists()                    # nothing half-written
-
-
-def test_plain_text_heatmap_without_matplotlib(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib -> ImportError
-    per_head = np.array([[0.0, 5.0, 10.0], [2.5, 7.5, 1.0]])
-    assert dof.plot(tmp_path / "x.png", per_head, {"DoF": [1, 2]}, "t") is False
-    text = dof.text_heatmap(per_head)
-    assert text.splitlines()[1:] == ["  0 | +@|", "  1 |:#.|"] and "'@' = 10.0" in text
 
 
 # ==================================================================================================================
@@ -1605,17 +1584,15 @@ def grads(core):
     return [p.grad.clone() for p in core.parameters()]
 
 
-@pytest.mark.parametrize("M", [8, [3, 20, 3, 16]])
-def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form(M):
+def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
     """layer_loss's blockwise form (T = 50 > query_block = 16: a last block of 2 rows) against softmax_loss, the
-    plain T x T autograd form, in value and gradients; with query_block >= T layer_loss runs the plain form. One M
-    shared by the heads, and per-head dims (three groups, one of two heads)."""
-    core, q, k = loss_case(M=M)
+    plain T x T autograd form, in value and gradients; with query_block >= T layer_loss runs the plain form."""
+    core, q, k = loss_case()
     value = distill.layer_loss(core, q, k, "softmax", query_block=16, scale=1.0)
     g_fast = grads(core)
     core.zero_grad()
     qg, kg = core.inputs(q, k)
-    ref = distill.softmax_loss(qg, kg, *zip(*core.grouped_features(qg, kg)))
+    ref = distill.softmax_loss(qg, kg, *core.features(qg, kg))
     ref.backward()
     g_plain = grads(core)
     assert value.dtype == torch.float64 and value.dim() == 0
@@ -1631,14 +1608,17 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form(M)
 
 
 def test_l2_loss_blocks_equal_the_plain_kernel_error():
+    """The blockwise l2 loss against the paper's kernel error written out here: K = exp(q.(k - mu) / sqrt d) and
+    K^ = Phi(q).Phi(k - mu), Phi(x)_m = sqrt(alpha_m / M) exp(z_m.x / d^(1/4) - |x|^2 / (2 sqrt d)) from z, alpha."""
     core, q, k = loss_case(seed=1)
     value = distill.layer_loss(core, q, k, "l2", query_block=16, scale=1.0)
     g_fast = grads(core)
     core.zero_grad()
-    kc = distill.repeat_kv(k, 4) - core.key_mean[:, None]
+    kc = M.repeat_kv(k, 4) - core.key_mean[:, None]
     kern = torch.exp(q @ kc.mT / 4.0)                       # exp(q.(k - mu) / sqrt(16)): the centred keys' kernel
-    f = core.feature_maps[0]
-    khat = f.log_features(q).exp() @ f.log_features(kc).exp().mT
+    z, alpha, m_feat = core.feature_map.z, core.feature_map.log_alpha.exp(), core.feature_map.M
+    phi = lambda x: (alpha / m_feat).sqrt()[:, None] * torch.exp(x @ z.mT / 2.0 - x.square().sum(-1, keepdim=True) / 8)
+    khat = phi(q) @ phi(kc).mT
     mask = distill.causal_mask(0, q.size(2), q.device)
     m = kern.masked_fill(~mask, 0).amax(-1, keepdim=True)
     ref = (((kern - khat) / m) ** 2).masked_fill(~mask, 0).sum(-1).mean()
@@ -1654,7 +1634,7 @@ def test_cli_run_learns_every_layer(trained, setup):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["step"] == 50 and cfg["loss"] == "softmax" and cfg["budget"] == 16 and cfg["alloc"] == "dof"
     assert len(cfg["dims"]) == 4 and sum(cfg["dims"]) == 4 * 16 and len(cfg["dof"]) == 4
-    for l, (first, last) in enumerate(zip(m["first"], m["last"])):
+    for l, (first, last) in enumerate(zip(m["history"][0]["loss"], m["history"][-1]["loss"])):
         assert last <= 0.7 * first, f"layer {l}: loss {first:.4f} -> {last:.4f}, less than a 30% fall"
     # the checkpoint holds the features only, no teacher weight
     keys = features(out).keys()
@@ -1685,7 +1665,7 @@ def test_l2_loss_student_beats_untrained_on_held_out_attention(setup):
     m = json.loads((out / "metrics.json").read_text())
     v0, v1 = m["val"][0], m["val"][-1]
     assert all(b < a for a, b in zip(v0["attn_kl"], v1["attn_kl"])), (v0["attn_kl"], v1["attn_kl"])
-    assert all(last < first for first, last in zip(m["first"], m["last"]))
+    assert all(last < first for first, last in zip(m["history"][0]["loss"], m["history"][-1]["loss"]))
 
 
 def test_resume_equals_uninterrupted_run(setup):
@@ -1742,9 +1722,9 @@ def test_torchrun_two_processes_train_the_features_of_one_process_and_resume(set
     assert all(torch.equal(v, features(tmp_path / "two")[k]) for k, v in two.items())
 
 
-def test_next_token_loss_without_an_fp32_copy_of_the_logits():
-    """Under bf16 autocast the LM head and an fp32 cross-entropy a few rows at a time give model(x, y)'s loss;
-    without autocast it is model(x, y)'s loss itself."""
+def test_nll_is_the_per_sequence_cross_entropy_in_fp32():
+    """GPT.nll, the one next-token loss: each sequence's summed cross-entropy of log_softmax(logits), targets -1
+    ignored, written out here from the full logits; under bf16 autocast it is fp32 and close to the fp32 value."""
     from model import GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=500, n_layer=1, n_head=2, n_kv_head=2, n_embd=32, head_dim=16,
@@ -1752,10 +1732,13 @@ def test_next_token_loss_without_an_fp32_copy_of_the_logits():
     x, y = torch.randint(0, 500, (3, 40)), torch.randint(0, 500, (3, 40))
     y[0, :5] = -1                                          # ignored targets stay ignored
     with torch.no_grad():
-        assert torch.equal(distill.next_token_loss(model, x, y), model(x, y)[1])
+        logp = torch.log_softmax(model(x).double(), -1)
+        ref = torch.stack([-sum(logp[b, t, y[b, t]] for t in range(40) if y[b, t] >= 0) for b in range(3)])
+        nll = model.nll(x, y)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            chunked, full = distill.next_token_loss(model, x, y, rows=7), model(x, y)[1]
-    assert chunked.dtype == torch.float32 and abs(chunked.item() - full.item()) < 1e-5 * full.item()
+            low = model.nll(x, y)
+    assert nll.shape == (3,) and torch.allclose(nll.double(), ref, rtol=1e-5)
+    assert low.dtype == torch.float32 and torch.allclose(low.double(), ref, rtol=2e-2)
 
 
 def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
@@ -1767,7 +1750,7 @@ def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
             distill.main(["--model", str(ckpt), "--data", str(data), flag, value, "--out-dir", str(d / "never")])
         assert e.value.code == 2 and f"argument {flag}: invalid choice: {value!r}" in capsys.readouterr().err
     r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 0, "--out-dir", d / "never")
-    assert r.returncode == 2 and r.stderr.strip() == "error: --budget must be at least 1 feature per layer, got 0"
+    assert r.returncode == 2 and r.stderr.strip() == "error: --budget must be a number of at least 1, got 0"
     assert not (d / "never").exists()
 
 
@@ -1848,7 +1831,7 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     args = ["--model", ckpt, "--data", data, "--budget", "16", "--max-steps", "60", "--out-dir", out, *FAST]
     run_bad(args, r"already exists and is not empty; pass --resume to continue it, --overwrite to replace it")
-    run_bad(args + ["--resume", "--dims", "8,8,24,24"], r"was trained with dims .* but this run chose \[8, 8, 24, 24\]")
+    run_bad(args + ["--resume", "--dims", "8,8,24,24"], r"was trained with dims .*, not --dims 8,8,24,24; drop --dims")
     other = shutil.copytree(ckpt, tmp_path / "other-teacher")
     run_bad(["--model", other] + args[2:] + ["--resume"], r"distils .*gpt2-tiny, not .*other-teacher")
     run_bad(args + ["--resume", "--overwrite"], r"contradict")
@@ -1914,8 +1897,9 @@ def test_wikipedia_sample_streamed_into_a_data_directory_without_text(setup, tmp
 
 
 def test_main_command_without_the_hub_fails_at_once_naming_the_offline_command(tmp_path):
-    """The paper's command with no hub (HF_HUB_OFFLINE=1, an empty cache): exit code 2 within 5 s (Python and torch
-    start-up included), one sentence naming the offline command, nothing written."""
+    """The paper's command with no hub (HF_HUB_OFFLINE=1, an empty cache): exit code 2 within seconds (Python and
+    torch start-up included; the hub client's retries would take minutes), one sentence naming the offline command,
+    nothing written."""
     import time
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
     t0 = time.time()
@@ -1923,7 +1907,7 @@ def test_main_command_without_the_hub_fails_at_once_naming_the_offline_command(t
                         "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, env=env,
                        timeout=60)
     elapsed = time.time() - t0
-    assert r.returncode == 2 and elapsed < 5, (r.returncode, elapsed, r.stderr[-2000:])
+    assert r.returncode == 2 and elapsed < 15, (r.returncode, elapsed, r.stderr[-2000:])   # no client retries
     assert r.stderr.startswith("error: could not fetch 'gpt2': the Hugging Face hub cannot be reached;")
     assert r.stderr.count("\n") == 1 and "`python distill.py --model smollm2-135m --data data/wikitext2" in r.stderr
     assert not (tmp_path / "out").exists()
@@ -2003,7 +1987,7 @@ def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setu
     with torch.no_grad():
         for line, name, model in zip(lines[at + 1:at + 3], ("teacher", "student"),
                                      (GPT.from_pretrained(ckpt), M.load_student(out)[0])):
-            ids = model.generate(idx, 30, top_k=1)[0, idx.size(1):].tolist()
+            ids = model.generate(idx, 30)[0, idx.size(1):].tolist()
             assert line == f"  {name}: {enc.decode(ids)!r}"
 
 
