@@ -1,13 +1,10 @@
 """
-The shared-prefix batched scorer: the log-likelihoods evaluate.py's plain scorer computes one request at a time
-(evaluate.loglikelihood), the same numbers with less work. It takes each request's harness window, the input
-tokens and the (position, next token) pairs scored in it, and
+The shared-prefix batched scorer: the log-likelihoods of evaluate.loglikelihood (one request at a time), the same
+numbers with less work. Given each request's harness window (input tokens, scored (position, next token) pairs), it
  - gives requests that feed identical tokens one row (MMLU's four one-token answers: one forward pass a question);
- - runs the tokens a document's rows begin with (the context, and for PIQA often much of both solutions) once,
-   with a cache, and continues each row from a copy of it (KV cache for softmax attention, the recurrent state of
-   a linear-attention student); neighbouring documents' prefixes run together, cut to one length;
- - sorts rows by length and batches them with little right padding (the model is causal, so padding after a row
-   changes nothing before it);
+ - runs the tokens a document's rows begin with once, with a cache, and continues each row from a copy of it (KV
+   cache, or a linear-attention student's recurrent state); neighbouring documents' prefixes run together;
+ - batches rows sorted by length with little right padding (causal: padding after a row changes nothing before it);
  - runs the LM head only at the positions whose next token is scored, once per distinct position.
 The tests hold it to the plain scorer and to transformers.
 """
@@ -70,7 +67,7 @@ class Scores:
 
 
 def forward_rows(model, rows: list[Row], scores: Scores, device, cache=None):
-    """One forward pass: rows right-padded into (B, T) (after the cache's prefix, if any), LM head at scored spots."""
+    """One forward pass: rows right-padded into (B, T) after the cache's prefix, if any."""
     x = torch.zeros((len(rows), max(len(r.tokens) for r in rows)), dtype=torch.long)
     for b, row in enumerate(rows):
         x[b, :len(row.tokens)] = torch.tensor(row.tokens)
@@ -107,21 +104,13 @@ class Shared:
     shareable: int  # every row keeps at least one token of its own
 
 
-def _common_prefix(seqs) -> int:
-    n = min(len(s) for s in seqs)
-    for i in range(n):
-        if any(s[i] != seqs[0][i] for s in seqs[1:]):
-            return i
-    return n
-
-
 def split_shared(plans: list[list[Row]]) -> tuple[list[Row], list[Shared]]:
     """The rows of documents that share nothing (or have one row), and the documents that share a prefix."""
     alone, shared = [], []
     for rows in plans:
-        P = 0
-        if len(rows) > 1:
-            P = min(_common_prefix([r.tokens for r in rows]), min(len(r.tokens) for r in rows) - 1)
+        seqs, shortest = [r.tokens for r in rows], min(len(r.tokens) for r in rows)
+        common = next((i for i, column in enumerate(zip(*seqs)) if len(set(column)) > 1), shortest)  # first differing
+        P = min(common, shortest - 1) if len(rows) > 1 else 0
         if P == 0:
             alone += rows
         else:
@@ -183,11 +172,10 @@ def prefix_groups(shared: list[Shared], batch_size: int, spread: float = 0.25):
 @torch.inference_mode()
 def score_windows(model, windows, batch_size: int = 16, device="cpu", desc: str | None = None,
                   share_prefix: bool = True, rank: int = 0, world_size: int = 1):
-    """(log-likelihood, is_greedy) of every request, one list per document, equal to the plain scorer's;
-    windows[d] lists document d's requests as (input tokens, [(position, next token)]). share_prefix=False batches
-    the distinct rows without sharing their prefixes. rank, world_size: run only the forward passes rank,
-    rank + world_size, ... of the plan (each scores its requests whole) and return None for the other requests; the
-    processes of a torchrun launch together compute exactly the numbers one process computes."""
+    """(log-likelihood, is_greedy) of every request, one list per document, equal to the plain scorer's; windows[d]
+    lists document d's requests as (input tokens, [(position, next token)]). share_prefix=False: no shared prefixes.
+    rank, world_size: only the forward passes rank, rank + world_size, ... (each scores its requests whole), None
+    for the other requests; together a torchrun launch's processes compute exactly what one process computes."""
     plans = plan_rows(windows)
     alone, shared = split_shared(plans) if share_prefix else ([row for rows in plans for row in rows], [])
     scores = Scores(sum(len(doc) for doc in windows))

@@ -2251,6 +2251,20 @@ def hf_tok():
     return GPT2Tokenizer(vocab=vocab, merges=merges)
 
 
+@pytest.fixture(scope="module")
+def student(ckpt, tmp_path_factory):
+    """A distill.py checkpoint directory holding an untrained student of `ckpt` (8 PRF features per layer), in a
+    fresh directory of its own (a second run in one session writes another)."""
+    from safetensors.torch import save_file
+    torch.manual_seed(0)
+    linear = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
+    d = tmp_path_factory.mktemp("student")
+    save_file(M.feature_state([b.attn.core for b in linear.h]), str(d / "features.safetensors"))
+    (d / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [8, 8], "feature_map": "prf",
+                                               "chunk_size": 16}))
+    return d
+
+
 def first(task, n=1):
     return E.load_task(task, EVAL, n)[n - 1]
 
@@ -2355,20 +2369,22 @@ def test_encode_pair_whitespace_rule(enc):
     assert ctx == [33706, 25] and cont == [317]
 
 
+def hf_encode_pair(hf_tok, context, continuation):
+    """The harness's _encode_pair written out again, with transformers' tokenizer."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole, ctx = hf_tok.encode(context + continuation), hf_tok.encode(context)
+    return ctx, whole[len(ctx):]
+
+
 def test_encode_pair_matches_hf_tokenizer(enc, hf_tok):
     """The harness's _encode_pair with transformers' tokenizer, on every request of the first 10 documents."""
-    def harness_split(context, continuation):
-        n = len(context) - len(context.rstrip())
-        if n:
-            context, continuation = context[:-n], context[-n:] + continuation
-        whole = hf_tok.encode(context + continuation)
-        ctx = hf_tok.encode(context)
-        return ctx, whole[len(ctx):]
     n = 0
     for task in E.ALL_TASKS:
         for p in E.load_task(task, EVAL, 10):
             for c, t in p.requests:
-                assert E.encode_pair(enc, c, t) == harness_split(c, t), (task, c, t)
+                assert E.encode_pair(enc, c, t) == hf_encode_pair(hf_tok, c, t), (task, c, t)
                 n += 1
     assert n > 150
 
@@ -2381,53 +2397,56 @@ def test_harness_window():
     assert inp == [1, 2] and targets == [(1, 3)]
 
 
-def naive_loglikelihood(hf_model, ctx_tokens, cont_tokens):
-    """transformers' model on the harness's window: full forward, sum of log-softmax at the continuation."""
+def tokenized(enc, prompts):
+    """Every request of every document as (context tokens, continuation tokens)."""
+    return [[E.encode_pair(enc, c, t) for c, t in p.requests] for p in prompts]
+
+
+def naive_loglikelihood(logits_of, ctx_tokens, cont_tokens):
+    """The harness's rule written out again, apart from evaluate.py: feed (ctx + cont)[-(L+1):][:-1] to a model
+    (logits_of: ids (1, T) -> logits (1, T, V)), add the log-softmax of each continuation token at the position
+    before it; greedy if every one is the argmax there."""
     full = (ctx_tokens + cont_tokens)[-(N_POS + 1):]
     with torch.no_grad():
-        logp = F.log_softmax(hf_model(torch.tensor([full[:-1]])).logits[0].float(), -1)
-    start = len(full) - 1 - len(cont_tokens)
-    return sum(float(logp[start + j, t]) for j, t in enumerate(cont_tokens))
+        logp = F.log_softmax(logits_of(torch.tensor([full[:-1]]))[0].float(), -1)
+    rows = list(zip(logp[len(full) - 1 - len(cont_tokens):], cont_tokens))
+    return sum(float(r[t]) for r, t in rows), all(int(r.argmax()) == t for r, t in rows)
 
 
-def test_loglikelihoods_equal_naive_transformers(model, enc, hf_model):
+def test_every_scorer_equals_a_naive_transformers_computation(model, enc, hf_model):
+    """--plain (one forward pass per request), the default fast scorer, and the fast scorer without shared prefixes
+    (LM head at scored positions only), each against transformers' model on the window written out in the test:
+    log-likelihoods within fp32 noise, the same is_greedy, the same acc and acc_norm, on 4 documents of every task."""
+    from fast_scorer import score_windows
     worst, n = 0.0, 0
     for task in E.ALL_TASKS:
         prompts = E.load_task(task, EVAL, 4)
-        tokenized = E.tokenize_prompts(enc, prompts)
-        fast = E.score_requests(model, tokenized, batch_size=4)
-        for doc, res, p in zip(tokenized, fast, prompts):
-            naive = [naive_loglikelihood(hf_model, c, t) for c, t in doc]
-            worst = max(worst, max(abs(a - b) for a, (b, _) in zip(naive, res)))
-            assert E.doc_metrics(naive, p.gold, p.choices) == E.doc_metrics([ll for ll, _ in res], p.gold, p.choices)
+        docs = tokenized(enc, prompts)
+        windows = [[E.harness_window(c, t, N_POS) for c, t in doc] for doc in docs]
+        scorers = {"plain": E.score_requests(model, docs, plain=True), "fast": E.score_requests(model, docs, 4),
+                   "unshared": score_windows(model, windows, batch_size=3, share_prefix=False)}
+        for d, (doc, p) in enumerate(zip(docs, prompts)):
+            naive = [naive_loglikelihood(lambda x: hf_model(x).logits, c, t) for c, t in doc]
+            for name, scored in scorers.items():
+                worst = max([worst] + [abs(a - b) for (a, _), (b, _) in zip(naive, scored[d])])
+                assert [g for _, g in scored[d]] == [g for _, g in naive], (task, name)
+                assert (E.doc_metrics([ll for ll, _ in scored[d]], p.gold, p.choices) ==
+                        E.doc_metrics([ll for ll, _ in naive], p.gold, p.choices)), (task, name)
             n += len(doc)
     assert worst < 1e-4, worst
     assert n > 80
 
 
-def test_fast_path_equals_reference(model, enc):
-    """fast_scorer.py (shared prefixes, and its rows batched without sharing; LM head at scored positions only)
-    against the plain scorer, one full forward pass per request as the harness does it."""
-    from fast_scorer import score_windows
-    for task in ("piqa", "logiqa", "mmlu"):
-        tokenized = E.tokenize_prompts(enc, E.load_task(task, EVAL, 3))
-        fast = E.score_requests(model, tokenized, batch_size=3)
-        plain = E.score_requests(model, tokenized, plain=True)
-        windows = [[E.harness_window(c, t, N_POS) for c, t in doc] for doc in tokenized]
-        unshared = score_windows(model, windows, batch_size=3, share_prefix=False)
-        for doc, f, u, q in zip(tokenized, fast, unshared, plain):
-            for (c, t), (ll, greedy), (ll2, _), (ref, ref_greedy) in zip(doc, f, u, q):
-                assert (ref, ref_greedy) == E.loglikelihood(model, c, t)
-                assert abs(ll - ref) < 1e-4 and abs(ll2 - ref) < 1e-4 and greedy == ref_greedy
-
-
-def test_fast_path_linear_student(model, enc, ckpt):
-    """The cached-prefix path also holds for a linearised student (recurrent state instead of a KV cache)."""
+def test_every_scorer_on_a_linear_student(enc, ckpt):
+    """The cached-prefix path also holds for a linearised student (recurrent state instead of a KV cache): plain and
+    fast against the naive sum over the student's own full forward pass."""
+    torch.manual_seed(0)
     student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
-    tokenized = E.tokenize_prompts(enc, E.load_task("arc_easy", EVAL, 2) + E.load_task("wsc273", EVAL, 2))
-    for doc, res in zip(tokenized, E.score_requests(student, tokenized, batch_size=3)):
-        for (c, t), (ll, _) in zip(doc, res):
-            assert abs(ll - E.loglikelihood(student, c, t)[0]) < 1e-3
+    docs = tokenized(enc, E.load_task("arc_easy", EVAL, 2) + E.load_task("wsc273", EVAL, 2))
+    naive = [[naive_loglikelihood(lambda x: student(x)[0], c, t)[0] for c, t in doc] for doc in docs]
+    for plain in (False, True):
+        for ref, res in zip(naive, E.score_requests(student, docs, batch_size=3, plain=plain), strict=True):
+            assert [ll for ll, _ in res] == pytest.approx(ref, abs=1e-3)
 
 
 def test_truncation_like_the_harness(model, enc, hf_model):
@@ -2435,9 +2454,9 @@ def test_truncation_like_the_harness(model, enc, hf_model):
     context = " ".join(f"word{i}" for i in range(200))
     ctx, cont = E.encode_pair(enc, context, " the end of it")
     assert len(ctx) > 2 * N_POS
-    [[(ll, _)]] = E.score_requests(model, [[(ctx, cont)]])
-    assert abs(ll - naive_loglikelihood(hf_model, ctx, cont)) < 1e-4
-    assert E.harness_tokens([[(ctx, cont)]], N_POS) == N_POS
+    for plain in (False, True):
+        [[(ll, _)]] = E.score_requests(model, [[(ctx, cont)]], plain=plain)
+        assert abs(ll - naive_loglikelihood(lambda x: hf_model(x).logits, ctx, cont)[0]) < 1e-4
 
 
 def test_acc_norm_divides_by_choice_characters():
@@ -2453,31 +2472,40 @@ def test_ties_go_to_the_first():
     assert E.doc_metrics([-1.0, -1.0], 1, ["x", "y"]) == (0.0, 0.0)
 
 
-def test_stderr_as_the_harness():
-    xs = [1.0, 0.0, 1.0, 1.0]
-    mu = sum(xs) / 4
-    assert E.mean_stderr(xs) == pytest.approx(math.sqrt(sum((x - mu) ** 2 for x in xs) / 3) / 2)
-    assert E.mean_stderr([1.0]) is None  # the harness says N/A
-    # MMLU's group stderr: pooled_sample_stderr of the subjects' stderrs, weighted by size
-    a, b = [1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0]
-    sa, sb = E.mean_stderr(a), E.mean_stderr(b)
-    expected = math.sqrt(((3 - 1) * sa ** 2 * 3 + (4 - 1) * sb ** 2 * 4) / (7 - 2) / 7)
-    assert E.pooled_stderr(a + b, ["x"] * 3 + ["y"] * 4) == pytest.approx(expected)
-    assert E.pooled_stderr(a + [1.0], ["x"] * 3 + ["y"]) is None
+def test_stderr_by_hand_and_pooled_stderr_by_the_law_of_total_variance():
+    """The stderr on values worked out by hand; MMLU's pooled stderr also by an independent route: the pooled
+    within-subject variance from the raw values, total minus between-subject sum of squares."""
+    assert E.stderr([1.0, 0.0, 1.0, 1.0]) == pytest.approx(0.25)  # mean 3/4, squares 3/4, / 3 = 1/4: sqrt / sqrt 4
+    assert E.stderr([1.0]) is None                                 # the harness says N/A
+    # a = 1 0 1 (mean 2/3, squares 2/3) and b = 0 0 1 1 (mean 1/2, squares 1): within 5/3 over 7 - 2, / 7 = 1/21
+    assert E.stderr([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0], list("aaabbbb")) == pytest.approx(math.sqrt(1 / 21))
+    rng = np.random.default_rng(0)
+    xs, groups = rng.integers(0, 2, 300).astype(float), rng.integers(0, 7, 300)
+    between = sum((groups == g).sum() * (xs[groups == g].mean() - xs.mean()) ** 2 for g in range(7))
+    within = len(xs) * xs.var() - between
+    assert E.stderr(list(xs), list(groups)) == pytest.approx(math.sqrt(within / (len(xs) - 7) / len(xs)))
+    # a subject with one question (N/A in the harness, e.g. under --limit): the stderr over all questions instead
+    assert E.stderr([1.0, 0.0, 1.0, 1.0], list("aaab")) == E.stderr([1.0, 0.0, 1.0, 1.0])
+
+
+def evaluate_cli(*args):
+    """evaluate.py's main in-process on the CPU (the default, auto, would take a GPU and bf16 where there is one)."""
+    return E.main(["--device", "cpu", *map(str, args)])
 
 
 def test_cli_results_json(ckpt, tmp_path, capsys):
+    torch.manual_seed(0)
     out = tmp_path / "results.json"
-    E.main(["--model", str(ckpt), "--tasks", "all", "--data-dir", str(EVAL), "--limit", "2", "--batch-size", "4",
-            "--output", str(out), "--ppl", str(WIKITEXT),
-            "--ppl-max-tokens", "300", "--speed", "--speed-tokens", "20"])
+    evaluate_cli("--model", ckpt, "--tasks", "all", "--data-dir", EVAL, "--limit", 2, "--batch-size", 4,
+                 "--output", out, "--ppl", WIKITEXT, "--ppl-max-tokens", 300, "--speed", "--speed-tokens", 20)
     printed = capsys.readouterr().out
     assert "piqa" in printed and "acc_norm" in printed and "perplexity" in printed and "prefill" in printed
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no .tmp left beside it
     r = json.loads(out.read_text())
     assert list(r["results"]) == list(E.ALL_TASKS)
     for task in E.ALL_TASKS:
         res, samples = r["results"][task], r["samples"][task]
-        assert res["n"] == 2 and {"acc", "acc_stderr", "acc_norm"} <= set(res)
+        assert res["n"] == 2 and {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} <= set(res)
         assert [s["doc_index"] for s in samples] == [0, 1]
         prompts = E.load_task(task, EVAL, 2)
         for s, p in zip(samples, prompts):
@@ -2486,24 +2514,29 @@ def test_cli_results_json(ckpt, tmp_path, capsys):
             assert (s["acc_norm"] is None) == (p.choices is None)
         assert res["acc"] == pytest.approx(sum(s["acc"] for s in samples) / 2)
     assert r["ppl"]["teacher"]["tokens"] == 299 and r["ppl"]["teacher"]["loss"] > 0
-    assert r["speed"]["teacher"]["tokens"] == 20
+    assert r["speed"]["teacher"]["tokens"] == 20 and r["config"]["device"] == "cpu"
 
 
-def test_cli_plain_equals_default(ckpt, tmp_path, capsys, monkeypatch):
-    """--plain (one full forward pass per request) writes the results.json of the default shared-prefix scorer:
-    the same acc / acc_norm on every document, log-likelihoods within fp32 noise, the same is_greedy."""
-    args = ["--model", str(ckpt), "--tasks", "all", "--data-dir", str(EVAL), "--limit", "3", "--batch-size", "4"]
-    E.main(args + ["--output", str(tmp_path / "fast.json")])
+def test_cli_plain_and_default_write_the_naive_log_likelihoods(ckpt, hf_model, hf_tok, tmp_path, monkeypatch):
+    """--plain (one full forward pass per request) and the default shared-prefix scorer each write the
+    log-likelihoods of transformers' tokenizer and model on the harness's window (written out in the test) within
+    fp32 noise, the same is_greedy, and equal acc / acc_norm and results."""
+    args = ["--model", ckpt, "--tasks", "all", "--data-dir", EVAL, "--limit", 3, "--batch-size", 4]
+    evaluate_cli(*args, "--output", tmp_path / "fast.json")
     monkeypatch.setattr(E, "score_windows", None)  # --plain must not reach the shared-prefix scorer
-    E.main(args + ["--output", str(tmp_path / "plain.json"), "--plain"])
+    evaluate_cli(*args, "--output", tmp_path / "plain.json", "--plain")
     fast, plain = (json.loads((tmp_path / f).read_text()) for f in ("fast.json", "plain.json"))
     assert plain["config"]["plain"] and not fast["config"]["plain"]
     for task in E.ALL_TASKS:
-        for key in ("n", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr", "harness_tokens"):
+        for key in ("n", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr"):
             assert plain["results"][task][key] == fast["results"][task][key], (task, key)
         for p, f in zip(plain["samples"][task], fast["samples"][task], strict=True):
-            assert (p["acc"], p["acc_norm"], p["is_greedy"]) == (f["acc"], f["acc_norm"], f["is_greedy"])
-            assert p["loglikelihoods"] == pytest.approx(f["loglikelihoods"], abs=1e-4)
+            naive = [naive_loglikelihood(lambda x: hf_model(x).logits, *hf_encode_pair(hf_tok, c, t))
+                     for c, t in p["requests"]]
+            for s in (p, f):
+                assert s["loglikelihoods"] == pytest.approx([ll for ll, _ in naive], abs=1e-4)
+                assert s["is_greedy"] == [g for _, g in naive]
+            assert (p["acc"], p["acc_norm"]) == (f["acc"], f["acc_norm"])
 
 
 def test_ppl_text_keeps_special_tokens(enc, tmp_path):
@@ -2514,33 +2547,20 @@ def test_ppl_text_keeps_special_tokens(enc, tmp_path):
     assert 50256 not in list(E.read_tokens(text, enc))
 
 
-def student_ckpt(ckpt, tmp_path):
-    """A distill.py checkpoint directory holding an untrained student of `ckpt` (8 PRF features per layer)."""
-    from safetensors.torch import save_file
-    student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
-    d = tmp_path / "student"
-    d.mkdir()
-    save_file(M.feature_state(distill.dof.attention_cores(student)), str(d / "features.safetensors"))
-    (d / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [8, 8], "feature_map": "prf",
-                                               "chunk_size": 16}))
-    return d
-
-
-def test_cli_student_next_to_teacher(ckpt, tmp_path, capsys):
+def test_cli_student_next_to_teacher(ckpt, student, tmp_path, capsys):
     """--ckpt: a distill.py checkpoint's student is scored next to its teacher, the same way."""
-    d = student_ckpt(ckpt, tmp_path)
     out = tmp_path / "r.json"
-    E.main(["--model", str(ckpt), "--ckpt", str(d), "--tasks", "arc_easy,winogrande", "--data-dir", str(EVAL),
-            "--limit", "2", "--output", str(out)])
-    assert "teacher acc" in capsys.readouterr().out
+    evaluate_cli("--model", ckpt, "--ckpt", student, "--tasks", "arc_easy,winogrande", "--data-dir", EVAL,
+                 "--limit", 2, "--output", out)
+    printed = capsys.readouterr().out
+    assert "teacher acc" in printed and "student acc" in printed
     r = json.loads(out.read_text())
     assert list(r["student"]["results"]) == ["arc_easy", "winogrande"]
     s = r["student"]["samples"]["arc_easy"][1]
     assert s["loglikelihoods"] != r["samples"]["arc_easy"][1]["loglikelihoods"]
-    reloaded, _ = M.load_student(d)
-    enc = load_tokenizer(ckpt)
-    for (c, t), ll in zip(s["requests"], s["loglikelihoods"]):
-        assert abs(ll - E.loglikelihood(reloaded, *E.encode_pair(enc, c, t))[0]) < 1e-3
+    reloaded, enc = M.load_student(student)[0], load_tokenizer(ckpt)
+    naive = [naive_loglikelihood(lambda x: reloaded(x)[0], *E.encode_pair(enc, c, t))[0] for c, t in s["requests"]]
+    assert s["loglikelihoods"] == pytest.approx(naive, abs=1e-3)
 
 
 def without_timings(report):
@@ -2551,12 +2571,11 @@ def without_timings(report):
     return report
 
 
-def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, tmp_path, capsys):
+def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, student, tmp_path):
     """torchrun --nproc_per_node 2: each process scores a share of every task (teacher and student) and of the
     --ppl windows; rank 0 writes results.json equal to one process's, bit for bit, apart from timings and world_size."""
-    d = student_ckpt(ckpt, tmp_path)
-    args = ["--model", ckpt, "--ckpt", d, "--tasks", "all", "--data-dir", EVAL, "--limit", "5", "--batch-size",
-            "3", "--ppl", WIKITEXT, "--ppl-max-tokens", "700", "--ppl-context", "64"]
+    args = ["--model", ckpt, "--ckpt", student, "--tasks", "all", "--data-dir", EVAL, "--limit", "5", "--batch-size",
+            "3", "--ppl", WIKITEXT, "--ppl-max-tokens", "700", "--ppl-context", "64", "--device", "cpu"]
     E.main([*map(str, args), "--output", str(tmp_path / "one.json")])
     assert not torch.distributed.is_initialized()  # one process: no process group
     r = torchrun("evaluate.py", *args, "--output", tmp_path / "two.json")
@@ -2569,55 +2588,83 @@ def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, tmp_pat
 
 def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monkeypatch):
     """Three simulated ranks: each scores only its share (None elsewhere), the shares cover every request once,
-    and merged they are the one-process scores exactly, for the fast scorer and for --plain."""
+    and put together they are the one-process scores exactly, for the fast scorer and for --plain."""
     import common
-    tokenized = E.tokenize_prompts(enc, E.load_task("piqa", EVAL, 4) + E.load_task("mmlu", EVAL, 4) +
-                                   E.load_task("winogrande", EVAL, 3))
+    docs = tokenized(enc, E.load_task("piqa", EVAL, 4) + E.load_task("mmlu", EVAL, 4) +
+                     E.load_task("winogrande", EVAL, 3))
     for plain in (False, True):
-        one = E.score_requests(model, tokenized, batch_size=2, plain=plain)
-        shares = []
-        monkeypatch.setattr(E, "merge_shares", lambda gathered: shares.append(gathered[0]))  # keep each rank's own
+        one, shares = E.score_requests(model, docs, batch_size=2, plain=plain), []
+        monkeypatch.setattr(E, "all_gather", lambda share: shares.append(share) or [share, one])  # keep each share
         for rank in range(3):
             for where in (E, common):
                 monkeypatch.setattr(where, "get_rank", lambda: rank)
                 monkeypatch.setattr(where, "get_world_size", lambda: 3)
-            E.score_requests(model, tokenized, batch_size=2, plain=plain)
+            E.score_requests(model, docs, batch_size=2, plain=plain)
         monkeypatch.undo()
-        scored = [[sum(s is not None for s in rs) for rs in zip(*docs)] for docs in zip(*shares)]
-        assert all(n == 1 for doc in scored for n in doc)
+        for d, doc in enumerate(docs):
+            for k in range(len(doc)):
+                [score] = [share[d][k] for share in shares if share[d][k] is not None]  # exactly one rank scored it
+                assert score == one[d][k], (plain, d, k)
         assert all(any(s is None for doc in share for s in doc) for share in shares)
-        assert E.merge_shares(shares) == one
 
 
-def test_perplexity_equals_transformers(model, enc, hf_model):
+@pytest.mark.parametrize("context", [None, 50])
+def test_perplexity_equals_transformers(model, enc, hf_model, context):
     tokens = E.read_tokens(str(WIKITEXT), enc, 300, special=True)
-    r = E.perplexity(model, tokens, batch_size=2)
-    nll = 0.0
+    r = E.perplexity(model, tokens, context)
+    L, nll = context or N_POS, 0.0
     with torch.no_grad():
-        for s in range(0, 299, N_POS):  # windows of 128 inputs predicting the next 128 tokens; the last is shorter
-            x = torch.tensor(tokens[s:min(s + N_POS, 299)][None].astype("int64"))
-            y = torch.tensor(tokens[s + 1:min(s + N_POS, 299) + 1].astype("int64"))
+        for s in range(0, 299, L):  # windows of L inputs predicting the next L tokens; the last is shorter
+            x = torch.tensor(tokens[s:min(s + L, 299)][None].astype("int64"))
+            y = torch.tensor(tokens[s + 1:min(s + L, 299) + 1].astype("int64"))
             nll += float(F.cross_entropy(hf_model(x).logits[0], y, reduction="sum"))
-    assert r["tokens"] == 299 and r["loss"] == pytest.approx(nll / 299, abs=1e-4)
+    assert r["tokens"] == 299 and r["context"] == L and r["loss"] == pytest.approx(nll / 299, abs=1e-4)
     assert r["ppl"] == pytest.approx(math.exp(r["loss"]))
 
 
-def test_bench_prints_both_rates(model, enc, capsys):
-    rows = E.bench(model, enc, {"arc_easy": E.load_task("arc_easy", EVAL, 4)}, batch_size=4)
+def load_script(path):
+    """A script outside the repository root (experiments/...), imported as its own module."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, tmp_path, capsys):
+    """experiments/bench_scorer.py: harness tokens (a window's worth for a truncated request) over the fast scorer's
+    time against the plain forward rate; run as a script it finds the core from experiments/; a bad option is one
+    sentence and exit code 2."""
+    import common
+    bs = load_script("experiments/bench_scorer.py")
+    torch.manual_seed(0)
+    rows = bs.bench(model, enc, {"arc_easy": E.load_task("arc_easy", EVAL, 4)}, batch_size=4)
     assert rows["arc_easy"]["harness_tok_per_s"] > 0 and rows["arc_easy"]["plain_forward_tok_per_s"] > 0
+    assert rows["all"]["harness_tokens"] == rows["arc_easy"]["harness_tokens"]
     assert "plain fwd tok/s" in capsys.readouterr().out
+    ctx, cont = E.encode_pair(enc, " ".join(f"word{i}" for i in range(200)), " the end of it")
+    assert bs.harness_tokens([[(ctx, cont)]], N_POS) == N_POS and bs.harness_tokens([[([1, 2], [3])]], N_POS) == 2
+    r = cli("experiments/bench_scorer.py", "--model", ckpt, "--tasks", "piqa", "--data-dir", EVAL, "--limit", 2,
+            "--device", "cpu", "--output", tmp_path / "bench.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "harness tok/s" in r.stdout and json.loads((tmp_path / "bench.json").read_text())["teacher"]["piqa"]
+    with pytest.raises(SystemExit) as e:
+        common.run_main(lambda: bs.main(["--model", str(ckpt), "--rounds", "0", "--device", "cpu"]))
+    assert e.value.code == 2 and capsys.readouterr().err == "error: --rounds must be at least 1, got 0\n"
+    with pytest.raises(SystemExit) as e:
+        bs.main(["--help"])
+    assert e.value.code == 0 and "--rounds" in capsys.readouterr().out
 
 
 def run_cli(*args):
-    p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=120)
-    return p.returncode, p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ""
+    p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--device", "cpu", *map(str, args)], text=True,
+                       capture_output=True, cwd=ROOT, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return p.returncode, p.stderr.strip()
 
 
 def test_bad_inputs_command_line(ckpt, tmp_path):
-    """Through the command line: one sentence on stderr, exit code 2."""
+    """Through the real command line: exactly one line on stderr (no traceback), exit code 2."""
     rc, err = run_cli("--model", ckpt, "--tasks", "piqa,hellaswag", "--data-dir", EVAL)
-    assert rc == 2 and "unknown task 'hellaswag'" in err and "arc_challenge" in err and "wsc273" in err
+    assert rc == 2 and err.startswith("error: unknown task 'hellaswag'") and "arc_challenge" in err and "\n" not in err
 
     bad = tmp_path / "data"
     bad.mkdir()
@@ -2627,40 +2674,157 @@ def test_bad_inputs_command_line(ckpt, tmp_path):
     (bad / "arc_easy.jsonl").write_text("\n".join(lines[:2] + [json.dumps(doc)] + lines[3:]) + "\n")
     rc, err = run_cli("--model", ckpt, "--tasks", "arc_easy", "--data-dir", bad)
     assert rc == 2 and err.startswith(f"error: {bad / 'arc_easy.jsonl'} line 3:") and "'answerKey'" in err
+    assert "\n" not in err
 
-    student = tmp_path / "student"
-    student.mkdir()
-    (student / "config.json").write_text(json.dumps({"teacher": "EleutherAI/pythia-160m"}))
-    rc, err = run_cli("--model", ckpt, "--ckpt", student, "--tasks", "piqa", "--data-dir", EVAL)
+    other = tmp_path / "student"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"teacher": "EleutherAI/pythia-160m"}))
+    rc, err = run_cli("--model", ckpt, "--ckpt", other, "--tasks", "piqa", "--data-dir", EVAL)
     assert rc == 2 and "distilled from teacher 'EleutherAI/pythia-160m'" in err and str(ckpt) in err
 
 
-def test_bad_inputs(ckpt, tmp_path):
-    with pytest.raises(ModelError, match="--limit must be a positive number of documents, not 0"):
-        E.main(["--model", str(ckpt), "--tasks", "piqa", "--data-dir", str(EVAL), "--limit", "0"])
-    with pytest.raises(SystemExit):  # argparse: "invalid choice: 'float64' (choose from float32, bfloat16, float16)"
-        E.main(["--model", str(ckpt), "--tasks", "piqa", "--data-dir", str(EVAL), "--dtype", "float64"])
+def evaluate_exit(capsys, *args):
+    """evaluate.py's command line in-process, ended as `python evaluate.py` ends it (common.run_main): the exit code
+    and what it wrote on stderr."""
+    import common
+    with pytest.raises(SystemExit) as e:
+        common.run_main(lambda: evaluate_cli(*args))
+    return e.value.code, capsys.readouterr().err
+
+
+BAD_OPTIONS = [  # flags (after --model --data-dir --tasks piqa --output), and the sentence on stderr
+    (["--batch-size", 0], r"--batch-size must be at least 1, got 0"),
+    (["--limit", 0], r"--limit must be at least 1, got 0"),
+    (["--ppl", "val.bin", "--ppl-context", 0], r"--ppl-context must be at least 1, got 0"),
+    (["--ppl", "val.bin", "--ppl-context", -5], r"--ppl-context must be at least 1, got -5"),
+    (["--ppl", "val.bin", "--ppl-max-tokens", 0], r"--ppl-max-tokens must be at least 2, got 0"),
+    (["--speed", "--speed-tokens", 0], r"--speed-tokens must be at least 2, got 0"),
+    (["--device", "tpu"], r"--device tpu is not a device torch can use; choose one of auto, cpu"),
+    (["--device", "cuda:99"], r"--device cuda:99 is not a device torch can use; choose one of auto, cpu"),
+    (["--tasks", "piqa,hellaswag"], r"unknown task 'hellaswag'; known tasks: piqa, arc_easy, .*, wsc273 \(or 'all'\)"),
+    (["--tasks", " , "], r"--tasks is empty; known tasks: piqa, "),
+    (["--ppl", "folder"], r"--ppl \S+folder is a directory; pass a uint16 token file \(data/\*/prepare.py\) or a text"),
+    (["--ppl", "missing.bin"], r"--ppl \S+missing.bin does not exist; pass a uint16 token file"),
+    (["--ppl", "empty.bin"], r"--ppl \S+empty.bin is empty; pass a uint16 token file"),
+    (["--ppl", "empty.txt"], r"--ppl \S+empty.txt is empty; pass a uint16 token file"),
+    (["--output", "no/such/r.json"], r"--output \S+no/such/r.json is in \S+no/such, a folder that does not exist; "
+                                     r"give a file path in a writable folder"),
+    (["--output", "folder"], r"--output \S+folder is a directory; give a file path in a writable folder"),
+]
+
+
+@pytest.mark.parametrize("flags, sentence", BAD_OPTIONS, ids=[" ".join(map(str, f)) for f, _ in BAD_OPTIONS])
+def test_bad_option_is_one_sentence_before_any_work(flags, sentence, ckpt, tmp_path, capsys, monkeypatch):
+    """Every option is checked where it is declared, before a task is read or a model loaded: exit code 2, one
+    sentence, and nothing written (the folders as they were, no results.json, no .tmp)."""
+    import re
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "empty.bin").touch()
+    (tmp_path / "empty.txt").touch()
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    before = sorted(tmp_path.rglob("*"))
+    monkeypatch.setattr(E, "load_task", lambda *a: pytest.fail("a task was read"))
+    monkeypatch.setattr(E, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    flags = [tmp_path / f if str(f).endswith((".bin", ".txt", ".json", "folder")) else f for f in flags]
+    code, err = evaluate_exit(capsys, "--model", ckpt, "--data-dir", EVAL, "--tasks", "piqa",
+                              "--output", tmp_path / "r.json", *flags)
+    assert code == 2 and re.fullmatch("error: " + sentence + r"[^\n]*\n", err), err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_output_in_a_read_only_folder_fails_before_any_work(ckpt, tmp_path, capsys, monkeypatch):
+    """--output where no file can be made: one sentence at the start, not a lost run at the end. A folder without
+    write permission, or, where permissions do not bind (root), /sys, which refuses new files to everyone."""
+    import re
+    import tempfile
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    for folder in (ro, Path("/sys")):
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError:
+            break
+    else:
+        pytest.skip("every folder tried accepts a new file")
+    monkeypatch.setattr(E, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    code, err = evaluate_exit(capsys, "--model", ckpt, "--data-dir", EVAL, "--tasks", "piqa",
+                              "--output", folder / "results.json")
+    assert code == 2 and re.fullmatch(rf"error: --output {folder}/results.json cannot be written \([^)]+\); give a "
+                                      r"file path in a writable folder\n", err), err
+    assert not (folder / "results.json").exists() and list(ro.iterdir()) == []
+
+
+def damaged(student, tmp_path, name, cut):
+    """A copy of the student checkpoint with its file `name` cut to its first `cut` fraction."""
+    d = tmp_path / "damaged"
+    shutil.copytree(student, d)
+    data = (d / name).read_bytes()
+    (d / name).write_bytes(data[:int(len(data) * cut)])
+    return d
+
+
+def test_bad_files_are_one_sentence_and_leave_nothing(ckpt, student, tmp_path, capsys):
+    """Files found bad only when read (a damaged checkpoint, a task file that is not there, token files that do not
+    fit the model): exit code 2, one sentence naming the file, and no results.json or .tmp written."""
+    import re
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    np.array([1, 2, 65535], dtype=np.uint16).tofile(tmp_path / "big.bin")
+    np.arange(10, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    cases = [
+        (["--ckpt", damaged(student, tmp_path / "a", "config.json", 0.5)],
+         r"\S+/config.json is damaged or not JSON \(.+\); pass a complete distill.py checkpoint as --ckpt"),
+        (["--ckpt", damaged(student, tmp_path / "b", "features.safetensors", 0.5)],
+         r"\S+/features.safetensors is truncated or not a safetensors file \(.+\); .+"),
+        (["--ckpt", tmp_path / "nowhere"],
+         r"\S+/nowhere/config.json does not exist; pass a complete distill.py checkpoint as --ckpt"),
+        (["--data-dir", tmp_path], rf"{tmp_path}/piqa.jsonl does not exist: --data-dir must hold a piqa.jsonl .+"),
+        (["--ppl", tmp_path / "odd.bin"], r"\S+odd.bin has an odd number of bytes, so it is not a uint16 token file"),
+        (["--ppl", tmp_path / "big.bin"], r"the --ppl file holds token id 65535, beyond the model's vocabulary of "
+                                          r"50257: was it prepared with another tokenizer\?"),
+        (["--ppl", tmp_path / "val.bin", "--ppl-context", 1000], r"--ppl-context 1000 exceeds the model's context "
+                                                                 r"length 128"),
+    ]
+    for flags, sentence in cases:
+        out = tmp_path / "r.json"
+        code, err = evaluate_exit(capsys, "--model", ckpt, "--data-dir", EVAL, "--tasks", "piqa", "--limit", 1,
+                                  "--output", out, *flags)
+        assert code == 2 and re.fullmatch("error: " + sentence + r"\n", err), err
+        assert not out.exists() and not list(tmp_path.glob("*.tmp"))
+
+
+def test_bad_documents_name_their_file_and_line(tmp_path):
     bad = tmp_path / "data"
     bad.mkdir()
     lines = (EVAL / "piqa.jsonl").read_text().splitlines()
     doc = json.loads(lines[1])
     doc["label"] = 2
     (bad / "piqa.jsonl").write_text("\n".join([lines[0], json.dumps(doc)]) + "\n")
-    with pytest.raises(ModelError, match=r"piqa.jsonl line 2: label 2 is not one of its choices \[0, 1\]"):
+    with pytest.raises(ModelError, match=r"piqa.jsonl line 2: malformed piqa document \(label 2 is not one of its "
+                                         r"choices \[0, 1\]\)"):
         E.load_task("piqa", bad)
     doc = json.loads((EVAL / "winogrande.jsonl").read_text().splitlines()[0])
     doc["answer"] = "3"
     (bad / "winogrande.jsonl").write_text(json.dumps(doc) + "\n")
-    with pytest.raises(ModelError, match="winogrande.jsonl line 1: answer '3' is not one of its choices"):
+    with pytest.raises(ModelError, match="winogrande.jsonl line 1: malformed winogrande document .answer '3' is not"):
         E.load_task("winogrande", bad)
     doc = json.loads((EVAL / "mmlu.jsonl").read_text().splitlines()[0])
     del doc["subject"]
     (bad / "mmlu.jsonl").write_text("\n" + json.dumps(doc) + "\n")
-    with pytest.raises(ModelError, match="mmlu.jsonl line 2: document has no field 'subject'"):
+    with pytest.raises(ModelError, match="mmlu.jsonl line 2: document has no field 'subject'; see tests/data/eval"):
         E.load_task("mmlu", bad)
     (bad / "logiqa.jsonl").write_text("{not json\n")
-    with pytest.raises(ModelError, match="logiqa.jsonl line 1 is not valid JSON"):
+    with pytest.raises(ModelError, match=r"logiqa.jsonl line 1 is not valid JSON \(Expecting property name"):
         E.load_task("logiqa", bad)
+    (bad / "arc_easy.jsonl").write_bytes(b"\xff\xfe{}\n")
+    with pytest.raises(ModelError, match=r"arc_easy.jsonl line 1 is not valid JSON"):
+        E.load_task("arc_easy", bad)
+    (bad / "arc_challenge.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(ModelError, match=r"arc_challenge.jsonl line 1: malformed arc_challenge document"):
+        E.load_task("arc_challenge", bad)
+    (bad / "wsc273.jsonl").write_text("\n\n")
+    with pytest.raises(ModelError, match=r"wsc273.jsonl holds no documents"):
+        E.load_task("wsc273", bad)
 
 
 def test_bad_input_in_library_raises_model_error():
@@ -2668,6 +2832,8 @@ def test_bad_input_in_library_raises_model_error():
         E.parse_tasks("piqa,nope")
     with pytest.raises(ModelError, match="does not exist"):
         E.load_task("piqa", "/nonexistent-dir")
+    with pytest.raises(ModelError, match="a continuation of 0 tokens cannot be scored"):
+        E.harness_window([1, 2], [], N_POS)
 
 
 # ==================================================================================================================
