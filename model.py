@@ -385,15 +385,16 @@ class GPT(nn.Module):
             idx = torch.cat((idx, x), dim=1)
         return idx
 
-    def linearize(self, dims, feature_map="prf", chunk_size=64):
+    def linearize(self, dims, feature_map="prf", chunk_size=64, core=None):
         """The student: a copy of this model sharing every weight and buffer with it, layer l's softmax core
-        replaced by LinearAttention with dims[l] features per head (fp32): its only new parameters."""
+        replaced by LinearAttention (or `core`, a fork's) with dims[l] features per head (fp32): its only new
+        parameters."""
         c = self.config
         if len(dims) != c.n_layer:
             raise ModelError(f"linearize needs {c.n_layer} feature dimensions (one per layer), got {list(dims)}")
         student = copy.deepcopy(self, {id(t): t for t in (*self.parameters(), *self.buffers())})   # shared
         for block, m in zip(student.h, dims):
-            block.attn.core = LinearAttention(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)
+            block.attn.core = (core or LinearAttention)(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)
         return student.to(self.wte.weight.device)
 
     @classmethod

@@ -35,6 +35,10 @@ import dof
 import evaluate as E
 import model as M
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "experiments"))   # the forks of the core: experiments/
+import leverage  # noqa: E402
+import per_head  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "tests" / "data"    # real tokenizer files and eval examples (tests/data/SOURCES.md)
 WIKITEXT = ROOT / "data" / "wikitext2" / "wiki.test.raw"   # WikiText-2's test split, byte-exact
@@ -1429,7 +1433,6 @@ def test_command_bad_input(tmp_path):
              (["--budget", "0"], "--budget must be a number of at least 1"),
              (["--J", "1000"], "J=1000 is more than the 200 queries+keys"),
              (["--J", "0"], "--J must be a number of at least 1"),
-             (["--block-size", "500"], "holds 200 tokens, fewer than the 501 needed"),
              (["--device", "tpu"], "--device tpu is not a device of this machine"),
              (["--data", str(tmp_path / "missing")], f"{tmp_path / 'missing' / 'train.bin'} does not exist")]
     for extra, msg in cases:
@@ -1445,6 +1448,9 @@ def test_command_bad_input(tmp_path):
     (data / "train.bin").write_bytes(b"")
     with pytest.raises(ModelError, match="holds 0 tokens"):
         dof.main(common)
+    np.arange(100, dtype=np.uint16).tofile(data / "train.bin")
+    with pytest.raises(ModelError, match="holds 100 tokens, fewer than the 129 needed"):   # windows of 128 + 1
+        dof.main(common + ["--block-size", "500"])
     r = run_dof(*common, "--lam", "0")                      # the command: one sentence, exit code 2
     assert r.returncode == 2 and r.stderr == "error: --lam must be a positive number, got 0.0\n"
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -1592,7 +1598,7 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
     g_fast = grads(core)
     core.zero_grad()
     qg, kg = core.inputs(q, k)
-    ref = distill.softmax_loss(qg, kg, *core.features(qg, kg))
+    ref = distill.softmax_loss(qg, kg, *core.features(qg, kg)).mean()
     ref.backward()
     g_plain = grads(core)
     assert value.dtype == torch.float64 and value.dim() == 0
@@ -1754,8 +1760,9 @@ def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
     assert not (d / "never").exists()
 
 
-SCRIPTS = ["distill.py", "dof.py", "evaluate.py", "bench.py", "gpu_check.py", "docs/experiments.py", "docs/figures.py",
-           "docs/heads.py", "data/text/prepare.py", "data/wikipedia/prepare.py"]
+SCRIPTS = ["distill.py", "dof.py", "evaluate.py", "docs/experiments.py", "docs/figures.py", "experiments/bench.py",
+           "experiments/gpu_check.py", "experiments/heads.py", "experiments/per_head.py", "experiments/leverage.py",
+           "experiments/bench_scorer.py", "data/text/prepare.py", "data/wikipedia/prepare.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -1777,7 +1784,7 @@ def test_every_script_prints_its_help(script, capsys):
 def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys):
     """bench.py --heads on a two-layer, six-head run: one row per layout with the same features summed over heads,
     per-head rows in more groups, a ratio row, the products line; a per-layer JSON and a zero query block refused."""
-    import bench
+    import bench  # experiments/bench.py
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"args": {"budget": 4, "dof": [[1.0, 2.0, 9.0, 2.0, 1.0, 3.0], [5.0] * 6]}}))
     bench.main(["--T", "--decode-ctx", "--heads", str(run), "--heads-T", "40", "--query-block", "16",
@@ -1790,7 +1797,7 @@ def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys
     run.write_text(json.dumps({"args": {"budget": 4, "dof": [3.0, 5.0]}}))
     with pytest.raises(ModelError, match="per-layer DoF"):
         bench.main(["--T", "--decode-ctx", "--heads", str(run)])
-    with pytest.raises(ModelError, match="--query-block must be at least 1, got 0"):
+    with pytest.raises(ModelError, match="--query-block must be a number of at least 1, got 0"):
         bench.main(["--T", "--heads", str(run), "--query-block", "0"])
 
 
@@ -1998,52 +2005,45 @@ def test_preset_prints_its_flags_and_flags_given_win(capsys):
 
 
 # ==================================================================================================================
-# Per-head feature dims (heads grouped by dim) and features drawn from the kernel's ridge leverage scores
+# experiments/: per-head feature dims and features drawn from the kernel's ridge leverage scores, forks of the core
 
 HEAD_DIMS = [5, 3, 5, 8, 3, 1]                                       # 4 groups; heads of a group not adjacent
 
 
 def per_head_reference(core, q, k, v):
-    """LinearAttention's output computed one head at a time from the PRF formula and the plain T x T form."""
+    """GroupedLinearAttention's output computed one head at a time from the PRF formula and the plain T x T form."""
     B, H, T, D = q.shape
-    k, v = repeat_kv(k, H) - core.key_mean[:, None], repeat_kv(v, H)
-    ys = []
-    for h, m in enumerate(core.dims):
-        g = sorted(set(core.dims)).index(m)                                    # the group of dim m
-        i = [j for j in range(H) if core.dims[j] == m].index(h)                # h's place in it
-        f = core.feature_maps[g]
-        z, log_alpha = f.z[i], f.log_alpha[i]                                  # (M, D), (M,)
-        phi = lambda x: torch.exp(x * D ** -0.25 @ z.T - (x * D ** -0.25).square().sum(-1, keepdim=True) / 2
-                                  + (log_alpha - math.log(m)) / 2)            # Phi(x) (B, T, M) as PRF's docstring
-        ys.append(linear_attention_reference(phi(q[:, h])[:, None], phi(k[:, h])[:, None], v[:, h, None]))
+    k, v = repeat_kv(k, H), repeat_kv(v, H)
+    ys = [None] * H
+    for c, hs in zip(core.groups, core.heads):
+        for i, h in enumerate(hs):
+            z, log_alpha, m = c.feature_map.z[i], c.feature_map.log_alpha[i], core.dims[h]      # (M, D), (M,)
+            phi = lambda x: torch.exp(x * D ** -0.25 @ z.T - (x * D ** -0.25).square().sum(-1, keepdim=True) / 2
+                                      + (log_alpha - math.log(m)) / 2)          # Phi(x) (B, T, M) as PRF's docstring
+            kc = k[:, h] - c.key_mean[i]
+            ys[h] = linear_attention_reference(phi(q[:, h])[:, None], phi(kc)[:, None], v[:, h, None])
     return torch.cat(ys, 1)                                                    # (B, H, T, D)
 
 
 def per_head_core(seed=0, D=16, dtype=torch.float64):
     torch.manual_seed(seed)
-    core = M.LinearAttention(6, 2, D, HEAD_DIMS, "prf", chunk_size=16).to(dtype)
+    core = per_head.GroupedLinearAttention(6, 2, D, HEAD_DIMS, "prf", chunk_size=16).to(dtype)
     with torch.no_grad():
-        core.key_mean.normal_(0, 0.3)
-        for f in core.feature_maps:
-            f.log_alpha.normal_(0, 0.5)
+        for c in core.groups:
+            c.key_mean.normal_(0, 0.3)
+            c.feature_map.log_alpha.normal_(0, 0.5)
     return core
 
 
 def test_per_head_dims_group_heads_by_dim_and_cost_the_sum():
     core = per_head_core()
-    assert [f.M for f in core.feature_maps] == [1, 3, 5, 8] and core.sizes == [1, 2, 2, 1]
-    assert [tuple(f.z.shape) for f in core.feature_maps] == [(1, 1, 16), (2, 3, 16), (2, 5, 16), (1, 8, 16)]
-    assert sum(f.z.shape[0] * f.M for f in core.feature_maps) == sum(HEAD_DIMS)        # no padding to max M
-    x = torch.arange(6.0)[None, :, None]                                               # (1, H, 1)
-    assert torch.equal(core.merge(list(core.split(x))), x)
-    assert [g[0, :, 0].tolist() for g in core.split(x)] == [[5], [1, 4], [0, 2], [3]]
-    assert not {"order", "inverse"} & set(core.state_dict())                          # rebuilt from dims, not saved
-    uniform = M.LinearAttention(6, 2, 16, 4, "prf")
-    assert uniform.order is None and uniform.dims == [4] * 6 and len(uniform.feature_maps) == 1
-    with pytest.raises(ModelError, match="one per head"):
-        M.LinearAttention(6, 2, 16, [4, 4], "prf")
+    assert [c.M for c in core.groups] == [1, 3, 5, 8] and core.heads == [[5], [1, 4], [0, 2], [3]]
+    assert [tuple(c.feature_map.z.shape) for c in core.groups] == [(1, 1, 16), (2, 3, 16), (2, 5, 16), (1, 8, 16)]
+    assert sum(c.feature_map.z.shape[0] * c.M for c in core.groups) == sum(HEAD_DIMS)     # no padding to max M
+    with pytest.raises(ModelError, match="6 whole numbers of at least 1"):
+        per_head.GroupedLinearAttention(6, 2, 16, [4, 4], "prf")
     with pytest.raises(ModelError, match="at least 1"):
-        M.LinearAttention(2, 2, 16, [4, 0], "prf")
+        per_head.GroupedLinearAttention(2, 2, 16, [4, 0], "prf")
 
 
 @pytest.mark.parametrize("T", [1, 37, 70])
@@ -2058,8 +2058,6 @@ def test_per_head_dims_match_a_head_by_head_reference_forward_and_backward(T):
     assert rel(y, ref) < 1e-10
     for a, b in zip(fast, slow):          # against |dv|: some are exactly zero (alpha of a one-feature head; T = 1)
         assert (a - b).norm() < 1e-12 * fast[2].norm()
-    A = core.scores(q, k)                                                      # the normalised rows, per head
-    assert rel(A @ repeat_kv(v, 6), ref) < 1e-10
 
 
 def test_per_head_dims_decode_with_one_state_per_group():
@@ -2069,57 +2067,49 @@ def test_per_head_dims_decode_with_one_state_per_group():
     parts = [core(q[:, :, :21], k[:, :, :21], v[:, :, :21], cache)]           # prefill, then one token at a time
     parts += [core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache) for t in range(21, 50)]
     assert rel(torch.cat(parts, 2), core(q, k, v)) < 1e-10
-    assert [tuple(S.shape) for S in cache["S"]] == [(2, n, m, 16) for n, m in zip([1, 2, 2, 1], [1, 3, 5, 8])]
+    assert [tuple(cache[g]["S"].shape) for g in range(4)] == [(2, n, m, 16) for n, m in zip([1, 2, 2, 1], [1, 3, 5, 8])]
 
 
-def test_checkpoints_of_one_shared_feature_map_still_load():
-    """Keys written before per-head dims (core.feature_map.z) load into group 0; a real mismatch is still refused."""
-    src, dst = M.LinearAttention(4, 2, 8, 5), M.LinearAttention(4, 2, 8, 5)
-    old = {k.replace("feature_maps.0.", "feature_map."): v for k, v in M.feature_state([src]).items()}
-    assert any(".core.feature_map.z" in k for k in old)
-    M.load_feature_state([dst], old, "old")
-    assert torch.equal(dst.feature_maps[0].z, src.feature_maps[0].z)
+def test_checkpoints_written_with_feature_maps_0_still_load():
+    """Checkpoints written while heads could have maps of their own name a layer's one map feature_maps.0; they load
+    into the one-map core, and a real mismatch is still refused."""
+    cfg = M.GPTConfig(vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, head_dim=8, block_size=32)
+    teacher = GPT(cfg)
+    src, dst = teacher.linearize([5, 6]), teacher.linearize([5, 6])
+    old = {k.replace(".feature_map.", ".feature_maps.0."): v for k, v in M.feature_state(src).items()}
+    assert any(".core.feature_maps.0.z" in k for k in old)
+    M.load_feature_state(dst, old, "old")
+    assert all(torch.equal(a.feature_map.z, b.feature_map.z) for a, b in zip(src.cores(), dst.cores()))
     with pytest.raises(ModelError, match="does not fit this student"):
-        M.load_feature_state([M.LinearAttention(4, 2, 8, [5, 5, 6, 5])], old, "old")
+        M.load_feature_state(teacher.linearize([5, 7]), old, "old")
 
 
 @pytest.mark.parametrize("kind", ["softmax", "l2"])
 @pytest.mark.parametrize("query_block", [16, 40])
 def test_per_head_layer_loss_is_the_mean_of_per_head_losses(kind, query_block):
-    """layer_loss over grouped heads equals the mean over heads of each head's loss computed alone (a one-head core
-    holding that head's features), in value and gradients; T = 40: plain (softmax) and blockwise forms."""
+    """The fork's loss equals the mean over heads of each head's loss computed alone (a one-head core holding
+    that head's features), in value and gradients; T = 40: plain (softmax) and blockwise forms."""
     core = per_head_core(seed=5, dtype=torch.float32)
     q, k = 1.5 * torch.randn(2, 6, 40, 16), 1.5 * torch.randn(2, 2, 40, 16)
-    value = distill.layer_loss(core, q, k, kind, query_block, scale=1.0)
+    value = per_head.loss(core, q, k, kind, query_block, scale=1.0)
     kc, ref, ones = repeat_kv(k, 6), 0.0, []
-    for h, m in enumerate(core.dims):
-        g, i = sorted(set(core.dims)).index(m), [j for j in range(6) if core.dims[j] == m].index(h)
-        one = M.LinearAttention(1, 1, 16, m, "prf")
-        with torch.no_grad():
-            one.feature_maps[0].z.copy_(core.feature_maps[g].z[i:i + 1])
-            one.feature_maps[0].log_alpha.copy_(core.feature_maps[g].log_alpha[i:i + 1])
-            one.key_mean.copy_(core.key_mean[h:h + 1])
-        ref = ref + distill.layer_loss(one, q[:, h:h + 1], kc[:, h:h + 1], kind, query_block, scale=1 / 6) / 6
-        ones.append((one, g, i))
+    for c, hs in zip(core.groups, core.heads):
+        for i, h in enumerate(hs):
+            one = M.LinearAttention(1, 1, 16, c.M, "prf")
+            with torch.no_grad():
+                one.feature_map.z.copy_(c.feature_map.z[i:i + 1])
+                one.feature_map.log_alpha.copy_(c.feature_map.log_alpha[i:i + 1])
+                one.key_mean.copy_(c.key_mean[i:i + 1])
+            ref = ref + distill.layer_loss(one, q[:, h:h + 1], kc[:, h:h + 1], kind, query_block, scale=1 / 6) / 6
+            ones.append((one, c, i))
     assert abs(value.item() - ref.item()) < 1e-5 * abs(ref.item())
-    for one, g, i in ones:
-        f = core.feature_maps[g]
-        assert rel(f.z.grad[i], one.feature_maps[0].z.grad[0]) < 1e-4
-        assert rel(f.log_alpha.grad[i], one.feature_maps[0].log_alpha.grad[0]) < 1e-4
+    for one, c, i in ones:
+        assert rel(c.feature_map.z.grad[i], one.feature_map.z.grad[0]) < 1e-4
+        assert rel(c.feature_map.log_alpha.grad[i], one.feature_map.log_alpha.grad[0]) < 1e-4
 
 
-def test_allocate_per_head_sums_exactly_and_clips_per_head():
-    rng = np.random.default_rng(1)
-    for trial in range(300):
-        L, H = int(rng.integers(1, 31)), int(rng.integers(1, 13))
-        budget = int(rng.choice([1, 4, 16, 32, 64]))
-        N = rng.lognormal(2, rng.uniform(0, 2), (L, H)) * (rng.random((L, H)) > 0.05)
-        dims = np.array(dof.allocate(N, budget))
-        assert dims.shape == (L, H) and dims.sum() == budget * L * H and dims.min() >= 1
-        assert (dims.reshape(-1) == dof.allocate(N.reshape(-1), budget)).all()    # one pool of L x H heads
-        clipped = np.array(dof.allocate(N, budget, clip=16))
-        assert (clipped == np.minimum(dims, 16)).all()
-    assert dof.allocate([[1, 3], [0, 4]], 8) == [[4, 12], [1, 15]]               # worked by hand: 32 = 4+12+1+15
+def test_per_head_dims_are_one_pool_of_every_head():
+    assert dof.allocate([1, 3, 0, 4], 8) == [4, 12, 1, 15]                   # worked by hand: 32 = 4+12+1+15
 
 
 def test_leverage_scores_stable_form_equals_the_plain_form_and_averages_to_the_dof():
@@ -2127,13 +2117,13 @@ def test_leverage_scores_stable_form_equals_the_plain_form_and_averages_to_the_d
     x = 0.8 * torch.randn(150, 8, generator=g, dtype=torch.float64)
     z = torch.randn(20000, 8, generator=g, dtype=torch.float64)
     for lam, relative in ((0.05, False), (1e-2, True)):
-        plain = dof.leverage_reference(x, z[:200], lam, relative)
-        assert rel(dof.leverage_log(x, z[:200], lam, relative).exp(), plain) < 1e-10
-        l = dof.leverage_log(x, z, lam, relative).exp()          # E_z[l(z)] = tr(Sigma (Sigma + lam)^-1) = N_lam
+        plain = leverage.leverage_reference(x, z[:200], lam, relative)
+        assert rel(leverage.leverage_log(x, z[:200], lam, relative).exp(), plain) < 1e-10
+        l = leverage.leverage_log(x, z, lam, relative).exp()     # E_z[l(z)] = tr(Sigma (Sigma + lam)^-1) = N_lam
         N = dof.degrees_of_freedom(x, lam, relative).item()
         assert abs(l.mean().item() - N) < 4 * l.std().item() / math.sqrt(len(l)), (l.mean().item(), N)
     big = 6.0 * torch.randn(100, 8, generator=g, dtype=torch.float64)   # logits past exp's range
-    assert torch.isfinite(dof.leverage_log(big, z[:100], 1e-3, True)).all()
+    assert torch.isfinite(leverage.leverage_log(big, z[:100], 1e-3, True)).all()
 
 
 def test_leverage_features_give_an_unbiased_kernel_estimate():
@@ -2145,8 +2135,8 @@ def test_leverage_features_give_an_unbiased_kernel_estimate():
     K = ((q * k).sum(-1) / 2).exp()                                                    # sqrt(d) = 2
     weighted, plain = [], []
     for _ in range(3000):
-        z, log_alpha = dof.leverage_features(x, 8, 1e-2, True, pool=16, generator=g)
-        pk = (dof.prf_log(q, z.double()) + dof.prf_log(k, z.double())).exp()         # (5, M)
+        z, log_alpha = leverage.leverage_features(x, 8, 1e-2, True, pool=16, generator=g)
+        pk = (leverage.prf_log(q, z.double()) + leverage.prf_log(k, z.double())).exp()   # (5, M)
         weighted.append((pk * log_alpha.double().exp()).mean(-1))
         plain.append(pk.mean(-1))
     for est, unbiased in ((torch.stack(weighted), True), (torch.stack(plain), False)):
@@ -2167,34 +2157,42 @@ def test_leverage_features_beat_gaussian_draws_on_a_known_kernel_at_m_equal_dof(
         z, log_alpha = torch.randn(m, 8, generator=g, dtype=torch.float64), torch.zeros(m, dtype=torch.float64)
         for kind in err:
             if kind == "leverage":
-                z, log_alpha = (t.double() for t in dof.leverage_features(x, m, 1e-3, True, 16, g))
-            phi = (dof.prf_log(x, z) + 0.5 * log_alpha).exp()
+                z, log_alpha = (t.double() for t in leverage.leverage_features(x, m, 1e-3, True, 16, g))
+            phi = (leverage.prf_log(x, z) + 0.5 * log_alpha).exp()
             err[kind].append(((phi @ phi.T / m - K).norm() / K.norm()).item())
     mean, median = {k: np.mean(e) for k, e in err.items()}, {k: np.median(e) for k, e in err.items()}
     assert mean["leverage"] < 0.8 * mean["gaussian"] and median["leverage"] < median["gaussian"], (mean, median)
 
 
-def test_distill_per_head_dims_with_leverage_init_save_and_load(setup, tmp_path):
-    """--alloc dof-head: the total is budget x heads x layers; config.json records the per-head dims and
-    load_student rebuilds them; --init leverage starts from weighted features; bad combinations are refused."""
+def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp_path):
+    """experiments/per_head.py: distill.py's command line with dims per head (total budget x heads x layers),
+    recorded in config.json, loaded back by per_head.load_student, resumed; experiments/leverage.py: a run that
+    starts from leverage features; the core refuses a per-head checkpoint and the fork's options are checked."""
     d, ckpt, data = setup
     out = tmp_path / "heads"
-    r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 6, "--alloc", "dof-head", "--init",
-            "leverage", "--max-steps", 4, "--out-dir", out, *FAST)
+    r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 4,
+            "--out-dir", out, *FAST)
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((out / "config.json").read_text())
     dims = np.array(cfg["dims"])
     assert dims.shape == (4, 4) and dims.sum() == 6 * 4 * 4 and dims.min() >= 1 and len(set(dims.ravel())) > 1
-    assert cfg["init"] == "leverage" and np.array(cfg["dof"]).shape == (4, 4)
-    student, _ = M.load_student(out)
-    cores = dof.attention_cores(student)
-    assert [c.dims for c in cores] == cfg["dims"]
-    assert sum(f.z.shape[0] * f.M for c in cores for f in c.feature_maps) == 6 * 4 * 4
-    r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 6, "--alloc", "dof-head", "--init",
-            "leverage", "--max-steps", 6, "--out-dir", out, "--resume", *FAST)
+    assert np.array(cfg["dof"]).shape == (4, 4)
+    student, _ = per_head.load_student(out)
+    assert [c.dims for c in student.cores()] == cfg["dims"]
+    assert sum(g.feature_map.z.shape[0] * g.M for c in student.cores() for g in c.groups) == 6 * 4 * 4
+    with pytest.raises(ModelError, match="load it with experiments/per_head.py"):
+        M.load_student(out)
+    r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 6,
+            "--out-dir", out, "--resume", *FAST)
     assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-3000:]
-    run_bad(["--model", ckpt, "--data", data, "--init", "leverage", "--feature-map", "performer",
-             "--out-dir", tmp_path / "x"], "--init leverage draws prf features")
+    r = cli("experiments/leverage.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 0,
+            "--center-keys", "--out-dir", tmp_path / "lev", *FAST)            # untrained: the initial features
+    assert r.returncode == 0, r.stderr[-3000:]
+    alpha = torch.cat([t.flatten() for k, t in features(tmp_path / "lev").items() if k.endswith("log_alpha")])
+    assert alpha.std() > 0.1                                          # importance weights, not the plain alpha = 1
+    r = cli("experiments/leverage.py", "--model", ckpt, "--data", data, "--feature-map", "performer",
+            "--out-dir", tmp_path / "x")
+    assert r.returncode == 2 and "need --pool >= 1 and --feature-map prf" in r.stderr
     assert not (tmp_path / "x").exists()
 
 
@@ -2840,9 +2838,9 @@ def test_bad_input_in_library_raises_model_error():
 # gpu_check.py
 
 def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadline(tmp_path):
-    import gpu_check
+    import gpu_check  # experiments/gpu_check.py
     out = tmp_path / "check.json"
-    run = subprocess.run([sys.executable, "gpu_check.py", "--device", "cpu", "--tiny", "--out", str(out)],
+    run = subprocess.run([sys.executable, "experiments/gpu_check.py", "--device", "cpu", "--tiny", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| section | case | measurement |" in run.stdout

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]                 # the core, and experiments/ (gpu_check, heads)
 from common import ModelError, opt, parse_config, run_main, write_text_atomic  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
@@ -37,9 +37,10 @@ class Run:
     seed: int
     flags: list = field(default_factory=list)
     allocation: str = ""                     # the rule that made the dims: fix, dof, dof-raw, measured, ...
+    script: str = "distill.py"               # or a fork of it in experiments/
 
     def command(self, out_dir):
-        return [sys.executable, "distill.py", *self.flags, "--seed", str(self.seed), "--out-dir", str(out_dir)]
+        return [sys.executable, self.script, *self.flags, "--seed", str(self.seed), "--out-dir", str(out_dir)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -94,7 +95,8 @@ def recipe_grid(seeds=(0, 1, 2)):
 def heads_grid(seeds=(0, 1, 2)):
     """Per-head dims against the claim grid's per-layer DoF at budget 32: the same flags, steps and seeds."""
     return [Run("heads", f"b32-dof-head-s{s}", "32/DoF per head", s,
-                SMOL + CLAIM_STEPS + ["--budget", "32", "--alloc", "dof-head"]) for s in seeds]
+                SMOL + CLAIM_STEPS + ["--budget", "32", "--alloc", "dof"], "dof-head", "experiments/per_head.py")
+            for s in seeds]
 
 
 CURVE_DIMS = (4, 8, 16, 32, 64, 128)
@@ -110,10 +112,18 @@ def curves_grid(seed=0):
             for m in CURVE_DIMS]
 
 
-def allocation_grid(seeds=(1, 2, 3)):
+ALLOC_RULES = {  # group label -> (allocation field, script, flags): the allocation grid's rows
+    "Fix": ("fix", "distill.py", ["--alloc", "fix"]),
+    "DoF": ("dof", "distill.py", ["--alloc", "dof"]),
+    "DoF (uncentred kernel)": ("dof-raw", "experiments/allocation.py", ["--rule", "dof-raw"]),
+    "Measured": ("measured", "experiments/allocation.py", ["--rule", "measured", "--curves", "docs/results/curves"]),
+}
+
+
+def allocation_grid(seeds=(1, 2, 3), rules=ALLOC_RULES):
     """Budget 32, one row per allocation rule, paired seeds other than the curves' seed."""
-    return [Run("allocation", f"b32-fix-s{s}", "32/Fix", s, SMOL + CLAIM_STEPS + ["--budget", "32", "--alloc", "fix"],
-                "fix") for s in seeds]
+    return [Run("allocation", f"b32-{name}-s{s}", f"32/{label}", s, SMOL + CLAIM_STEPS + ["--budget", "32"] + flags,
+                name, script) for label, (name, script, flags) in rules.items() for s in seeds]
 
 
 CONVERGE_STEPS = ["--max-steps", "960", "--warmup-steps", "96", "--eval-interval", "240"]
@@ -157,7 +167,7 @@ def execute(run, results=RESULTS, scratch=SCRATCH):
               "args": relative(config), "dims": config["dims"],
               "val": metrics["val"], "seconds": round(time.time() - t0, 1),
               "train_seconds": round(metrics.get("train_seconds", 0.0), 1),
-              "command": "python distill.py " + " ".join(run.flags + ["--seed", str(run.seed)]),
+              "command": f"python {run.script} " + " ".join(run.flags + ["--seed", str(run.seed)]),
               "continuations": dict(zip(("prompt", "teacher", "student"), said[-1])) if said else None}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=1) + "\n")
@@ -350,7 +360,7 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
                 res = json.loads(p.read_text())
                 made[f"gpu:{p.stem}"] = "\n".join([gpu_check.table(res), ""] + gpu_check.targets(res))
             continue
-        if grid == "heads-kl":                       # docs/heads.py: per-head error against M, the synthetic check
+        if grid == "heads-kl":                       # experiments/heads.py: per-head error against M, synthetic check
             import heads
             for p in sorted((Path(results) / grid).glob("*.json")):
                 res = json.loads(p.read_text())

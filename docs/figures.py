@@ -56,19 +56,9 @@ class FigConfig:
 # ----------------------------------------------------------------------------------------------------------------
 # The numbers the figures show
 
-@torch.no_grad()
 def layer_qk(model, idx):
     """idx (T,) -> per layer (q, k), each (1, H, T, D) fp32 after rotary, keys repeated to the query heads."""
-    with dof.capture_qk(model) as qk:
-        model.hidden(idx[None])
-    return [(q.float(), M.repeat_kv(k, q.size(1)).float()) for q, k in qk]
-
-
-def causal_softmax(q, k):
-    """q, k (..., T, D) -> the teacher's attention rows (..., T, T): softmax over j <= i of q_i.k_j / sqrt D."""
-    T = q.size(-2)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    return torch.softmax((q @ k.mT / math.sqrt(q.size(-1))).masked_fill(future, -math.inf), -1)
+    return [(q, M.repeat_kv(k, q.size(1))) for q, k in dof.teacher_qk(model, idx[None])]
 
 
 def spectrum(x, lam, relative):
@@ -86,14 +76,13 @@ def misplaced(q, k, Ms, draws, gen):
     p^, the rows with K(q, k) estimated by M plain positive random features (z ~ N(0, I)), puts on wrong keys."""
     D = q.size(-1)
     q, k = q.double()[None, None], k.double()[None, None]                               # (1, 1, T, D)
-    P = causal_softmax(q, k)                                                             # (1, 1, T, T)
     errors = []
     for m in Ms:
         err = 0.0
         for _ in range(draws):
             prf = M.PRF(1, D, m, z=torch.randn(1, m, D, generator=gen, dtype=torch.float64))
-            A = (prf(q, is_query=True) @ prf(k, is_query=False).mT).tril()            # (1, 1, T, T)
-            err += 0.5 * (A / A.sum(-1, keepdim=True).clamp_min(1e-300) - P).abs().sum(-1).mean().item()
+            logp, log_phat = distill.attention_rows(q, k, prf(q, is_query=True), prf(k, is_query=False))
+            err += 0.5 * (log_phat.exp().tril() - logp.exp()).abs().sum(-1).mean().item()
         errors.append(err / draws)
     return errors
 
@@ -106,7 +95,7 @@ def student_cores(ckpt, model, layer, budget):
         student, cfg = M.load_student(ckpt)
         if student.config != c:
             raise ModelError(f"{ckpt} was distilled from {cfg['teacher']}, not from --model; pass its teacher")
-        cores["trained"] = dof.attention_cores(student)[layer]
+        cores["trained"] = student.cores()[layer]
         dims, fmap = cfg["dims"], cfg["feature_map"]
     fresh = M.LinearAttention(c.n_head, c.n_kv_head, c.head_dim, dims[layer], fmap)
     if ckpt:
@@ -166,10 +155,13 @@ def fig_attention(plt, path, model, tokens, head, cfg):
     from matplotlib.colors import LogNorm
     (l, h), idx = head, tokens[:cfg.window]
     q, k = layer_qk(model, idx)[l]                                                       # (1, H, T, D)
-    maps = {"teacher (softmax)": causal_softmax(q, k)[0, h]}
+    maps = {}
     with torch.no_grad():
         for name, core in student_cores(cfg.ckpt, model, l, cfg.budget).items():
-            maps[f"{name} student, M = {core.dims[h]}"] = core.scores(q, k)[0, h]              # (T, T)
+            qi, ki = core.inputs(q, k)
+            logp, log_phat = distill.attention_rows(qi, ki, *core.features(qi, ki))   # (1, H, T, T) each
+            maps.setdefault("teacher (softmax)", logp[0, h].exp())
+            maps[f"{name} student, M = {core.M}"] = log_phat[0, h].exp().tril()
     fig, axes = plt.subplots(1, len(maps), figsize=(2.6 * len(maps) + 0.8, 3), layout="constrained")
     for ax, (name, A) in zip(axes, maps.items()):
         im = ax.imshow(A.clamp_min(1e-4).numpy(), norm=LogNorm(1e-4, 1), cmap="magma")

@@ -47,14 +47,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-import dof
-from bench import decode_ms
-from checkpoint import checkpoint_sources, config_from_hf
-from common import ModelError, opt, parse_config, pick_device, remove, run_main, sync, write_text_atomic
-from model import GPT, PRF, GPTConfig, causal_linear_attention
-from tokenizer import load_tokenizer
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import dof  # noqa: E402
+from bench import decode_ms  # noqa: E402
+from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
+from common import ModelError, opt, parse_config, pick_device, remove, run_main, sync, write_text_atomic  # noqa: E402
+from model import GPT, PRF, GPTConfig, causal_linear_attention  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent
 TOKENIZERS = ROOT / "tests" / "data"
 
 
@@ -314,7 +315,7 @@ def decode_section(cfg, shape, device, left):
         if not models:
             torch.manual_seed(0)
             softmax = GPT(GPTConfig(**config_from_hf(shape))).to(device=device, dtype=torch.bfloat16).eval()
-            models.extend([softmax, copy.deepcopy(softmax).linearize([BUDGET["gpt2"]] * softmax.config.n_layer)])
+            models.extend([softmax, softmax.linearize([BUDGET["gpt2"]] * softmax.config.n_layer)])
         return {"kv_cache_ms": decode_ms(models[0], ctx, cfg.decode_steps, device),
                 "linear_state_ms": decode_ms(models[1], ctx, cfg.decode_steps, device)}
     return rows_until(left, cfg.decode_ctx, measure, "ctx")

@@ -2,8 +2,8 @@
 Per-head measurement on a real model: the error of untrained and trained feature maps against the feature count
 M, per head, and whether features in proportion to each head's DoF even out the error across heads.
 
-    python docs/heads.py                   # SmolLM2-135M layers 0, 15, 29 and the synthetic check; ~10 minutes
-    python docs/heads.py --synthetic       # the synthetic Gaussian-kernel check alone; seconds
+    python experiments/heads.py              # SmolLM2-135M layers 0, 15, 29 and the synthetic check; ~10 minutes
+    python experiments/heads.py --synthetic  # the synthetic Gaussian-kernel check alone; seconds
     python docs/experiments.py --report    # their tables in docs/results.md, docs/fig-heads.png
 
 Error: held-out KL(p || p^) of each head's normalised causal attention rows (the softmax loss of distill.py),
@@ -11,9 +11,9 @@ averaged over queries, on --eval-seqs sequences of val.bin; features drawn or tr
 train.bin, keys centred by their calibration mean (as distill.py --center-keys). Feature maps, for each M:
   gaussian     PRF with z ~ N(0, I), alpha = 1 (the paper's init)
   orthogonal   Performer's orthogonal random features
-  leverage     PRF drawn from each head's ridge leverage density (dof.leverage_features)
+  leverage     PRF drawn from each head's ridge leverage density (experiments/leverage.py)
   trained      PRF from the gaussian init, --steps Adam steps of the softmax loss on the calibration sequences
-  trained-leverage   the same from the leverage init (distill.py --init leverage)
+  trained-leverage   the same from the leverage init (experiments/leverage.py)
 Untrained maps are the mean over --seeds draws. Then per head at M = N_lam (rounded) for gaussian and leverage,
 and the spread of the error across heads at mean M = --budget (gaussian, leverage, trained): the same M for every
 head against M ~ N_lam.
@@ -37,6 +37,8 @@ import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
 from common import atomic_path, opt, parse_config, read_tokens, run_main, write_text_atomic  # noqa: E402
+from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
+from per_head import GroupedLinearAttention, loss  # noqa: E402
 
 METHODS = ("gaussian", "orthogonal", "leverage", "trained", "trained-leverage")
 EQUAL = ("gaussian", "leverage", "trained")
@@ -69,30 +71,34 @@ def sequences(path, n, T, seed):
 
 @torch.no_grad()
 def head_kl(core, q, k):
-    """(H,) held-out KL(p || p^) per head, mean over sequences and queries; q (B, H, T, D), k (B, Hkv, T, D)."""
-    H = q.size(1)
-    kc = M.repeat_kv(k, H) - core.key_mean[:, None]
-    T = q.size(2)
-    mask = distill.causal_mask(0, T, q.device)
-    logp = torch.log_softmax((q @ kc.mT / q.size(-1) ** 0.5).masked_fill(~mask, float("-inf")), -1)
-    phat = core.scores(q, k).clamp_min(torch.finfo(torch.float32).tiny)
-    return (logp.exp() * (logp - phat.log())).masked_fill(~mask, 0).sum(-1).mean((0, 2))
+    """(H,) held-out KL(p || p^) per head of a GroupedLinearAttention (distill.softmax_loss), mean over sequences
+    and queries; q (B, H, T, D), k (B, Hkv, T, D)."""
+    kl = torch.empty(core.n_head)
+    for c, hs, (qg, kg, _) in zip(core.groups, core.heads, core.split(q, k)):
+        qi, ki = c.inputs(qg, kg)
+        kl[hs] = distill.softmax_loss(qi, ki, *c.features(qi, ki)).mean((0, 2))
+    return kl
 
 
 def make_core(cfg, mc, dims, kind, mu, x, seed):
+    """A per-head core of one feature map kind (METHODS' untrained ones) with dims (one M, or one per head)."""
     torch.manual_seed(seed)
-    core = M.LinearAttention(mc.n_head, mc.n_kv_head, mc.head_dim, dims, "performer" if kind == "orthogonal" else "prf")
-    core.key_mean.copy_(mu)
-    if kind == "leverage":
-        dof.init_leverage(core, x, cfg.lam, True, 16, torch.Generator().manual_seed(seed))
+    dims = [dims] * mc.n_head if isinstance(dims, int) else dims
+    core = GroupedLinearAttention(mc.n_head, mc.n_kv_head, mc.head_dim, dims,
+                                  "performer" if kind == "orthogonal" else "prf")
+    gen = torch.Generator().manual_seed(seed)
+    for c, hs in zip(core.groups, core.heads):
+        c.key_mean.copy_(mu[hs])
+        if kind == "leverage":
+            init_leverage(c, x[hs], cfg.lam, True, 16, gen)
     return core
 
 
 def train(core, q, k, steps):
-    opt_ = torch.optim.Adam([{"params": [f.z for f in core.feature_maps], "lr": 0.02},
-                             {"params": [f.log_alpha for f in core.feature_maps], "lr": 0.2}])
+    fm = [c.feature_map for c in core.groups]
+    opt_ = torch.optim.Adam([{"params": [f.z for f in fm], "lr": 0.02}, {"params": [f.log_alpha for f in fm], "lr": 0.2}])
     for _ in range(steps):
-        distill.layer_loss(core, q, k, "softmax", q.size(2), scale=1.0)
+        loss(core, q, k, "softmax", q.size(2), scale=1.0)
         opt_.step()
         opt_.zero_grad()
     return core
@@ -119,10 +125,7 @@ def measure(cfg):
     mc = model.config
     calib = sequences(Path(cfg.data) / "train.bin", cfg.calib_seqs, cfg.block_size, 0)
     held = sequences(Path(cfg.data) / "val.bin", cfg.eval_seqs, cfg.block_size, 1)
-    with torch.no_grad(), dof.capture_qk(model) as qk_c:
-        model.hidden(calib)
-    with torch.no_grad(), dof.capture_qk(model) as qk_h:
-        model.hidden(held)
+    qk_c, qk_h = dof.teacher_qk(model, calib), dof.teacher_qk(model, held)
     points = {l: calibration_points(*qk_c[l], mc.n_head, cfg.J) for l in cfg.layers}
     res = {"settings": asdict(cfg), "layers": []}
     for l in cfg.layers:
@@ -140,7 +143,8 @@ def measure(cfg):
                                        for kind in ("gaussian", "leverage")}}
         res["layers"].append(row)
     # equal error? mean M = budget over the measured heads: the same M everywhere against M ~ N_lam
-    prop = dof.allocate(np.array([r["dof"] for r in res["layers"]]), cfg.budget)                 # (layers, H)
+    N = np.array([r["dof"] for r in res["layers"]])                                                 # (layers, H)
+    prop = np.array(dof.allocate(N.ravel(), cfg.budget)).reshape(N.shape).tolist()
     res["equal"] = {"proportional_M": prop}
     for kind in EQUAL:
         same, propk = [], []
@@ -172,8 +176,8 @@ def synthetic(cfg, J=128, d=8, draws=100):
                     z = torch.randn(m, d, generator=g, dtype=torch.float64)
                     log_alpha = torch.zeros(m, dtype=torch.float64)
                 else:
-                    z, log_alpha = (t.double() for t in dof.leverage_features(x, m, cfg.lam, True, 16, g))
-                phi = (dof.prf_log(x, z) + 0.5 * log_alpha).exp()                      # (J, M), alpha-weighted
+                    z, log_alpha = (t.double() for t in leverage_features(x, m, cfg.lam, True, 16, g))
+                phi = (prf_log(x, z) + 0.5 * log_alpha).exp()                      # (J, M), alpha-weighted
                 Khat = phi @ phi.T / m
                 err.append(float((Khat - logK.exp()).norm() / logK.exp().norm()))
                 logq = Khat.clamp_min(1e-300).log() - Khat.sum(-1, keepdim=True).log()

@@ -35,12 +35,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from common import ModelError, check_positive, opt, parse_config, pick_device, run_main, sync
-from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import ModelError, check_positive, opt, parse_config, pick_device, run_main, sync  # noqa: E402
+from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention  # noqa: E402
 
 
 @dataclass
@@ -216,7 +218,7 @@ def decode_table(cfg, device):
     softmax = GPT(mc).eval()
     linear = GPT(mc).eval()
     linear.load_state_dict(softmax.state_dict())
-    linear.linearize([cfg.M] * mc.n_layer)
+    linear = linear.linearize([cfg.M] * mc.n_layer)
     softmax, linear = softmax.to(device), linear.to(device)
     print(f"\ndecoding, Pythia-160M shape (random weights), batch 1, on {device}, ms per token "
           f"(mean of {cfg.decode_steps}):\n")
@@ -237,16 +239,19 @@ def heads_table(cfg, device):
     """Per-head against per-layer dims at the same total features: distillation loss + backward, and the scan."""
     import distill
     import dof
+    import per_head
     from model import LinearAttention
     run = json.loads(open(cfg.heads).read())
     N = torch.tensor(run["args"]["dof"], dtype=torch.float64)                     # (L, H) per-head DoF
     if N.ndim != 2:
-        raise ModelError(f"{cfg.heads} has per-layer DoF; pass the JSON of a distill.py --alloc dof-head run")
+        raise ModelError(f"{cfg.heads} has per-layer DoF; pass the JSON of an experiments/per_head.py run")
     L, H = N.shape
     Hkv, D, budget = 3, 64, run["args"]["budget"]
-    layouts = {"per layer": dof.allocate(N.amax(-1), budget), "per head": dof.allocate(N, budget)}
     torch.manual_seed(0)
-    cores = {name: [LinearAttention(H, Hkv, D, m).to(device) for m in dims] for name, dims in layouts.items()}
+    cores = {"per layer": [LinearAttention(H, Hkv, D, m).to(device) for m in dof.allocate(N.amax(-1), budget)],
+             "per head": [per_head.GroupedLinearAttention(H, Hkv, D, m).to(device)
+                          for m in torch.tensor(dof.allocate(N.flatten(), budget)).view(L, H).tolist()]}
+    loss = {"per layer": distill.layer_loss, "per head": per_head.loss}
     print(f"\nper-head against per-layer dims, {L} layers x {H} heads (SmolLM2-135M shape), B={cfg.B}, budget "
           f"{budget} from {cfg.heads}, query block {cfg.query_block}, on {device}, {cfg.threads} threads; ms for all "
           f"layers, median of {cfg.repeats} rounds:\n")
@@ -260,21 +265,21 @@ def heads_table(cfg, device):
             t0 = time.perf_counter()
             for l, core in enumerate(cores[name]):
                 if train:
-                    distill.layer_loss(core, q[l], k[l], "softmax", cfg.query_block, scale=1.0)
+                    loss[name](core, q[l], k[l], "softmax", cfg.query_block, scale=1.0)
                 else:
                     with torch.no_grad():
                         core(q[l], k[l], v[l])
             sync(device)
             return 1e3 * (time.perf_counter() - t0)
 
-        times = {(name, train): [] for name in layouts for train in (True, False)}
+        times = {(name, train): [] for name in cores for train in (True, False)}
         for _ in range(cfg.repeats + 1):                                           # the first round warms up
             for key in times:
                 times[key].append(step(*key))
         ms = {}
-        for name in layouts:
-            total = sum(sum(c.dims) for c in cores[name])
-            groups = sum(len(c.sizes) for c in cores[name]) / L
+        for name in cores:
+            total = sum(sum(c.dims) if name == "per head" else c.M * H for c in cores[name])
+            groups = sum(len(c.groups) if name == "per head" else 1 for c in cores[name]) / L
             ms[name] = [statistics.median(times[name, train][1:]) for train in (True, False)]
             print(f"| {T} | {name} | {total} | {groups:.1f} | {ms[name][0]:.0f} | {ms[name][1]:.0f} |")
         r = [ms["per head"][i] / ms["per layer"][i] for i in (0, 1)]
