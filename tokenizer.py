@@ -30,28 +30,20 @@ UTF8_BYTES = [b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5]   # b
 REFETCH = "re-download the tokenizer files"
 
 
-@functools.cache
-def _unicode_to_byte() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character each byte is spelled with in vocab and merges files."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    table = {chr(b): b for b in printable}
-    table.update({chr(256 + n): b for n, b in enumerate(b for b in range(256) if b not in printable)})
-    return table
+# GPT-2's byte-level alphabet: the character each byte is spelled with in vocab and merges files
+PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
+U2B = {chr(b): b for b in PRINTABLE} | {chr(256 + n): b for n, b in enumerate(sorted(set(range(256)) - set(PRINTABLE)))}
 
 
 @functools.lru_cache
 def _alternation(tokens: frozenset) -> re.Pattern:
-    """A regex matching any of `tokens`, leftmost and longest first (as HF matches added tokens)."""
-    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+    """A regex group matching any of `tokens`, leftmost and longest first (as HF matches added tokens)."""
+    return re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")")
 
 
-def _split(text: str, tokens) -> list[tuple[str, bool]]:
-    """Cut `text` around every occurrence of `tokens`: [(piece, is_token), ...]."""
-    out, pos = [], 0
-    for m in _alternation(frozenset(tokens)).finditer(text) if tokens else ():
-        out += [(text[pos:m.start()], False), (m.group(), True)]
-        pos = m.end()
-    return out + [(text[pos:], False)]
+def _split(text: str, tokens) -> list[str]:
+    """`text` cut around every occurrence of `tokens`: [text, token, text, ..., text]."""
+    return _alternation(frozenset(tokens)).split(text) if tokens else [text]
 
 
 class HFEncoding(tiktoken.Encoding):
@@ -86,13 +78,13 @@ class HFEncoding(tiktoken.Encoding):
             raise ValueError(f"text contains the special token {m.group()!r}: pass allowed_special to encode it "
                              "as that token, or disallowed_special=() to encode it as text")
         ids = []
-        for part, is_special in _split(text, allowed):
-            if is_special:
+        for n, part in enumerate(_split(text, allowed)):
+            if n % 2:                                                          # a special token
                 ids.append(self.specials[part])
                 continue
-            for piece, is_added in _split(unicodedata.normalize(self.normalizer, part) if self.normalizer else part,
-                                          self.added_tokens):
-                ids += [self.added_tokens[piece]] if is_added else self._encode_plain(piece)
+            part = unicodedata.normalize(self.normalizer, part) if self.normalizer else part
+            for m, piece in enumerate(_split(part, self.added_tokens)):         # odd m: an added token
+                ids += [self.added_tokens[piece]] if m % 2 else self._encode_plain(piece)
         return ids
 
     def encode_ordinary(self, text):
@@ -115,12 +107,11 @@ def _byte_level_bpe(name, vocab, merges, pat_str, where, *, specials=None, added
     tiktoken merges the adjacent pair of lowest rank and returns ranks as ids, so ranks are the ids and the ids of
     merged tokens must rise in merge order. Single bytes keep their ids. specials=None makes special every token
     that is neither a byte nor a merge result (GPT-2's <|endoftext|>)."""
-    u2b = _unicode_to_byte()
     try:
-        ranks = {bytes([u2b[t]]): i for t, i in vocab.items() if len(t) == 1 and t in u2b}
+        ranks = {bytes([U2B[t]]): i for t, i in vocab.items() if len(t) == 1 and t in U2B}
         pairs = [m.split(" ") if isinstance(m, str) else m for m in merges]
         merged = [vocab[a + b] for a, b in pairs]
-        ranks.update({bytes(u2b[c] for c in a + b): i for (a, b), i in zip(pairs, merged)})
+        ranks.update({bytes(U2B[c] for c in a + b): i for (a, b), i in zip(pairs, merged)})
     except (KeyError, ValueError, TypeError) as e:
         raise ModelError(f"{where} is not a consistent byte-level BPE tokenizer ({type(e).__name__}: {e}); "
                          f"{REFETCH}") from None
