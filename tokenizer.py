@@ -38,10 +38,9 @@ def _alternation(tokens: frozenset) -> re.Pattern:
 
 
 class HFEncoding(tiktoken.Encoding):
-    """A tiktoken Encoding plus a Hugging Face tokenizer's steps before its BPE, in its order: cut out the allowed
-    special tokens; Unicode-normalise the rest (`normalizer`, NFC in GPT-NeoX); cut out added tokens (GPT-NeoX's runs
-    of 2-24 spaces); drop the bytes the vocabulary cannot spell (6 control characters in SmolLM2). encode_to_numpy and
-    encode_with_unstable skip them. Uses tiktoken's _pat_str, _encode_single_piece and __getstate__ (for pickling)."""
+    """A tiktoken Encoding plus a Hugging Face tokenizer's steps before its BPE, in order: cut out the allowed special
+    tokens; normalise the rest (NFC in GPT-NeoX); cut out added tokens (GPT-NeoX's space runs); drop bytes the
+    vocabulary cannot spell (6 in SmolLM2). Not in encode_to_numpy. Uses tiktoken's _pat_str, _encode_single_piece."""
 
     def __init__(self, name, *, pat_str, mergeable_ranks, special_tokens, added_tokens=None, normalizer=None):
         self.specials, self.added_tokens, self.normalizer = special_tokens, added_tokens or {}, normalizer
@@ -79,11 +78,10 @@ class HFEncoding(tiktoken.Encoding):
         return self.encode(text, disallowed_special=())
 
     def _encode_plain(self, text: str) -> list[int]:
-        """tiktoken's regex split + BPE; pieces holding unspellable bytes lose them first, as in HF's BPE."""
         raw = text.encode("utf-8", "surrogatepass")
         if len(raw.translate(None, self.unspellable)) == len(raw):
             return super().encode_ordinary(text)
-        import regex  # installed with tiktoken; the rare slow path splits in Python
+        import regex  # installed with tiktoken; the rare slow path drops unspellable bytes from each piece, as HF
         pieces = (p.encode("utf-8", "replace").translate(None, self.unspellable)
                   for p in regex.findall(self._pat_str, text))
         return [i for p in pieces if p for i in self._encode_single_piece(p)]
@@ -99,14 +97,11 @@ def _byte_level_bpe(name, vocab, merges, pat_str, where, *, specials=None, added
         merged = [vocab[a + b] for a, b in pairs]
         ranks.update({bytes(U2B[c] for c in a + b): i for (a, b), i in zip(pairs, merged)})
     except (KeyError, ValueError, TypeError) as e:
-        raise ModelError(f"{where} is not a consistent byte-level BPE tokenizer ({type(e).__name__}: {e}); "
-                         f"{REFETCH}") from None
+        raise ModelError(f"{where} is not a consistent byte-level BPE tokenizer ({e!r}); {REFETCH}") from None
     if any(i >= j for i, j in zip(merged, merged[1:])):
         raise ModelError(f"{where} numbers its tokens out of merge order, which a tiktoken Encoding cannot express")
     made = set(ranks.values())
     specials = {t: i for t, i in vocab.items() if i not in made} if specials is None else specials
-    if not (added or normalizer or any(bytes([b]) not in ranks for b in UTF8_BYTES)):
-        return tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials)
     return HFEncoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials,
                       added_tokens=added, normalizer=normalizer)
 
@@ -120,22 +115,17 @@ def _tokenizer_json(path: Path) -> tiktoken.Encoding:
         raise ModelError(f"{path} is not a byte-level BPE tokenizer.json (its model type is {model.get('type')!r}); "
                          "only BPE tokenizers such as GPT-2's or Pythia's are supported")
     norm = (spec.get("normalizer") or {}).get("type")
-    options = [k for k in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback")
-               if model.get(k)]
-    if options or norm not in (None, "NFC", "NFD", "NFKC", "NFKD"):
-        raise ModelError(f"{path} uses BPE options this loader does not support ({', '.join(options or [norm])})")
+    opts = [k for k in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback") if model.get(k)]
+    if opts or norm not in (None, "NFC", "NFD", "NFKC", "NFKD"):
+        raise ModelError(f"{path} uses BPE options this loader does not support ({', '.join(opts or [norm])})")
     pre = spec.get("pre_tokenizer") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     kinds, first, last = [step.get("type") for step in steps], (steps or [{}])[0], (steps or [{}])[-1]
-    use_regex, pattern = last.get("use_regex", True), None
-    if kinds == ["ByteLevel"] and use_regex:
-        pattern = GPT2_PATTERN
-    elif kinds == ["Digits", "ByteLevel"] and first.get("individual_digits") and use_regex:
-        pattern = DIGITS_PATTERN
-    elif (kinds == ["Split", "ByteLevel"] and not use_regex and "Regex" in first.get("pattern", {})
-          and first.get("behavior") == "Isolated" and not first.get("invert")):
-        pattern = first["pattern"]["Regex"]
-    if pattern is None or last.get("add_prefix_space"):
+    regex, isolated = last.get("use_regex", True), first.get("behavior") == "Isolated" and not first.get("invert")
+    split = not regex and isolated and (first.get("pattern") or {}).get("Regex")   # Llama-3, Qwen2
+    pattern = {("ByteLevel",): regex and GPT2_PATTERN, ("Split", "ByteLevel"): split,
+               ("Digits", "ByteLevel"): regex and first.get("individual_digits") and DIGITS_PATTERN}.get(tuple(kinds))
+    if not pattern or last.get("add_prefix_space"):
         raise ModelError(f"{path} has a pre-tokenizer this loader does not support ({' + '.join(map(str, kinds))}); "
                          "supported: ByteLevel, Digits + ByteLevel, Split + ByteLevel, all without add_prefix_space")
     extra = spec.get("added_tokens") or []
@@ -149,8 +139,7 @@ def _gguf_tokenizer(path) -> tiktoken.Encoding:
     special; 4 = user-defined: matched whole) and tokenizer.ggml.pre, which picks the regex as llama.cpp does."""
     meta = open_gguf(path)[1]
     if (kind := meta("tokenizer.ggml.model")) != "gpt2":
-        raise ModelError(f"{path} holds a {kind!r} tokenizer; only byte-level BPE (\"gpt2\") GGUF tokenizers "
-                         "are supported")
+        raise ModelError(f"{path} holds a {kind!r} tokenizer; only byte-level BPE (\"gpt2\") ones are supported")
     if (pre := meta("tokenizer.ggml.pre", "default")) not in GGUF_PATTERNS:
         raise ModelError(f"{path} uses the pre-tokenizer {pre!r}; supported: {', '.join(GGUF_PATTERNS)}")
     tokens, types = meta("tokenizer.ggml.tokens"), meta("tokenizer.ggml.token_type")
@@ -167,9 +156,9 @@ def load_tokenizer(name_or_path) -> tiktoken.Encoding:
         p = p / "tokenizer.json"
     if p.is_file() and p.suffix in (".gguf", ".json"):
         return _gguf_tokenizer(str(p)) if p.suffix == ".gguf" else _tokenizer_json(p)
-    for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
-        if (p / vocab).is_file() and (p / merges).is_file():      # GPT-2's files; '#version' starts merges.txt
-            lines = (p / merges).read_text(encoding="utf-8", errors="replace").splitlines()
+    for vocab, merges_txt in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
+        if (p / vocab).is_file() and (p / merges_txt).is_file():  # GPT-2's files; '#version' starts merges.txt
+            lines = (p / merges_txt).read_text(encoding="utf-8", errors="replace").splitlines()
             merges = [line for line in lines if line and not line.startswith("#version")]
             return _byte_level_bpe("gpt2", read_json_object(p / vocab, REFETCH), merges, GPT2_PATTERN, str(p))
     raise ModelError(f"{p} holds no tokenizer files; it needs tokenizer.json, vocab.json + merges.txt or encoder.json "
