@@ -817,12 +817,17 @@ def test_truncated(tmp_path, keep):
         read_gguf(str(cut))
 
 
-def test_unsupported_architecture(tmp_path):
-    path = tmp_path / "gpt2.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt2")
+def bare_gguf(path, arch):
+    """A GGUF file of architecture `arch` with only a block count and one tensor for metadata."""
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+def test_unsupported_architecture(tmp_path):
+    path = bare_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ModelError, match=r"gpt2\.gguf holds a 'gpt2' model; supported GGUF architectures: llama"):
         read_gguf(str(path))
 
@@ -852,11 +857,7 @@ def test_unexpected_tensor(tmp_path):
 
 def test_missing_metadata(tmp_path):
     """A llama file without the metadata its config needs, or without a tokenizer: the missing key is named."""
-    path = tmp_path / "bare.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    path = bare_gguf(tmp_path / "bare.gguf", "llama")
     with pytest.raises(ModelError, match=r"bare\.gguf lacks the GGUF metadata key llama\.attention\.head_count; "
                                          r"re-download it or pass a complete \.gguf file"):
         read_gguf(str(path))
