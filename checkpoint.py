@@ -11,7 +11,6 @@ import os
 import re
 import socket
 import threading
-from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -22,7 +21,6 @@ from common import ModelError, read_json, read_safetensors
 
 REFETCH = "download the checkpoint again or save it anew with save_pretrained"
 SKIP_SUFFIXES = (".attn.bias", ".attention.bias", ".masked_bias", ".inv_freq")   # buffers, not weights, in some files
-load_safetensors = partial(read_safetensors, todo="run distill.py again to rewrite it")   # read_student's reader
 
 
 def locate(name, patterns):
@@ -49,21 +47,14 @@ def read_checkpoint(name):
     p = locate(name, ["config.json", "*.safetensors", "*.safetensors.index.json"])
     if p.is_file():                                        # a .gguf file; any other file fails there as not GGUF
         return read_gguf(str(p))
-    hf_cfg, index = read_json_object(p / "config.json", REFETCH), p / "model.safetensors.index.json"
+    hf_cfg, index = read_json(p / "config.json", REFETCH, dict), p / "model.safetensors.index.json"
     if (p / "model.safetensors").is_file() or not index.is_file():
         return hf_cfg, read_safetensors(p / "model.safetensors", REFETCH)
-    shards = read_json_object(index, REFETCH).get("weight_map")
+    shards = read_json(index, REFETCH, dict).get("weight_map")
     if not isinstance(shards, dict) or not all(isinstance(s, str) for s in shards.values()):
         raise ModelError(f"{index} lacks its \"weight_map\" of tensor names to shard files; {REFETCH}")
     todo = f"download every shard that {index.name} lists"
     return hf_cfg, {k: v for s in sorted(set(shards.values())) for k, v in read_safetensors(p / s, todo).items()}
-
-
-def read_json_object(path, todo):
-    """common.read_json for a file that must hold a JSON object (a config, an index, a vocabulary)."""
-    if not isinstance(d := read_json(path, todo), dict):
-        raise ModelError(f"{path} holds a JSON {type(d).__name__}, not an object; {todo}")
-    return d
 
 
 class HubUnreachable(ModelError):
@@ -99,8 +90,8 @@ def read_student(ckpt_dir):
     if not d.is_dir():
         raise ModelError(f"{ckpt_dir} is not a directory; pass the --out-dir of a distill.py run")
     todo = f"{ckpt_dir} is not a whole distill.py checkpoint; pass the --out-dir of a finished or saved run"
-    cfg = read_json(d / "config.json", todo)
-    if not isinstance(cfg, dict) or not {"teacher", "dims", "feature_map", "chunk_size"} <= cfg.keys():
+    cfg = read_json(d / "config.json", todo, dict)
+    if not {"teacher", "dims", "feature_map", "chunk_size"} <= cfg.keys():
         raise ModelError(f"{d / 'config.json'} lacks the teacher, dims, feature map or chunk size; {todo}")
     return cfg, read_safetensors(d / "features.safetensors", todo)
 

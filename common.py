@@ -318,8 +318,13 @@ def read_file(path, todo, reader):
         raise ModelError(f"{path} is damaged or truncated ({type(e).__name__}: {str(e)[:80]}); {todo}") from None
 
 
-def read_json(path, todo):
-    return read_file(path, todo, lambda p: json.loads(Path(p).read_text(encoding="utf-8")))
+def read_json(path, todo, kind=None):
+    """A JSON file's content (of type `kind`, when given: a config must be a dict)."""
+    d = read_file(path, todo, lambda p: json.loads(Path(p).read_text(encoding="utf-8")))
+    if kind is not None and not isinstance(d, kind):
+        raise ModelError(f"{path} holds a JSON {type(d).__name__}, not an {'object' if kind is dict else kind.__name__}"
+                         f"; {todo}")
+    return d
 
 
 def read_safetensors(path, todo):

@@ -142,8 +142,8 @@ def open_data(cfg, enc, vocab_size):
                        WikipediaConfig(cfg.model, cfg.data, fraction=1.0, max_tokens=cfg.wiki_tokens,
                                        val_fraction=cfg.val_fraction, seed=cfg.seed), enc)
     barrier()                                                          # the others wait while rank 0 prepares
-    meta = read_json(d / "meta.json", again)
-    tok = meta.get("tokenizer", {}) if isinstance(meta, dict) else {}
+    meta = read_json(d / "meta.json", again, dict)
+    tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
     if tok.get("n_vocab") != enc.n_vocab or enc.encode_ordinary(tok.get("probe", "")) != tok.get("probe_ids"):
         raise ModelError(f"{cfg.data} was tokenized with the tokenizer of {tok.get('model', '?')} ({tok.get('n_vocab')} "
                          f"tokens), not the teacher's ({cfg.model}, {enc.n_vocab}); {again}")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import tiktoken
 
-from checkpoint import locate, open_gguf, read_json_object
-from common import ModelError
+from checkpoint import locate, open_gguf
+from common import ModelError, read_json
 
 # GPT-2's pre-tokenizer regex in tiktoken's form (HF's ByteLevel ends it with `\s+(?!\S)|\s+`, which splits alike).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -109,7 +109,7 @@ def _byte_level_bpe(name, vocab, merges, pat_str, where, *, specials=None, added
 def _tokenizer_json(path: Path) -> tiktoken.Encoding:
     """A Hugging Face tokenizer.json of a byte-level BPE whose pre-tokenizer is ByteLevel (GPT-2's regex), Digits +
     ByteLevel (SmolLM2) or Split(regex) + ByteLevel(use_regex=false) (Llama-3, Qwen2)."""
-    spec = read_json_object(path, REFETCH)
+    spec = read_json(path, REFETCH, dict)
     model = spec["model"] if isinstance(spec.get("model"), dict) else {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ModelError(f"{path} is not a byte-level BPE tokenizer.json (its model type is {model.get('type')!r}); "
@@ -160,6 +160,6 @@ def load_tokenizer(name_or_path) -> tiktoken.Encoding:
         if (p / vocab).is_file() and (p / merges_txt).is_file():  # GPT-2's files; '#version' starts merges.txt
             lines = (p / merges_txt).read_text(encoding="utf-8", errors="replace").splitlines()
             merges = [line for line in lines if line and not line.startswith("#version")]
-            return _byte_level_bpe("gpt2", read_json_object(p / vocab, REFETCH), merges, GPT2_PATTERN, str(p))
+            return _byte_level_bpe("gpt2", read_json(p / vocab, REFETCH, dict), merges, GPT2_PATTERN, str(p))
     raise ModelError(f"{p} holds no tokenizer files; it needs tokenizer.json, vocab.json + merges.txt or encoder.json "
                      "+ vocab.bpe (or pass a tokenizer.json or .gguf file)")
