@@ -397,6 +397,7 @@ class ExperimentConfig:
     """Run a grid of distill.py configurations (one JSON per run under docs/results/<grid>/), or rebuild the tables
     and figures of docs/results.md from those files."""
     run: str = opt("", "grid to run (its missing configurations only)", choices=["", *sorted(GRIDS)])
+    match: str = opt("", "run only the grid's runs whose name contains this")
     jobs: int = opt(2, "runs at a time, one torch thread each")
     report: bool = opt(False, "rebuild the generated blocks of docs/results.md and the learning-curve figures")
 
@@ -406,7 +407,7 @@ def main(argv=None):
     if not cfg.run and not cfg.report:
         raise ModelError("nothing to do; pass --run GRID to run a grid or --report to rebuild docs/results.md")
     if cfg.run:
-        run_grid(GRIDS[cfg.run](), cfg.jobs)
+        run_grid([r for r in GRIDS[cfg.run]() if cfg.match in r.name], cfg.jobs)
     if cfg.report:
         report()
 
