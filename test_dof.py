@@ -31,6 +31,7 @@ from common import ModelError
 from model import (causal_linear_attention, repeat_kv, dct_matrix, DiJiang, GPT, linear_attention_reference,
                    linear_attention_step, LinearAttention, Performer, PRF)
 from tokenizer import load_tokenizer
+import common
 import distill
 import dof
 import evaluate as E
@@ -2211,6 +2212,64 @@ def test_preset_prints_its_flags_and_flags_given_win(capsys):
     cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
     assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)
     assert distill.PRESETS["cpu"] in capsys.readouterr().out
+
+
+def test_center_keys_dims_are_the_centred_kernels_and_dof_py_gives_the_same(setup, tmp_path, capsys):
+    """With --center-keys the DoF is that of the kernel the student learns, K(q, k - mu): distill.py's dims and DoF
+    equal dof.py --center-keys on the same flags (the same calibration windows), and differ from the uncentred."""
+    d, ckpt, data = setup
+    flags = ["--model", ckpt, "--data", data, "--budget", 8, "--lam", 1e-3, "--lam-relative", "--seed", 3,
+             "--J", 256, "--calib-batches", 2, "--block-size", 64, "--batch-size", 4, "--device", "cpu"]
+    flags = [str(f) for f in flags]
+    distill.main(flags + ["--center-keys", "--max-steps", "0", "--prompt", "", "--out-dir", str(tmp_path / "run")])
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    for centre, out in ((["--center-keys"], "c"), ([], "raw")):
+        dof.main(flags + centre + ["--out", str(tmp_path / out)])
+    centred, raw = (json.loads((tmp_path / o / "dof.json").read_text()) for o in ("c", "raw"))
+    assert cfg["dims"] == centred["dims"]["dof"] and np.allclose(cfg["dof"], centred["layer_dof"])
+    assert not np.allclose(centred["layer_dof"], raw["layer_dof"], rtol=1e-3)
+
+
+def test_resume_takes_dims_key_means_and_features_from_the_checkpoint(setup, tmp_path, monkeypatch, capsys):
+    """--resume runs no DoF pass and computes no key means: they come from the checkpoint, even when this run's
+    flags would choose other dims."""
+    d, ckpt, data = setup
+    args = [str(a) for a in ["--model", ckpt, "--data", data, "--budget", 8, "--center-keys", "--prompt", "",
+                             "--out-dir", tmp_path / "run", *FAST]]
+    distill.main(args + ["--max-steps", "2"])
+    dims = json.loads((tmp_path / "run" / "config.json").read_text())["dims"]
+    for name in ("choose_dims", "key_means", "collect_qk"):
+        monkeypatch.setattr(dof, name, lambda *a, **k: pytest.fail("resume recomputed what the checkpoint holds"))
+    distill.main(args + ["--max-steps", "4", "--resume", "--budget", "12"])
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["step"] == 4 and cfg["dims"] == dims and cfg["budget"] == 8 and "come from" in capsys.readouterr().out
+
+
+def test_generate_runs_one_forward_pass_per_new_token():
+    cfg = M.GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, block_size=64)
+    model, calls = GPT(cfg).eval(), []
+    hidden = model.hidden
+    model.hidden = lambda *a, **k: calls.append(a[0].size(1)) or hidden(*a, **k)
+    out = model.generate(torch.zeros(1, 5, dtype=torch.long), 4)
+    assert out.shape == (1, 9) and calls == [5, 1, 1, 1]                # the prompt, then one token each
+
+
+def test_get_batch_draws_every_window_the_tokens_hold():
+    """Windows of T + 1 tokens start at 0 .. len - T - 1: with T + 3 tokens, all three starts are drawn."""
+    data, gen = np.arange(11, dtype=np.uint16), torch.Generator().manual_seed(0)
+    starts = {int(x[0, 0]) for x, _ in (common.get_batch(data, 1, 8, gen, "cpu") for _ in range(200))}
+    assert starts == {0, 1, 2}
+
+
+def test_result_files_name_no_path_of_the_machine_they_ran_on():
+    """Every string in docs/results/**/*.json that looks like a path is relative to the repository."""
+    def strings(x):
+        if isinstance(x, dict):
+            return [s for v in x.values() for s in strings(v)]
+        return [s for v in x for s in strings(v)] if isinstance(x, list) else [x] if isinstance(x, str) else []
+    for p in (ROOT / "docs" / "results").rglob("*.json"):
+        absolute = [s for s in strings(json.loads(p.read_text())) if re.fullmatch(r"(/|~/|[A-Z]:\\)\S+", s)]
+        assert not absolute, (p, absolute[:3])
 
 
 # ==================================================================================================================
