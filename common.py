@@ -1,13 +1,14 @@
 """
 Plumbing every entry script shares, written once: the one-sentence error and a clean stop, the command line built
-from a config dataclass, the device, the process group of a torchrun launch, and the project's files (atomic
-writes, one reader per kind of file, the out-dir's lock, token windows). A learner may skip this file.
+from a config dataclass, the device, the process group of a torchrun launch, and the project's files (written whole
+or not at all; one reader per kind, naming a damaged file; the out-dir's lock; token windows). A learner may skip it.
 """
 
 import argparse
 import fcntl
 import inspect
 import json
+import math
 import os
 import re
 import shutil
@@ -39,20 +40,20 @@ def stop(signum, frame):
 
 def run_main(main):
     """Run an entry script's main(): a ModelError ends it with one sentence on stderr (rank 0's under torchrun) and
-    exit code 2; Ctrl-C or SIGTERM with one line saying where the last checkpoint is (exit 130 / 143). A write is
-    never left half done (atomic_path), so the checkpoint named is whole."""
+    exit code 2; Ctrl-C or SIGTERM with one line naming the last checkpoint, which is whole (atomic_path), exit code
+    130 or 143."""
     signal.signal(signal.SIGTERM, stop)
     code = 0
     try:
         main()
     except ModelError as e:
-        if is_main():
-            print(f"error: {e}", file=sys.stderr)
         code = 2
+        if get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr)
     except (KeyboardInterrupt, Stopped) as e:
-        where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if CLAIMED else ""
-        print(f"\nstopped by {'SIGTERM' if isinstance(e, Stopped) else 'Ctrl-C'}{where}", file=sys.stderr)
         code = 143 if isinstance(e, Stopped) else 130
+        where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if CLAIMED else ""
+        print(f"\nstopped by {'SIGTERM' if code == 143 else 'Ctrl-C'}{where}", file=sys.stderr)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -63,7 +64,7 @@ def run_main(main):
 # ----------------------------------------------------------------------------------------------------------------
 # Command lines: a config dataclass whose fields carry their own help; options are checked where declared
 
-REQUIRED = MISSING     # opt(REQUIRED, help): a field without a default, which the command line must give
+REQUIRED = MISSING     # opt(REQUIRED, help): a field the command line must give
 
 
 def opt(default, help, choices=None):
@@ -84,8 +85,8 @@ def parse_config(cls, argv=None, description=None):
     for f in fields(cls):
         flag, hint, required = "--" + f.name.replace("_", "-"), hints[f.name], f.default is MISSING is f.default_factory
         default = None if required else f.default if f.default is not MISSING else f.default_factory()
-        shown = f" (default: {default})" if default is not None and hint is not bool else ""
-        text = (f.metadata["help"] + shown).replace("%", "%%")                      # argparse %-formats help
+        text = (f.metadata["help"] + (f" (default: {default})" if default is not None and hint is not bool else "")
+                ).replace("%", "%%")                                                  # argparse %-formats help
         if hint is bool:
             p.add_argument(flag, action="store_true", help=text)
             continue
@@ -100,26 +101,29 @@ def parse_config(cls, argv=None, description=None):
     return cls(**vars(p.parse_args(argv)))
 
 
-def check_positive(cfg, names, minimum=1):
-    """A ModelError naming the first of the config's numeric fields `names` below `minimum` or not finite."""
+def check_positive(cfg, names, minimum=1, above=False):
+    """A ModelError naming the first of the config's numeric fields `names` below `minimum` (or, above=True, not
+    above it) or not finite; None passes."""
     for name in names:
         v = getattr(cfg, name)
-        if v is not None and not (minimum <= v < float("inf")):
-            raise ModelError(f"--{name.replace('_', '-')} must be a number of at least {minimum}, got {v}")
+        if v is not None and not (math.isfinite(v) and (v > minimum if above else v >= minimum)):
+            raise ModelError(f"--{name.replace('_', '-')} must be a number {'above' if above else 'of at least'} "
+                             f"{minimum}, got {v}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Device
+# Device, and several processes: `torchrun --nproc_per_node N script.py ...` starts N copies of a script, told apart
+# by their rank, that meet in one process group; a plain `python script.py` is rank 0 of a world of 1.
 
 def pick_device(device="auto", dtype="auto"):
     """--device/--dtype -> (device, autocast context). auto: cuda with bf16 autocast if there is a GPU, else cpu in
     fp32. TF32 matmuls are turned on only together with bf16 autocast (an fp32 run stays fp32)."""
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = ("cuda" if n else "cpu") if device == "auto" else device
     m = re.fullmatch(r"cuda(?::(\d+))?", device)
     if device != "cpu" and not (m and int(m.group(1) or 0) < n):
-        have = ", ".join(["cpu"] + [f"cuda:{i}" for i in range(n)])
-        raise ModelError(f"--device {device} is not a device of this machine; use one of auto, {have}")
+        raise ModelError(f"--device {device} is not a device of this machine; use one of auto, "
+                         + ", ".join(["cpu"] + [f"cuda:{i}" for i in range(n)]))
     bf16 = dtype == "bfloat16" or (dtype == "auto" and device != "cpu")
     if bf16 and device != "cpu":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
@@ -132,14 +136,10 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Several processes: `torchrun --nproc_per_node N script.py ...` starts N copies of a script, told apart by their
-# rank, that meet in one process group; a plain `python script.py` is rank 0 of a world of 1.
-
 def init_distributed(device):
-    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on CUDA, cuda:LOCAL_RANK; gloo on the CPU),
-    with a timeout long enough for rank 0 to prepare the data while the others wait; the other ranks' stdout goes
-    to os.devnull. -> this process's device."""
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on cuda:LOCAL_RANK, gloo on the CPU), its
+    timeout long enough for rank 0 to prepare the data while the others wait; the other ranks' stdout goes to
+    os.devnull. -> this process's device."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return device
     cuda = device.startswith("cuda")
@@ -168,41 +168,35 @@ def is_main() -> bool:
 
 
 def shard(items):
-    """This process's share of a list: items rank, rank + N, ... of N processes (all of them in one)."""
+    """This process's share of a list: items rank, rank + N, ... of N processes."""
     return items[get_rank()::get_world_size()]
 
 
 def all_gather(obj) -> list:
     """Every process's (picklable) obj, in rank order: [obj] in one process."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [obj] * get_world_size()
+    if dist.is_initialized():
+        dist.all_gather_object(out, obj)
     return out
 
 
-def broadcast(obj):
-    """Rank 0's (picklable) obj, on every process."""
+def broadcast(obj, tensors=()):
+    """Rank 0's (picklable) obj, on every process; rank 0's `tensors` copied into every process's, in place."""
     box = [obj]
     if dist.is_initialized():
         dist.broadcast_object_list(box, src=0)
+        for t in tensors:
+            dist.broadcast(t, src=0)
     return box[0]
-
-
-def broadcast_tensors(tensors):
-    """Rank 0's values copied into every process's tensors, in place."""
-    for t in tensors if dist.is_initialized() else ():
-        dist.broadcast(t, src=0)
 
 
 def all_mean(tensors):
     """Each tensor replaced by its mean over the processes, in place, in one all-reduce (one dtype and device)."""
-    if not dist.is_initialized() or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat)
-    for t, mean in zip(tensors, (flat / get_world_size()).split([t.numel() for t in tensors])):
-        t.copy_(mean.view_as(t))
+    if dist.is_initialized() and tensors:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.all_reduce(flat)
+        for t, mean in zip(tensors, (flat / get_world_size()).split([t.numel() for t in tensors])):
+            t.copy_(mean.view_as(t))
 
 
 def barrier():
@@ -214,14 +208,16 @@ def barrier():
 # Files: written whole or not at all; read with one sentence for a missing or damaged file
 
 @contextmanager
-def atomic_path(path):
-    """Yield <path>.tmp to write a file or a directory into; on success it replaces `path` (a directory by two
-    renames: a complete one is on disk at every instant, <path> or <path>.old between the renames); on failure or
+def atomic_path(path, directory=False):
+    """Yield <path>.tmp (an empty directory if asked) to write into; on success it replaces `path` (a directory by
+    two renames: a complete one is on disk at every instant, <path> or <path>.old between them); on failure or
     interruption it is removed, and whatever was at `path` stays."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     remove(tmp)
     try:
+        if directory:
+            tmp.mkdir(parents=True)
         yield tmp
     except BaseException:
         remove(tmp)
@@ -233,16 +229,6 @@ def atomic_path(path):
         remove(old)
     else:
         os.replace(tmp, path)
-
-
-def save_dir(path):
-    """atomic_path for a directory, made empty first."""
-    @contextmanager
-    def made():
-        with atomic_path(path) as tmp:
-            tmp.mkdir(parents=True)
-            yield tmp
-    return made()
 
 
 def remove(path):
@@ -259,11 +245,10 @@ def check_writable(path):
     """A ModelError, before any work, when a file cannot be written at `path` (its folder missing or read-only, or
     `path` a directory)."""
     p = Path(path)
-    if p.is_dir():
-        raise ModelError(f"{path} is a directory; pass a file name")
-    if not p.parent.is_dir() or not os.access(p.parent, os.W_OK):
-        why = "is not writable" if p.parent.is_dir() else "does not exist"
-        raise ModelError(f"cannot write {path}: {p.parent} {why}; create it or pass another path")
+    if p.is_dir() or not p.parent.is_dir() or not os.access(p.parent, os.W_OK):
+        why = "is a directory" if p.is_dir() else f"is in {p.parent}, which " + (
+            "is not writable" if p.parent.is_dir() else "does not exist")
+        raise ModelError(f"cannot write {path}: it {why}; pass a file path in a writable folder")
 
 
 CLAIMED = []           # the out-dir this process writes checkpoints to (named when a run is stopped)
@@ -275,16 +260,16 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
     empty or a distill.py one (unless --resume or --overwrite fits it), an unwritable place, and a directory another
     run holds (fcntl.flock on <out_dir>.lock beside it, which the OS releases when a process ends, even by a crash)."""
     out = Path(out_dir)
-    is_ckpt = (out / "config.json").is_file() and (out / "features.safetensors").is_file()
+    ckpt = (out / "config.json").is_file() and (out / "features.safetensors").is_file()
     if out.exists() and not out.is_dir():
         raise ModelError(f"--out-dir {out_dir} is a file; pass a directory")
     if not out.exists() and (out.with_name(out.name + ".old") / "config.json").is_file():
         raise ModelError(f"a save into {out_dir} was interrupted and the last checkpoint is in {out.name}.old; "
                          f"rename it to {out.name} and pass --resume")
-    if resume and not is_ckpt:
+    if resume and not ckpt:
         raise ModelError(f"{out_dir} holds no checkpoint to resume (no config.json and features.safetensors); "
                          "drop --resume")
-    if out.is_dir() and any(out.iterdir()) and not resume and not (overwrite and is_ckpt):
+    if out.is_dir() and any(out.iterdir()) and not resume and not (overwrite and ckpt):
         raise ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not replace it; pass another "
                          "--out-dir" if overwrite else f"{out_dir} already exists and is not empty; pass --resume to "
                          "continue it, --overwrite to replace it, or another --out-dir")

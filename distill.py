@@ -31,9 +31,9 @@ from tqdm import tqdm
 
 import dof
 from checkpoint import HubUnreachable, read_student
-from common import (ModelError, all_mean, barrier, broadcast, broadcast_tensors, check_positive, claim_out_dir,
+from common import (ModelError, all_mean, barrier, broadcast, check_positive, claim_out_dir,
                     get_batch, get_rank, get_world_size, init_distributed, is_main, opt, parse_config, pick_device,
-                    read_json, read_tokens, run_main, save_dir, torch_load)
+                    read_json, read_tokens, run_main, atomic_path, torch_load)
 from model import GPT, feature_state, load_feature_state
 from tokenizer import load_tokenizer
 
@@ -295,7 +295,7 @@ def make_student(cfg, teacher, calib):
     student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size)
     for core, m in zip(student.cores(), [] if mu is None else mu):
         core.key_mean.copy_(m)
-    broadcast_tensors(list(feature_state(student).values()))                  # every process starts from rank 0's
+    broadcast(None, list(feature_state(student).values()))                    # every process starts from rank 0's
     return student, dims, layer_dof
 
 
@@ -308,7 +308,7 @@ def make_optimizer(student, cfg):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoint: written whole into <out_dir>.tmp, then renamed into place (common.save_dir)
+# Checkpoint: written whole into <out_dir>.tmp, then renamed into place (common.atomic_path)
 
 def checkpoint_config(cfg, dims, layer_dof, meta):
     """config.json: what load_student needs (teacher, dims, feature map, chunk size) and how the run was made."""
@@ -325,7 +325,7 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics, step):
         return
     state = {"optimizer": optim.state_dict() if optim else None, "step": step, "train_rng": gen.get_state(),
              "torch_rng": torch.get_rng_state()}
-    with save_dir(cfg.out_dir) as tmp:
+    with atomic_path(cfg.out_dir, directory=True) as tmp:
         save_file(feature_state(student), str(tmp / "features.safetensors"))
         (tmp / "config.json").write_text(json.dumps({**config, "step": step}, indent=2) + "\n")
         (tmp / "metrics.json").write_text(json.dumps(metrics) + "\n")
