@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -93,9 +94,10 @@ class DistillConfig:
         check_positive(self, ("budget", "J", "calib_batches", "chunk_size", "wiki_tokens", "block_size", "batch_size",
                               "grad_accum", "query_block", "eval_interval", "eval_iters", "log_interval"), 1)
         check_positive(self, ("max_steps", "decay_steps", "warmup_steps", "lr_z", "lr_alpha", "min_lr_frac"), 0)
-        if not 0 < self.lam < math.inf or not 0 < self.val_fraction < 1 or self.min_lr_frac > 1:
-            raise ModelError(f"--lam must be positive and finite (got {self.lam}), --val-fraction between 0 and 1 (got "
-                             f"{self.val_fraction}) and --min-lr-frac at most 1 (got {self.min_lr_frac})")
+        check_positive(self, ("lam",), 0, above=True)
+        if not 0 < self.val_fraction < 1 or self.min_lr_frac > 1:
+            raise ModelError(f"--val-fraction must lie between 0 and 1 (got {self.val_fraction}) and --min-lr-frac "
+                             f"be at most 1 (got {self.min_lr_frac})")
         if self.resume and self.overwrite:
             raise ModelError("--resume and --overwrite contradict each other; pass one of them")
 
@@ -261,6 +263,26 @@ def layer_loss(core, q, k, kind, query_block, scale=None):
 # The student: dims (dof.py) and features, fresh or from a checkpoint
 
 FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size", "center_keys")
+
+
+def check_memory(cfg, mc, device):
+    """Refuse, before anything large is allocated, a step that cannot fit: 4 bytes times every layer's teacher q and
+    k (the layerwise losses keep them), a block of attention rows six times over, one layer's features (at four times
+    the budget, where DoF dims reach) with their gradients, and the hidden states (the direct loss keeps them for
+    every layer, with the logits), for one micro-batch, against the free memory of the device. A rough bound."""
+    B, T, H, M = cfg.batch_size, cfg.block_size, mc.n_head, 4 * cfg.budget
+    floats = mc.n_layer * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * B * H * min(cfg.query_block, T) * T \
+        + 4 * B * H * T * M + mc.n_layer * H * M * mc.head_dim * 3 + 8 * B * T * mc.n_embd \
+        + (mc.n_layer * 16 * B * T * mc.n_embd + 2 * B * T * mc.vocab_size if cfg.loss == "direct" else 0)
+    if device.startswith("cuda"):
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").is_file() else ""
+        free = 1024 * int((re.findall(r"MemAvailable:\s+(\d+)", meminfo) or [2 ** 40])[0])
+    if 4 * floats > free:
+        raise ModelError(f"a step of --batch-size {B} x --block-size {T} at --budget {cfg.budget} needs about "
+                         f"{4 * floats / 2 ** 30:,.1f} GiB, more than the {free / 2 ** 30:.1f} GiB free on {device}; "
+                         "lower --batch-size, --block-size or --budget (or use --grad-accum)")
 
 
 def make_student(cfg, teacher, calib):
@@ -430,8 +452,9 @@ def train(cfg, teacher, student, optim, data, val, amp, step, metrics, gen, save
                                    (get_rank(), get_world_size()))
     check = lambda s: metrics["val"].append(validate(cfg, teacher, student, val, amp, s, loss_fn,
                                                      metrics["teacher_loss"]))
-    if not metrics["val"]:
+    if not metrics["val"]:                                          # a fresh run: its first checkpoint, at once
         check(step)
+        save(step)
     n, t0, tokens = 0, time.time(), cfg.batch_size * cfg.block_size * cfg.grad_accum * get_world_size()
     for step in tqdm(range(step, cfg.max_steps if optim else step), desc="distill", unit="step", disable=not is_main()):
         losses, n = train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn), n + 1
@@ -493,6 +516,7 @@ def run(cfg, make, loss_fn):
     device = init_distributed(device)                              # torchrun: a process per device, rank 0 prints
     teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     cfg.block_size = min(cfg.block_size, teacher.config.block_size)
+    check_memory(cfg, teacher.config, device)
     enc = load_tokenizer(cfg.model)
     data, meta = open_data(cfg, enc, teacher.config.vocab_size)
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size, cfg.block_size, cfg.seed, device)

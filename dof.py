@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (ModelError, check_positive, get_batch, opt, parse_config, pick_device, read_tokens, run_main,
-                    write_text_atomic)
+from common import (ModelError, check_positive, check_writable, get_batch, opt, parse_config, pick_device, read_tokens,
+                    run_main, write_text_atomic)
 from model import GPT, repeat_kv
 
 
@@ -236,8 +236,10 @@ class DofConfig:
 
     def __post_init__(self):
         check_positive(self, ("J", "budget", "calib_batches", "batch_size", "block_size"))
-        if not (self.lam > 0 and math.isfinite(self.lam)):
-            raise ModelError(f"--lam must be a positive number, got {self.lam}")
+        check_positive(self, ("lam",), 0, above=True)
+        if Path(self.out).exists() and not Path(self.out).is_dir():
+            raise ModelError(f"--out {self.out} is a file; pass a directory")
+        check_writable(Path(self.out) / "dof.json" if Path(self.out).is_dir() else Path(self.out))
 
 
 def main(argv=None):

@@ -1632,9 +1632,9 @@ def test_command_bad_input(tmp_path):
     data = token_dir(tmp_path / "data", n=200)
     common = ["--model", str(ckpt), "--data", str(data), "--out", str(tmp_path / "o"), "--device", "cpu",
               "--block-size", "50", "--batch-size", "1", "--calib-batches", "2"]
-    cases = [(["--lam", "0"], "--lam must be a positive number"),
-             (["--lam", "-1", "--lam-relative"], "--lam must be a positive number"),
-             (["--lam", "inf"], "--lam must be a positive number"),
+    cases = [(["--lam", "0"], "--lam must be a number above 0"),
+             (["--lam", "-1", "--lam-relative"], "--lam must be a number above 0"),
+             (["--lam", "inf"], "--lam must be a number above 0"),
              (["--budget", "0"], "--budget must be a number of at least 1"),
              (["--J", "1000"], "J=1000 is more than the 200 queries+keys"),
              (["--J", "0"], "--J must be a number of at least 1"),
@@ -1657,7 +1657,7 @@ def test_command_bad_input(tmp_path):
     with pytest.raises(ModelError, match="holds 100 tokens, fewer than the 129 needed"):   # windows of 128 + 1
         dof.main(common + ["--block-size", "500"])
     r = run_dof(*common, "--lam", "0")                      # the command: one sentence, exit code 2
-    assert r.returncode == 2 and r.stderr == "error: --lam must be a positive number, got 0.0\n"
+    assert r.returncode == 2 and r.stderr == "error: --lam must be a number above 0, got 0.0\n"
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, "model_type": "bert"}))
     r = run_dof(*common)                                    # not a model with attention of a known kind

@@ -117,6 +117,7 @@ ALLOC_RULES = {  # group label -> (allocation field, script, flags): the allocat
     "DoF": ("dof", "distill.py", ["--alloc", "dof"]),
     "DoF (uncentred kernel)": ("dof-raw", "experiments/allocation.py", ["--rule", "dof-raw"]),
     "Measured": ("measured", "experiments/allocation.py", ["--rule", "measured", "--curves", "docs/results/curves"]),
+    "Entropy": ("entropy", "experiments/allocation.py", ["--rule", "entropy"]),   # best with the curves' gains
 }
 
 
@@ -130,9 +131,11 @@ CONVERGE_STEPS = ["--max-steps", "960", "--warmup-steps", "96", "--eval-interval
 
 
 def converge_grid(seeds=(1, 2)):
-    """Closer to convergence: 4x the claim grid's steps (960) at budget 32, on the allocation grid's seeds."""
-    return [Run("converge", f"b32-fix-s{s}", "32/Fix", s, SMOL + CONVERGE_STEPS + ["--budget", "32", "--alloc", "fix"],
-                "fix") for s in seeds]
+    """Closer to convergence: 4x the claim grid's steps (960) at budget 32, Fix against the measured allocation (the
+    best rule by the curves), on the allocation grid's seeds."""
+    return [Run("converge", f"b32-{name}-s{s}", f"32/{label}", s, SMOL + CONVERGE_STEPS + ["--budget", "32"] + flags,
+                name, script) for label, (name, script, flags) in ALLOC_RULES.items() if name in ("fix", "measured")
+            for s in seeds]
 
 
 GRIDS = {"claim": claim_grid, "recipe": recipe_grid, "heads": heads_grid, "curves": curves_grid,

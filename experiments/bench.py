@@ -67,6 +67,12 @@ class BenchConfig:
     worker: list[str] | None = opt(None, "internal: METHOD T CHUNK measures one case ('linear' or 'sdpa') in this "
                                    "process and prints it as JSON")
 
+    def __post_init__(self):
+        check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block"))
+        for name in ("T", "chunks", "decode_ctx", "heads_T"):
+            if any(v < 1 for v in getattr(self, name)):
+                raise ModelError(f"--{name.replace('_', '-')} must list numbers of at least 1, got {getattr(self, name)}")
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # One measurement, in a fresh process

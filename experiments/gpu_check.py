@@ -52,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 import dof  # noqa: E402
 from bench import decode_ms  # noqa: E402
 from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
-from common import ModelError, opt, parse_config, pick_device, remove, run_main, sync, write_text_atomic  # noqa: E402
+from common import (ModelError, check_positive, check_writable, opt, parse_config, pick_device, remove, run_main,  # noqa: E402
+                    sync, write_text_atomic)
 from model import GPT, PRF, GPTConfig, causal_linear_attention  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -78,6 +79,11 @@ class CheckConfig:
     decode_steps: int = opt(32, "tokens decoded per context length (the mean is reported)")
     J: int = opt(2048, "points per head of the DoF profile")
     repeats: int = opt(5, "timed calls per scan measurement (the median is reported)")
+
+    def __post_init__(self):
+        check_positive(self, ("budget_seconds", "distill_timeout"), 0, above=True)
+        check_positive(self, ("steps", "batch_size", "block_size", "pythia_batch_size", "decode_steps", "J", "repeats"))
+        check_writable(self.out)                                  # before the run, not after it
 
 
 TINY = dict(steps=4, batch_size=2, block_size=64, pythia_batch_size=1, scan_T=[64, 256], decode_ctx=[16, 64],

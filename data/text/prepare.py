@@ -14,6 +14,7 @@ The writer below (token_files) is shared with data/wikipedia/prepare.py: the tok
 import json
 import os
 import re
+import shutil
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,18 +70,25 @@ def token_files(out_dir, meta):
     meta.json is removed before the renames, so a directory caught between them reads as incomplete. On failure,
     or when a split is empty, nothing is left behind."""
     out = Path(out_dir)
+    made = not out.exists()                                   # a directory made here goes again on failure
     out.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out / "train.bin") as train, atomic_path(out / "val.bin") as val:
-        files = {"train": TokenFile(train), "val": TokenFile(val)}
-        try:
-            yield files
-        finally:
-            for f in files.values():
-                f.close()
-        empty = [s for s, f in files.items() if f.n == 0]
-        if empty:
-            raise ModelError(f"the {' and '.join(empty)} split came out empty; give more text or change --val-fraction")
-        (out / "meta.json").unlink(missing_ok=True)
+    try:
+        with atomic_path(out / "train.bin") as train, atomic_path(out / "val.bin") as val:
+            files = {"train": TokenFile(train), "val": TokenFile(val)}
+            try:
+                yield files
+            finally:
+                for f in files.values():
+                    f.close()
+            empty = [s for s, f in files.items() if f.n == 0]
+            if empty:
+                raise ModelError(f"the {' and '.join(empty)} split came out empty; give more text or change "
+                                 "--val-fraction")
+            (out / "meta.json").unlink(missing_ok=True)
+    except BaseException:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     meta.update(dtype="uint16", tokens={s: f.n for s, f in files.items()})
     write_text_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
 
