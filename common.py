@@ -276,10 +276,13 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
     if os.environ.get("RANK", "0") != "0":                       # under torchrun rank 0 writes, and holds the lock
         yield
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
     lock = out.with_name(out.name + ".lock")
-    check_writable(lock)
-    with open(lock, "w") as fd:
+    try:                                                          # a real write: root passes os.access anywhere
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd = open(lock, "w")
+    except OSError as e:
+        raise ModelError(f"cannot write beside --out-dir {out_dir} ({e.strerror}); pass another --out-dir") from None
+    with fd:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for common.py and tokenizer.py
-from common import REQUIRED, ModelError, atomic_path, opt, parse_config, run_main, write_text_atomic  # noqa: E402
+from common import (REQUIRED, ModelError, atomic_path, check_positive, opt, parse_config, run_main,  # noqa: E402
+                    write_text_atomic)
 from tokenizer import load_tokenizer  # noqa: E402
 
 # A fixed text whose ids identify a tokenizer: distill.py re-encodes it with the teacher's tokenizer and compares.
@@ -127,6 +128,7 @@ class TextConfig:
     num_threads: int = opt(os.cpu_count() or 1, "tokenizer threads")
 
     def __post_init__(self):
+        check_positive(self, ("num_threads",))
         if not 0 < self.val_fraction < 1:
             raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
 

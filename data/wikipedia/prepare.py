@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for common.py, tokenizer.py, data/
 from checkpoint import HubUnreachable, hub_reachable  # noqa: E402
-from common import ModelError, opt, parse_config, run_main  # noqa: E402
+from common import ModelError, check_positive, opt, parse_config, run_main  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 from data.text.prepare import eot_id, token_files, tokenizer_meta  # noqa: E402
 
@@ -105,6 +105,7 @@ class WikipediaConfig:
     batch_docs: int = opt(512, "articles tokenized per batch")
 
     def __post_init__(self):
+        check_positive(self, ("num_threads", "batch_docs"))
         if not 0 < self.fraction <= 1:
             raise ModelError(f"--fraction must be in (0, 1], got {self.fraction}")
         if not 0 < self.val_fraction < 1:
