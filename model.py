@@ -264,7 +264,9 @@ class LinearAttention(nn.Module):
             if cache is None:
                 return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
             B, H, T, M = phi_q.shape       # decoding: the step for one token, the scan from the state for more
-            S, s = cache.get("S", phi_q.new_zeros(B, H, M, v.size(-1))), cache.get("s", phi_q.new_zeros(B, H, M))
+            if "S" not in cache:
+                cache["S"], cache["s"] = phi_q.new_zeros(B, H, M, v.size(-1)), phi_q.new_zeros(B, H, M)
+            S, s = cache["S"], cache["s"]
             if T == 1:
                 y, cache["S"], cache["s"] = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], S, s)
                 return y[:, :, None].to(q.dtype)

@@ -23,7 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]                 # the core, and experiments/ (gpu_check, heads)
-from common import ModelError, opt, parse_config, run_main, write_text_atomic  # noqa: E402
+from common import ModelError, atomic_path, opt, parse_config, run_main, write_text_atomic  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 SCRATCH = ROOT / "out-experiments"           # checkpoints and logs of the runs (not committed)
@@ -200,7 +200,8 @@ def run_grid(runs, jobs=2, results=RESULTS, scratch=SCRATCH):
 # Tables and figures, from the JSON files only
 
 def load(grid, results=RESULTS):
-    return [json.loads(p.read_text()) for p in sorted((Path(results) / grid).glob("*.json"))]
+    """The run records of a grid (JSONs with a group; others, like the predictors, are not runs)."""
+    return [r for r in (json.loads(p.read_text()) for p in sorted((Path(results) / grid).glob("*.json"))) if "group" in r]
 
 
 def final(r):
@@ -353,6 +354,91 @@ def splice(text, name, body):
 BASELINE = {"recipe": "64/DoF", "heads": "32/DoF"}
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The allocation study: per-layer error curves, the measured allocation, cheap predictors, the grid
+
+def layer_curves_figure(Ms, KL, path, named=(0, 10, 21, 27)):
+    """KL_l(M) against M, log-log: every layer faint, a few named."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.8), dpi=110)
+    for l in range(KL.shape[1]):
+        ax.loglog(Ms, KL[:, l], color="0.75", lw=0.8, zorder=1)
+    for l, c in zip(named, ("C0", "C1", "C2", "C3")):
+        ax.loglog(Ms, KL[:, l], "o-", color=c, ms=3, label=f"layer {l}", zorder=2)
+    ax.loglog(Ms, KL.mean(1), "k--", lw=1.5, label="mean over layers", zorder=3)
+    ax.set(xlabel="features per head M (every layer)", ylabel="held-out attention KL", xticks=Ms,
+           xticklabels=[str(int(m)) for m in Ms], title="SmolLM2-135M: each layer's error against M (Fix runs)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+
+
+def curve_blocks(results, figures):
+    """The curves' tables: mean KL over layers against M (240 steps and 60-step probes), the measured allocation
+    from each, and what the 240-step curves predict for the grid's rules."""
+    import allocation as A
+    Ms, KL = A.load_curves(Path(results) / "curves", "fix")
+    Mp, KP = A.load_curves(Path(results) / "curves", "probe")
+    rows = ["| M | " + " | ".join(str(int(m)) for m in Ms) + " |", "|---|" + "---:|" * len(Ms),
+            "| mean KL, 240 steps | " + " | ".join(f"{v:.3f}" for v in KL.mean(1)) + " |",
+            "| mean KL, 60-step probes | " + " | ".join(f"{v:.3f}" for v in KP.mean(1)) + " |",
+            "| hardest layer (240) | " + " | ".join(f"{int(v)}" for v in KL.argmax(1)) + " |"]
+    d240, d60 = A.measured_dims(Ms, KL, 32), A.measured_dims(Mp, KP, 32)
+    fix = A.expected_kl(Ms, KL, [32] * KL.shape[1])
+    lines = [f"- measured allocation at budget 32 (240-step curves): {d240}",
+             f"- from the 60-step probes instead: {d60} (Spearman {A.spearman(d240, d60):+.2f} with the 240-step "
+             f"dims, mean |difference| {np.mean(np.abs(np.subtract(d240, d60))):.1f} features; the layers' difficulty "
+             f"at M = 32 ranks alike, Spearman {A.spearman(KL[list(Ms).index(32)], KP[list(Mp).index(32)]):+.2f})",
+             f"- mean KL the 240-step curves predict: Fix {fix:.4f}, measured {A.expected_kl(Ms, KL, d240):.4f} "
+             f"({A.expected_kl(Ms, KL, d240) - fix:+.4f}), measured from the probes "
+             f"{A.expected_kl(Ms, KL, d60):.4f} ({A.expected_kl(Ms, KL, d60) - fix:+.4f})"]
+    if figures:
+        layer_curves_figure(Ms, KL, Path(figures) / "fig-layer-curves.png")
+    return {"curves:table": "\n".join(rows), "curves:measured": "\n".join(lines)}
+
+
+def predictor_table(results):
+    """Spearman over the layers of each cheap predictor with difficulty (KL at M = 32) and with the marginal gain
+    (minus the slope of log KL in log M), and the mean KL the curves predict for dims in proportion to it."""
+    import allocation as A
+    import dof
+    Ms, KL = A.load_curves(Path(results) / "curves", "fix")
+    P = json.loads((Path(results) / "allocation" / "predictors-s0.json").read_text())["predictors"]
+    diff, gain = KL[list(Ms).index(32)], -A.slopes(Ms, KL)
+    rows = ["| predictor (per layer) | Spearman with difficulty | Spearman with gain | mean KL predicted for dims "
+            "∝ it (Fix: %.4f) |" % A.expected_kl(Ms, KL, [32] * KL.shape[1]), "|---|---:|---:|---:|"]
+    for name, v in P.items():
+        rows.append(f"| {name} | {A.spearman(v, diff):+.2f} | {A.spearman(v, gain):+.2f} | "
+                    f"{A.expected_kl(Ms, KL, dof.allocate(v, 32)):.4f} |")
+    rows.append(f"| *measured allocation* | | | {A.expected_kl(Ms, KL, A.measured_dims(Ms, KL, 32)):.4f} |")
+    return "\n".join(rows) + f"\n\nDifficulty and gain themselves: Spearman {A.spearman(diff, gain):+.2f}."
+
+
+def allocation_table(records, base="Fix", best="Measured"):
+    """Paired differences of each rule against Fix, seed by seed (mean ± standard error), and its share of the
+    measured allocation's gain in held-out attention KL."""
+    by = {(r["group"], r["seed"]): r for r in records}
+    diffs = {}
+    for g in groups(records):
+        alloc = g.split("/")[1]
+        pairs = [(by[(g, s)], by[(f"32/{base}", s)]) for (gg, s) in by if gg == g and (f"32/{base}", s) in by]
+        if alloc != base and pairs:
+            diffs[alloc] = np.array([[final(a)[0] - final(b)[0], final(a)[1] - final(b)[1]] for a, b in pairs])
+    gain = -diffs[best][:, 1].mean() if best in diffs else float("nan")
+    rows = [f"| rule (allocation field) | pairs | Δ next-token loss vs {base} | Δ attention KL vs {base} | share of the "
+            f"measured gain in KL |", "|---|---:|---|---|---:|"]
+    for alloc, d in diffs.items():
+        se = d.std(0, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else [float("nan")] * 2
+        name = next(r["allocation"] for r in records if r["group"].endswith("/" + alloc))
+        rows.append(f"| {alloc} (`{name}`) | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | {d[:, 1].mean():+.4f} ± "
+                    f"{se[1]:.4f} | {-d[:, 1].mean() / gain:+.0%} |")
+    return "\n".join(rows)
+
+
 def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESULTS, figures=ROOT / "docs"):
     """Rebuild every generated block of `docs` (between their markers) and each grid's learning-curve figure."""
     made = {}
@@ -377,7 +463,16 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
             for p in sorted((Path(results) / grid).glob("*.json")):
                 made[f"zeroshot:{p.stem}"] = zeroshot_table(json.loads(p.read_text()))
             continue
+        if grid == "curves":                         # the per-layer error curves: tables and figure, not a grid table
+            made.update(curve_blocks(results, figures))
+            continue
         records = load(grid, results)
+        if grid == "allocation":
+            made["allocation:predictors"] = predictor_table(results)
+            made["allocation:paired"] = allocation_table(records)
+            made["allocation:summary"] = summary_table(records)
+            curves(records, Path(figures) / f"curves-{grid}.png")
+            continue
         if grid in BASELINE:                         # shown against the claim grid's per-layer DoF runs
             if grid == "recipe":
                 made[f"{grid}:continuations"] = continuations(records)
