@@ -35,7 +35,7 @@ from checkpoint import HubUnreachable, read_student
 from common import (ModelError, all_mean, barrier, broadcast, check_positive, claim_out_dir,
                     get_batch, get_rank, get_world_size, init_distributed, is_main, opt, parse_config, pick_device,
                     read_json, read_tokens, run_main, atomic_path, torch_load)
-from model import GPT, feature_state, load_feature_state
+from model import GPT, PRF, feature_state, load_feature_state, overflow_safe_prf, prf_log_features
 from tokenizer import load_tokenizer
 
 
@@ -80,7 +80,11 @@ class DistillConfig:
     decay_steps: int = opt(0, "length of the cosine schedule (0: --max-steps); keep it fixed across --resume")
     warmup_steps: int = opt(100, "linear warm-up steps (at most a tenth of the schedule)")
     min_lr_frac: float = opt(0.1, "the cosine schedule ends at this fraction of the peak learning rates")
-    query_block: int = opt(128, "queries per block of the layerwise losses (memory grows with it x context)")
+    compile: bool = opt(False, "torch.compile the layerwise loss's blocks (minutes to compile; for long GPU runs)")
+    query_block: int = opt(0, "queries per block of the layerwise losses (memory grows with it x context); 0: "
+                           "128, or with --stack as many as fit 2^26 floats")
+    stack: str = opt("auto", "run the layerwise losses of layers with equal M as one: auto (on a GPU), yes, no",
+                     choices=("auto", "yes", "no"))
     # bookkeeping
     eval_interval: int = opt(250, "validate and save a checkpoint every this many steps")
     eval_iters: int = opt(4, "validation batches from val.bin")
@@ -92,8 +96,8 @@ class DistillConfig:
 
     def __post_init__(self):
         check_positive(self, ("budget", "J", "calib_batches", "chunk_size", "wiki_tokens", "block_size", "batch_size",
-                              "grad_accum", "query_block", "eval_interval", "eval_iters", "log_interval"), 1)
-        check_positive(self, ("max_steps", "decay_steps", "warmup_steps", "lr_z", "lr_alpha", "min_lr_frac"), 0)
+                              "grad_accum", "eval_interval", "eval_iters", "log_interval"), 1)
+        check_positive(self, ("query_block", "max_steps", "decay_steps", "warmup_steps", "lr_z", "lr_alpha", "min_lr_frac"), 0)
         check_positive(self, ("lam",), 0, above=True)
         if not 0 < self.val_fraction < 1 or self.min_lr_frac > 1:
             raise ModelError(f"--val-fraction must lie between 0 and 1 (got {self.val_fraction}) and --min-lr-frac "
@@ -178,85 +182,125 @@ def softmax_loss(q, k, phi_q, phi_k):
     return (logp.exp() * (logp - log_phat)).masked_fill(logp == float("-inf"), 0.0).sum(-1)
 
 
-def softmax_loss_blockwise(q, k, pq, pk, query_block, grad_scale=None):
-    """softmax_loss's sum over rows, query_block rows at a time: memory O(query_block * T), not T^2. q (B, H, T, D)
-    teacher queries divided by sqrt(d), k keys, pq, pk (B, H, T, M) features -> the sum (0-dim float64). With
-    grad_scale, adds grad_scale times its gradient into pq.grad, pk.grad, written out: with a_ij = pq_i.pk_j,
-    S_i = sum_{j<=i} a_ij and rows of p summing to 1,
+def softmax_loss_blockwise(q, k, pq, pk, block, grad_scale=None):
+    """softmax_loss summed over the rows of each head, `block` rows at a time (memory O(block * T), not T^2; only
+    the diagonal tile has keys to mask). q (B, H, T, D) teacher queries divided by sqrt(d), k keys, pq, pk (B, H, T,
+    M) features -> (H,) float64. With grad_scale, adds grad_scale times its gradient into pq.grad, pk.grad, written
+    out: with a_ij = pq_i.pk_j, S_i = sum_{j<=i} a_ij and rows of p summing to 1,
         KL_i = sum_j p_ij log p_ij - sum_j p_ij log a_ij + log S_i,     dKL_i/da_ij = 1/S_i - p_ij / a_ij,
     so no autograd graph over a (B, H, b, T) block: half the passes over it. a and S are clamped at the smallest
     normal float before their logs (zero gradient where clamped, as autograd gives)."""
-    T, tiny = q.size(2), torch.finfo(pq.dtype).tiny
-    total = torch.zeros((), dtype=torch.float64, device=q.device)
-    for s in range(0, T, query_block):
-        e = min(T, s + query_block)
-        future = ~causal_mask(s, e, q.device)                                         # (b, e) keys j > i
+    T, tiny, heads = q.size(2), torch.finfo(pq.dtype).tiny, (0, 2, 3)
+    total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
+    for s in range(0, T, block):
+        e = min(T, s + block)
+        diag = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu_(1)   # keys j > i, all in [s, e)
         with torch.no_grad():
             logits = q[:, :, s:e] @ k[:, :, :e].mT
-            p = torch.log_softmax(logits.masked_fill_(future, float("-inf")), -1).exp_()   # teacher (B, H, b, e)
-            total += torch.xlogy(p, p).sum().double()
-            a = (pq[:, :, s:e] @ pk[:, :, :e].mT).masked_fill_(future, 0.0)            # student, a >= 0
+            logits[..., s:].masked_fill_(diag, float("-inf"))
+            p = torch.log_softmax(logits, -1).exp_()                                  # teacher (B, H, b, e)
+            a = pq[:, :, s:e] @ pk[:, :, :e].mT                                       # student, a >= 0
+            a[..., s:].masked_fill_(diag, 0.0)
             S = a.sum(-1, keepdim=True)                                               # (B, H, b, 1)
             under = a < tiny if grad_scale is not None else None
             a.clamp_min_(tiny)
-            total += (S.clamp_min(tiny).log().sum() - (p * a.log()).sum()).double()
+            total += (torch.xlogy(p, p).sum(heads) + S.clamp_min(tiny).log().sum(heads) - (p * a.log()).sum(heads)
+                      ).double()
             if grad_scale is None:
                 continue
             inv_s = torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0)
-            g = p.div_(a).masked_fill_(under, 0.0).neg_().add_(inv_s).masked_fill_(future, 0.0).mul_(grad_scale)
+            g = p.div_(a).masked_fill_(under, 0.0).neg_().add_(inv_s)
+            g[..., s:].masked_fill_(diag, 0.0)
+            g.mul_(grad_scale)
             pq.grad[:, :, s:e] += g @ pk[:, :, :e]                                    # (B, H, b, M)
             pk.grad[:, :, :e] += g.mT @ pq[:, :, s:e]                                 # (B, H, e, M)
     return total
 
 
-def l2_loss_blockwise(q, k, lq, lk, query_block, grad_scale=None):
-    """Sum over rows i of sum_{j<=i} (K_ij - K^_ij)^2 / m_i^2, query_block rows at a time: K_ij = exp(q_i.k_j /
-    sqrt d), K^_ij = Phi(q_i).Phi(k_j) = sum_m exp(lq_im + lk_jm) from the log-features, m_i = max_{j<=i} K_ij (the
-    paper's L2 kernel loss, each row divided by its largest teacher value, so that exp stays in range and large rows
-    do not swamp the rest). K^/m = exp(u_i - m_i) (Fq Fk^T)_ij with Fq, Fk in (0, 1] (exact shifts), the exponent
-    capped at 30: a wild student gives a large loss, not inf. With grad_scale, autograd adds into lq.grad, lk.grad."""
-    T, total = q.size(2), torch.zeros((), dtype=torch.float64, device=q.device)
-    for s in range(0, T, query_block):
-        e = min(T, s + query_block)
-        future = ~causal_mask(s, e, q.device)
-        bq, bk = lq[:, :, s:e], lk[:, :, :e]
+def l2_loss_blockwise(q, k, lq, lk, block, grad_scale=None):
+    """Per head, the sum over rows i of sum_{j<=i} (K_ij - K^_ij)^2 / m_i^2, `block` rows at a time: K_ij =
+    exp(q_i.k_j / sqrt d), K^_ij = Phi(q_i).Phi(k_j) = sum_m exp(lq_im + lk_jm) from the log-features, m_i = max_{j<=i}
+    K_ij (the paper's L2 kernel loss, each row divided by its largest teacher value, so that exp stays in range and
+    large rows do not swamp the rest). K^/m = c_i (Fq Fk^T)_ij with Fq = exp(lq + w - u), Fk = exp(lk - w) in (0, 1]
+    and c = exp(u - m) (exact shifts, the exponent capped at 30: a wild student gives a large loss, not inf) -> (H,)
+    float64. With grad_scale, adds its gradient into lq.grad, lk.grad, written out: with G = -2 (K - K^) / m^2,
+        dL/dlq_im = c_i Fq_im (G Fk)_im,     dL/dlk_jm = Fk_jm (G^T (c Fq))_jm."""
+    T, heads = q.size(2), (0, 2, 3)
+    total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
+    for s in range(0, T, block):
+        e = min(T, s + block)
+        diag = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu_(1)
         with torch.no_grad():
-            logits = (q[:, :, s:e] @ k[:, :, :e].mT).masked_fill_(future, float("-inf"))
+            logits = q[:, :, s:e] @ k[:, :, :e].mT
+            logits[..., s:].masked_fill_(diag, float("-inf"))
             m = logits.amax(-1, keepdim=True)                                         # (B, H, b, 1) log row max
-            kern = logits.sub_(m).exp_()                                              # K / m in [0, 1]
-            w = bk.amax(2, keepdim=True)                                              # (B, H, 1, M) per feature
-            u = (bq + w).amax(-1, keepdim=True)                                       # (B, H, b, 1) per query
-        khat = ((bq + w - u).exp() @ (bk - w).exp().mT) * (u - m).clamp_max(30.0).exp()
-        loss = ((kern - khat) ** 2).masked_fill(future, 0.0).sum()
-        if grad_scale is not None:
-            (loss * grad_scale).backward()
-        total += loss.detach().double()
+            w = lk[:, :, :e].amax(2, keepdim=True)                                    # (B, H, 1, M) per feature
+            u = (lq[:, :, s:e] + w).amax(-1, keepdim=True)                            # (B, H, b, 1) per query
+            Fq, Fk, c = (lq[:, :, s:e] + w - u).exp(), (lk[:, :, :e] - w).exp(), (u - m).clamp_max(30.0).exp()
+            diff = logits.sub_(m).exp_().sub_((Fq @ Fk.mT).mul_(c))                   # K / m - K^ / m (B, H, b, e)
+            diff[..., s:].masked_fill_(diag, 0.0)
+            total += diff.square().sum(heads).double()
+            if grad_scale is None:
+                continue
+            G = diff.mul_(-2.0 * grad_scale)
+            cFq = Fq.mul_(c)
+            lq.grad[:, :, s:e] += cFq * (G @ Fk)
+            lk.grad[:, :, :e] += Fk * (G.mT @ cFq)
     return total
 
 
-def layer_loss(core, q, k, kind, query_block, scale=None):
-    """Mean over (batch, heads, queries) of one layer's softmax or l2 loss (0-dim float64); with scale, also
-    backpropagates scale * loss into the core's features. Keys are centred as the student sees them (the teacher's
-    rows do not change). One block holding every query: the plain softmax_loss; otherwise the blockwise forms fill
-    the features' .grad, then one backward pass goes through the feature map."""
-    B, H, T, D = q.shape
-    n, grad = B * H * T, scale is not None
-    with torch.autocast(q.device.type, enabled=False), torch.set_grad_enabled(grad):
-        q, kc = core.inputs(q, k)                                                     # (B, H, T, D) fp32
-        fq, fk = core.features(q, kc, log=kind == "l2")                               # (B, H, T, M)
-        if kind == "softmax" and T <= query_block:
-            loss = softmax_loss(q, kc, fq, fk).mean()
-            if grad and loss.requires_grad:
-                (loss * scale).backward()
-            return loss.detach().double()
-        pq, pk = fq.detach().requires_grad_(grad), fk.detach().requires_grad_(grad)
-        if grad:
-            pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
-        blockwise = softmax_loss_blockwise if kind == "softmax" else l2_loss_blockwise
-        total = blockwise(q * D ** -0.5, kc, pq, pk, query_block, scale / n if grad else None)
-        if grad and fq.requires_grad:
-            torch.autograd.backward([fq, fk], [pq.grad, pk.grad])
-        return total / n
+def stacked_features(cores, q, k, log=False):
+    """(phi_q, phi_k) of several layers' cores at once, their heads side by side in q, k (B, G H, T, D): cores of
+    one PRF-type map and M run as one map with their z and alpha concatenated (autograd splits the gradient)."""
+    if len(cores) == 1:
+        return cores[0].features(q, k, log)
+    z, la = (torch.cat([getattr(c.feature_map, n) for c in cores]) for n in ("z", "log_alpha"))
+    with torch.autocast(q.device.type, enabled=False):
+        if log:
+            return prf_log_features(q, z, la), prf_log_features(k, z, la)
+        return overflow_safe_prf(q, z, la, True), overflow_safe_prf(k, z, la, False)
+
+
+@functools.cache
+def compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+def layer_losses(cores, qk, kind, query_block=0, scale=None, compile=False, stack=None):
+    """(L,) float64: each layer's mean over (batch, heads, queries) of its softmax or l2 loss on the teacher's (q, k)
+    of that layer; with scale, also backpropagates scale * each loss into its core's features. Keys are centred as
+    the student sees them (the teacher's rows do not change). The fast form of softmax_loss: the blockwise loss fills
+    the features' .grad, then one backward pass goes through the feature maps. stack (default: on a GPU): layers
+    whose cores share a PRF-type map and M run as one, their heads side by side, in blocks of up to 2^26 floats: few,
+    large kernels. Without it each layer runs alone in blocks of 128 queries, which stay in a CPU's cache (faster
+    there than bigger blocks). query_block > 0 sets the block; compile: torch.compile of the blockwise loss."""
+    stack, groups = qk[0][0].is_cuda if stack is None else stack, {}
+    for l, c in enumerate(cores):
+        key = (type(c.feature_map), c.M) if stack and isinstance(c.feature_map, PRF) else l
+        groups.setdefault(key, []).append(l)
+    out = torch.zeros(len(cores), dtype=torch.float64, device=qk[0][0].device)
+    for ls in groups.values():
+        B, H, T, D = qk[ls[0]][0].shape
+        n, grad = B * H * T, scale is not None
+        with torch.autocast(qk[0][0].device.type, enabled=False), torch.set_grad_enabled(grad):
+            inputs = [cores[l].inputs(*qk[l]) for l in ls]                                # fp32, keys centred
+            q, kc = (torch.cat(x, 1) if len(ls) > 1 else x[0] for x in zip(*inputs))       # (B, G H, T, D)
+            fq, fk = stacked_features([cores[l] for l in ls], q, kc, log=kind == "l2")      # (B, G H, T, M)
+            pq, pk = fq.detach().requires_grad_(grad), fk.detach().requires_grad_(grad)
+            if grad:
+                pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
+            block = query_block or (max(1, min(T, 2 ** 26 // (B * q.size(1) * T))) if stack else 128)
+            blockwise = softmax_loss_blockwise if kind == "softmax" else l2_loss_blockwise
+            blockwise = compiled(blockwise) if compile else blockwise
+            out[ls] = blockwise(q * D ** -0.5, kc, pq, pk, block, scale / n if grad else None).view(len(ls), H).sum(1) / n
+            if grad and fq.requires_grad:
+                torch.autograd.backward([fq, fk], [pq.grad, pk.grad])
+    return out
+
+
+def layer_loss(core, q, k, kind, query_block=0, scale=None):
+    """One layer's layer_losses: a 0-dim float64 tensor (with scale, backpropagated into the core's features)."""
+    return layer_losses([core], [(q, k)], kind, query_block, scale)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -271,7 +315,9 @@ def check_memory(cfg, mc, device):
     the budget, where DoF dims reach) with their gradients, and the hidden states (the direct loss keeps them for
     every layer, with the logits), for one micro-batch, against the free memory of the device. A rough bound."""
     B, T, H, M = cfg.batch_size, cfg.block_size, mc.n_head, 4 * cfg.budget
-    floats = mc.n_layer * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * B * H * min(cfg.query_block, T) * T \
+    block = B * H * min(cfg.query_block or 128, T) * T if cfg.stack == "no" or not device.startswith("cuda") else \
+        min(mc.n_layer * B * H * T * T, 2 ** 26)
+    floats = mc.n_layer * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * block \
         + 4 * B * H * T * M + mc.n_layer * H * M * mc.head_dim * 3 + 8 * B * T * mc.n_embd \
         + (mc.n_layer * 16 * B * T * mc.n_embd + 2 * B * T * mc.vocab_size if cfg.loss == "direct" else 0)
     if device.startswith("cuda"):
@@ -326,7 +372,7 @@ def make_optimizer(student, cfg):
     train = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
     groups = [{"params": [p for n, p in train if n.endswith("alpha") == a], "peak": lr}
               for a, lr in ((False, cfg.lr_z), (True, cfg.lr_alpha)) if any(n.endswith("alpha") == a for n, _ in train)]
-    return torch.optim.Adam(groups, betas=(0.9, 0.999), eps=1e-8) if groups else None
+    return torch.optim.Adam(groups, betas=(0.9, 0.999), eps=1e-8, foreach=True) if groups else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -393,7 +439,7 @@ def train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn=laye
             (loss / cfg.grad_accum).backward()
             loss = loss.detach().double()[None]
         else:
-            loss = layer_losses(cfg, teacher, student, x, amp, loss_fn, cfg.loss, 1.0 / cfg.grad_accum)
+            loss = student_losses(cfg, teacher, student, x, amp, loss_fn, cfg.loss, 1.0 / cfg.grad_accum)
         losses = losses + loss / cfg.grad_accum
     all_mean([p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None])   # torchrun
     optim.step()
@@ -401,10 +447,14 @@ def train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn=laye
     return losses
 
 
-def layer_losses(cfg, teacher, student, x, amp, loss_fn, kind, scale=None):
-    """One teacher pass over x, then each layer's loss on its own queries and keys -> (L,), float64."""
+def student_losses(cfg, teacher, student, x, amp, loss_fn, kind, scale=None):
+    """One teacher pass over x, then every layer's loss on its own queries and keys -> (L,), float64: all layers
+    at once (layer_losses) with the core's loss, one by one with a fork's loss_fn."""
     with amp:
         qk = dof.teacher_qk(teacher, x)
+    if loss_fn is layer_loss:
+        return layer_losses(student.cores(), qk, kind, cfg.query_block, scale, cfg.compile,
+                            {"auto": None, "yes": True, "no": False}[cfg.stack])
     return torch.stack([loss_fn(c, q, k, kind, cfg.query_block, scale) for c, (q, k) in zip(student.cores(), qk)])
 
 
@@ -420,7 +470,7 @@ def lm_loss(model, batches, amp):
 @torch.no_grad()
 def validate(cfg, teacher, student, batches, amp, step, loss_fn=layer_loss, teacher_loss=None):
     """The student's next-token loss and each layer's held-out attention KL (the softmax loss) at `step`."""
-    kl = sum(layer_losses(cfg, teacher, student, x, amp, loss_fn, "softmax") for x, _ in batches)
+    kl = sum(student_losses(cfg, teacher, student, x, amp, loss_fn, "softmax") for x, _ in batches)
     all_mean([kl])
     record = {"step": step, "teacher_loss": teacher_loss, "student_loss": lm_loss(student, batches, amp),
               "attn_kl": (kl / len(batches)).tolist()}

@@ -10,6 +10,7 @@ Each step of lm-eval (tasks/<task>, api/task.py, api/metrics.py, models/huggingf
 piqa ... wsc273, encode_pair, harness_window, loglikelihood (one pass a request, --plain; by default fast_scorer.py),
 doc_metrics, stderr. Under torchrun each process scores a share; rank 0 writes the one-process results.json.
 """
+import importlib.util
 import json
 import math
 import statistics
@@ -26,7 +27,7 @@ from tqdm import tqdm
 from common import (ModelError, all_gather, get_rank, get_world_size, init_distributed, is_main, opt, parse_config,
                     pick_device, read_json, read_tokens, run_main, shard, sync, write_text_atomic)
 from fast_scorer import score_windows
-from model import GPT, load_student
+from model import GPT, fla_linear_attention, load_student
 from tokenizer import load_tokenizer
 
 
@@ -66,6 +67,8 @@ class EvalConfig:
     device: str = opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = opt("float32", "model dtype (log-softmax is float32)", choices=["float32", "bfloat16", "float16"])
     plain: bool = opt(False, "one full forward pass per request, the plain harness way (slow, same numbers)")
+    fla: bool = opt(False, "the student's scan by flash-linear-attention's kernel (CUDA; pip install "
+                    "flash-linear-attention)")
     # other measurements
     ppl: str | None = opt(None, "next-token loss and perplexity on a uint16 .bin token file or a text file")
     ppl_context: int | None = opt(None, "window length for --ppl; if not given, the model's context length")
@@ -79,6 +82,8 @@ class EvalConfig:
         why = "is a directory" if p.is_dir() else "does not exist" if not p.exists() else "is empty"
         if self.ppl and (p.is_dir() or not p.exists() or p.stat().st_size == 0):
             raise ModelError(f"--ppl {p} {why}; pass a uint16 token file (data/*/prepare.py) or a text file")
+        if self.fla and not (torch.cuda.is_available() and importlib.util.find_spec("fla")):
+            raise ModelError("--fla needs a CUDA device and flash-linear-attention (pip install flash-linear-attention)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -338,6 +343,8 @@ def load_models(cfg: EvalConfig, device) -> dict:
     models = {"teacher": GPT.from_pretrained(cfg.model, device=device, dtype=getattr(torch, cfg.dtype))}
     if cfg.ckpt is not None:
         models["student"] = load_student(cfg.ckpt, device=device, dtype=getattr(torch, cfg.dtype))[0]
+        for core in models["student"].cores() if cfg.fla else ():
+            core.scan = fla_linear_attention
     return models
 
 

@@ -101,7 +101,7 @@ class PRF(nn.Module):
     forward, Phi rescaled by overflow_safe_prf. A given z (Performer) makes z and alpha fixed buffers."""
     def __init__(self, n_head, head_dim, M, z=None):
         super().__init__()
-        self.head_dim, self.M = head_dim, M
+        self.M = M
         if z is None:
             self.z = nn.Parameter(torch.randn(n_head, M, head_dim))                      # (H, M, d)
             self.log_alpha = nn.Parameter(torch.zeros(n_head, M))                        # (H, M)
@@ -110,15 +110,19 @@ class PRF(nn.Module):
             self.register_buffer("log_alpha", torch.zeros(n_head, M))
 
     def log_features(self, x):
-        """log Phi(x): x (B, H, T, d) -> (B, H, T, M), in fp32 for bf16 inputs."""
-        dt = torch.promote_types(x.dtype, torch.float32)
-        x = x.to(dt) * self.head_dim ** -0.25                                             # x~ (B, H, T, d)
-        log_w = 0.5 * (self.log_alpha.to(dt) - math.log(self.M))                         # log sqrt(alpha / M) (H, M)
-        return x @ self.z.to(dt).mT - 0.5 * x.square().sum(-1, keepdim=True) + log_w[:, None]
+        return prf_log_features(x, self.z, self.log_alpha)
 
     def forward(self, x, is_query):
         dt = torch.promote_types(x.dtype, torch.float32)
         return overflow_safe_prf(x.to(dt), self.z.to(dt), self.log_alpha.to(dt), is_query)
+
+
+def prf_log_features(x, z, log_alpha):
+    """log Phi(x): x (B, H, T, d), z (H, M, d), log_alpha (H, M) -> (B, H, T, M), in fp32 for bf16 inputs."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    x = x.to(dt) * x.size(-1) ** -0.25                                                    # x~ (B, H, T, d)
+    log_w = 0.5 * (log_alpha.to(dt) - math.log(z.size(1)))                                # log sqrt(alpha / M) (H, M)
+    return x @ z.to(dt).mT - 0.5 * x.square().sum(-1, keepdim=True) + log_w[:, None]
 
 
 def overflow_safe_prf(x, z, log_alpha, is_query, beta=KEY_SHIFT):
@@ -217,6 +221,15 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=Non
     return y, last[..., :D], last[..., D]
 
 
+def fla_linear_attention(phi_q, phi_k, v, chunk_size=None):
+    """causal_linear_attention by flash-linear-attention's chunk kernel (CUDA; pip install flash-linear-attention),
+    on the same features: its normalize=True divides by phi_q,i . sum_{j<=i} phi_k,j, the same denominator. A core
+    runs it after core.scan = fla_linear_attention (evaluate.py --fla)."""
+    from fla.ops.linear_attn import chunk_linear_attn
+    y, _ = chunk_linear_attn(*(x.transpose(1, 2).contiguous() for x in (phi_q, phi_k, v)), scale=1.0, normalize=True)
+    return y.transpose(1, 2)                                                            # (B, H, T, D)
+
+
 def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
     """One token (decoding): S += phi_k v^T, s += phi_k, y = phi_q S / phi_q.s; phi (B, H, M), v, y (B, H, D)."""
     dt = torch.promote_types(v.dtype, torch.float32)
@@ -242,7 +255,7 @@ class LinearAttention(nn.Module):
         super().__init__()
         if feature_map not in FEATURE_MAPS:
             raise ModelError(f"unknown feature map {feature_map!r}; choose one of {', '.join(FEATURE_MAPS)}")
-        self.n_head, self.M, self.chunk_size = n_head, M, chunk_size
+        self.n_head, self.M, self.chunk_size, self.scan = n_head, M, chunk_size, causal_linear_attention
         self.feature_map = FEATURE_MAPS[feature_map](n_head, head_dim, M)
         self.register_buffer("key_mean", torch.zeros(n_head, head_dim))                # (H, D)
 
@@ -261,8 +274,8 @@ class LinearAttention(nn.Module):
         with torch.autocast(q.device.type, enabled=False):
             phi_q, phi_k = self.features(*self.inputs(q, k))
             v = repeat_kv(v, self.n_head)
-            if cache is None:
-                return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
+            if cache is None:                                   # the chunked scan, or FLA's (fla_linear_attention)
+                return self.scan(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
             B, H, T, M = phi_q.shape       # decoding: the step for one token, the scan from the state for more
             if "S" not in cache:
                 cache["S"], cache["s"] = phi_q.new_zeros(B, H, M, v.size(-1)), phi_q.new_zeros(B, H, M)

@@ -1845,6 +1845,79 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
     assert distill.layer_loss(core, q, k, "softmax", query_block=16).item() == value.item()   # no-grad path
 
 
+def plain_l2(core, q, k):
+    """The l2 loss of one layer written out: mean over queries of sum_{j<=i} ((K - K^) / max_j K)^2, K = exp(q.(k -
+    mu) / sqrt d), K^ = Phi(q).Phi(k - mu) from the map's log features."""
+    qi, kc = core.inputs(q, k)
+    mask = torch.ones(q.size(2), q.size(2), dtype=torch.bool).tril()
+    logits = (qi @ kc.mT / q.size(-1) ** 0.5).masked_fill(~mask, -math.inf)
+    lq, lk = core.features(qi, kc, log=True)
+    khat = torch.exp(lq[..., :, None, :] + lk[..., None, :, :]).sum(-1)              # (B, H, T, T)
+    m = logits.amax(-1, keepdim=True)
+    return (((logits.exp() - khat) / m.exp()) ** 2).masked_fill(~mask, 0).sum(-1).mean()
+
+
+@pytest.mark.parametrize("kind", ["softmax", "l2"])
+@pytest.mark.parametrize("query_block", [0, 16, 50])
+@pytest.mark.parametrize("stack", [True, False])
+def test_layers_stacked_in_one_loss_equal_each_layer_alone(kind, query_block, stack):
+    """layer_losses, with layers of one PRF-type map and M run as one over their stacked heads (a GPU's layout: two
+    learned PRF layers of M = 8, one of M = 12, a Performer and a DiJiang layer of M = 8 alone) or one by one (a
+    CPU's): each layer's value and the gradients of every feature parameter equal that layer's plain T x T form
+    (softmax_loss, the l2 loss written out) by autograd; T = 50 with blocks of 16 (not a divisor), 50 and auto."""
+    torch.manual_seed(21)
+    cores = [LinearAttention(4, 2, 16, m, f) for m, f in ((8, "prf"), (12, "prf"), (8, "prf"), (8, "performer"),
+                                                          (8, "dijiang"))]
+    for c in cores:
+        c.key_mean.normal_(0, 0.3)
+        c.feature_map.log_alpha.data.normal_(0, 0.3) if isinstance(c.feature_map, PRF) else None
+    qk = [(1.5 * torch.randn(2, 4, 50, 16), 1.5 * torch.randn(2, 2, 50, 16)) for _ in cores]
+    fast = distill.layer_losses(cores, qk, kind, query_block, scale=1.0, stack=stack)
+    g_fast = [p.grad.clone() for c in cores for p in c.parameters()]
+    for c in cores:
+        c.zero_grad()
+    plain = []
+    for c, (q, k) in zip(cores, qk):
+        qi, kc = c.inputs(q, k)
+        plain.append(distill.softmax_loss(qi, kc, *c.features(qi, kc)).mean() if kind == "softmax" else
+                     plain_l2(c, q, k))
+    sum(plain).backward()
+    assert fast.shape == (5,) and torch.allclose(fast, torch.stack(plain).double().detach(), rtol=1e-4)
+    for a, b in zip(g_fast, [p.grad for c in cores for p in c.parameters()]):
+        assert (a - b).norm() <= 1e-3 * b.norm() + 1e-9
+
+
+def test_compiled_layerwise_loss_equals_the_eager_one():
+    """distill.py --compile: torch.compile of the blockwise loss gives the eager values and gradients."""
+    torch.manual_seed(22)
+    cores = [LinearAttention(2, 2, 8, 4) for _ in range(2)]
+    qk = [(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)) for _ in cores]
+    runs = []
+    for compile in (False, True):
+        value = distill.layer_losses(cores, qk, "softmax", 8, 1.0, compile)
+        runs.append((value, [p.grad.clone() for c in cores for p in c.parameters()]))
+        for c in cores:
+            c.zero_grad()
+    (v0, g0), (v1, g1) = runs
+    assert torch.allclose(v0, v1, rtol=1e-5) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(g0, g1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                    reason="FLA's kernel needs a CUDA device and flash-linear-attention (pip install "
+                           "flash-linear-attention); without them the chunked scan runs")
+@pytest.mark.parametrize("T", [63, 500, 1000])
+def test_fla_scan_equals_the_chunked_scan_forward_and_backward(T):
+    g = torch.Generator(device="cuda").manual_seed(T)
+    phi_q, phi_k = (torch.rand(1, 4, T, 64, device="cuda", generator=g) for _ in range(2))
+    v = torch.randn(1, 4, T, 64, device="cuda", generator=g)
+    ours, theirs = ([x.clone().requires_grad_() for x in (phi_q, phi_k, v)] for _ in range(2))
+    y, y_fla = causal_linear_attention(*ours, 64), M.fla_linear_attention(*theirs)
+    dy = torch.randn_like(y)
+    (y * dy).sum().backward()
+    (y_fla * dy).sum().backward()
+    assert rel(y_fla, y) < 1e-3 and all(rel(a.grad, b.grad) < 1e-3 for a, b in zip(theirs, ours))
+
+
 def test_l2_loss_blocks_equal_the_plain_kernel_error():
     """The blockwise l2 loss against the paper's kernel error written out here: K = exp(q.(k - mu) / sqrt d) and
     K^ = Phi(q).Phi(k - mu), Phi(x)_m = sqrt(alpha_m / M) exp(z_m.x / d^(1/4) - |x|^2 / (2 sqrt d)) from z, alpha."""
@@ -3262,8 +3335,11 @@ def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadlin
     assert "| section | case | measurement |" in run.stdout
     res = json.loads(out.read_text())
     number = lambda x: isinstance(x, float) and math.isfinite(x) and x > 0
-    assert [(r["model"], r["loss"]) for r in res["distill"]] == [("gpt2", "softmax"), ("gpt2", "l2"),
-                                                                  ("gpt2", "direct"), ("pythia", "softmax")]
+    assert [(r["model"], r["loss"]) for r in res["distill"]] == [("gpt2", "softmax"), ("gpt2", "l2"), ("gpt2", "direct"),
+                                                                  ("gpt2-per-head", "softmax"), ("pythia", "softmax")]
+    assert [(r["model"], r["loss"]) for r in res["ops"]] == [("gpt2", "softmax"), ("gpt2", "l2"), ("gpt2", "direct"),
+                                                              ("gpt2-per-head", "softmax")]
+    assert all(r["ops"] > 0 and number(r["ms"]) for r in res["ops"])
     for r in res["distill"]:
         assert r["status"] == "ok" and all(number(r[k]) for k in ("ms_per_step", "ms_per_sample", "peak_mib")), r
     assert [r["T"] for r in res["scan"]] == gpu_check.TINY["scan_T"]
@@ -3274,7 +3350,7 @@ def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadlin
     gpu_check.main(["--device", "cpu", "--tiny", "--budget-seconds", "0.001", "--out", str(out)])   # nothing fits
     res = json.loads(out.read_text())
     assert {r["status"] for k in ("distill", "scan", "decode") for r in res[k]} | {res["dof"]["status"]} == {"skipped"}
-    assert len(res["distill"]) == 4 and len(res["scan"]) == 2 and len(res["decode"]) == 2
+    assert len(res["distill"]) == 5 and len(res["scan"]) == 2 and len(res["decode"]) == 2 and res["ops"] == []
 
 
 # ==================================================================================================================

@@ -4,6 +4,7 @@
     python bench.py --T 1024 4096 --chunks 64 --repeats 5
     python bench.py --T --decode-steps 32    # the decoding table alone
     python bench.py --T --decode-ctx --heads docs/results/heads/b32-dof-head-s0.json   # per-head vs per-layer dims
+    python bench.py --T --decode-ctx --step softmax l2 direct     # aten ops and ms of one distill.py step per loss
 
 Linear: the PRF feature map of queries and keys plus the chunked causal scan, forward only (torch.no_grad).
 Softmax: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) on the same inputs.
@@ -25,8 +26,12 @@ D = 64) on random inputs, with the run's per-head DoF turned into dims two ways 
 (M_l from each layer's largest head DoF, shared by its heads) and per head (M_lh from each head's DoF). Per step:
 distill.layer_loss with its backward (softmax loss, as a distillation step pays on top of the teacher's forward),
 and the forward scan; the two layouts alternate, the median of --repeats rounds is reported. A last line times one
-head's three loss products per query block against M.
+head's three loss products per query block against M. The step table (--step) counts the aten ops of one
+distill.py training step (distill.train_step) at the GPT-2-124M shape, random weights, budget 64 in every layer,
+1024 tokens, as they reach the dispatcher (one kernel launch each on a GPU), and times it (median of --repeats).
 """
+import collections
+import contextlib
 import json
 import os
 import resource
@@ -37,8 +42,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import ModelError, check_positive, opt, parse_config, pick_device, run_main, sync  # noqa: E402
@@ -64,11 +71,13 @@ class BenchConfig:
                      "time per-head against per-layer dims at the same total; empty to skip")
     heads_T: list[int] = opt([256, 1024], "tokens per sequence of the per-head table (distill.py's --block-size)")
     query_block: int = opt(128, "queries per block of the per-head table's loss (distill.py's --query-block)")
+    step: list[str] = opt([], "losses whose distill.py step to count and time (softmax, l2, direct); none to skip")
+    step_tokens: int = opt(1024, "tokens of the step table's batch (one sequence)")
     worker: list[str] | None = opt(None, "internal: METHOD T CHUNK measures one case ('linear' or 'sdpa') in this "
                                    "process and prints it as JSON")
 
     def __post_init__(self):
-        check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block"))
+        check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block", "step_tokens"))
         for name in ("T", "chunks", "decode_ctx", "heads_T"):
             if any(v < 1 for v in getattr(self, name)):
                 raise ModelError(f"--{name.replace('_', '-')} must list numbers of at least 1, got {getattr(self, name)}")
@@ -310,9 +319,67 @@ def products_line(cfg, device):
     print(f"\none head's loss products per block of {b} queries (B={cfg.B}, T={T}): " + ", ".join(row))
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops that reach the dispatcher, forward and backward: about one kernel launch each on a GPU."""
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def step_row(distill, loss, T=1024, budget=64, repeats=3, device="cpu", config=None, per_head=None, stack="auto"):
+    """One distill.train_step of `loss` at the GPT-2-124M shape (or `config`; random weights, `budget` features in
+    every layer, one sequence of T tokens) -> {"ops": aten ops of the step, "top": the commonest, "ms": median of
+    `repeats`}, after a warm-up step. Only the API of distill.py is used, so another version of it can be measured
+    alike. per_head: experiments/per_head.py, whose cores then get dims budget/2 and 3 budget/2 on alternate heads;
+    stack: distill.py's --stack (yes: the layout a GPU runs, no: a CPU's), where that version has it."""
+    mod = sys.modules[distill.GPT.__module__]                    # the model.py beside that distill.py
+    torch.manual_seed(0)
+    teacher = mod.GPT(config or mod.GPTConfig()).to(device).eval().requires_grad_(False)
+    L, H, loss_fn = teacher.config.n_layer, teacher.config.n_head, distill.layer_loss
+    if per_head:
+        dims, loss_fn = [[budget // 2 if h % 2 else budget * 3 // 2 for h in range(H)]] * L, per_head.loss
+        student = teacher.linearize(dims, core=per_head.GroupedLinearAttention)
+    else:
+        student = teacher.linearize([budget] * L) or teacher    # older versions swapped the cores in place
+    layout = {"stack": stack} if "stack" in distill.DistillConfig.__dataclass_fields__ else {}
+    cfg = distill.DistillConfig(loss=loss, batch_size=1, block_size=T, max_steps=100, warmup_steps=0, device=device,
+                                **layout)
+    optim, gen = distill.make_optimizer(student, cfg), torch.Generator().manual_seed(0)
+    data = np.random.default_rng(0).integers(0, teacher.config.vocab_size, 50_000).astype(np.uint16)
+    step = lambda: distill.train_step(cfg, teacher, student, optim, lambda: distill.get_batch(data, 1, T, gen, device),
+                                      contextlib.nullcontext(), 10, loss_fn)
+    step()
+    with OpCount() as count:
+        step()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return {"loss": loss, "ops": sum(count.ops.values()), "top": count.ops.most_common(6),
+            "ms": statistics.median(times)}
+
+
+def step_table(cfg, device):
+    import distill
+    print(f"\none distill.py step at the GPT-2-124M shape, {cfg.step_tokens} tokens, budget 64, on {device}, "
+          f"{cfg.threads} threads:\n\n| loss | aten ops | ms (median of {cfg.repeats}) | commonest ops |\n|---|---:|---:|---|")
+    for loss in cfg.step:
+        for stack in (("yes", "no") if loss != "direct" else ("no",)):
+            r = step_row(distill, loss, cfg.step_tokens, 64, cfg.repeats, device, stack=stack)
+            name = f"{loss}, layers {'stacked (a GPU' if stack == 'yes' else 'one by one (a CPU'}'s layout)"
+            print(f"| {name if loss != 'direct' else loss} | {r['ops']} | {r['ms']:.0f} | "
+                  f"{', '.join(f'{k} {n}' for k, n in r['top'])} |")
+
+
 def main(argv=None):
     cfg = parse_config(BenchConfig, argv, description=__doc__)
-    check_positive(cfg, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block"))
     torch.set_num_threads(cfg.threads)
     if cfg.worker:
         return worker(cfg)
@@ -323,6 +390,8 @@ def main(argv=None):
         decode_table(cfg, device)
     if cfg.heads:
         heads_table(cfg, device)
+    if cfg.step:
+        step_table(cfg, device)
 
 
 if __name__ == "__main__":
