@@ -77,6 +77,8 @@ class DistillConfig:
     batch_size: int = opt(8, "windows per micro-batch")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
     max_steps: int = opt(2000, "optimizer steps to train to")
+    direct_steps: int = opt(0, "the last this many steps train the direct loss, end to end, after --loss's (the "
+                            "schedule's low tail: a short fine-tune)")
     decay_steps: int = opt(0, "length of the cosine schedule (0: --max-steps); keep it fixed across --resume")
     warmup_steps: int = opt(100, "linear warm-up steps (at most a tenth of the schedule)")
     min_lr_frac: float = opt(0.1, "the cosine schedule ends at this fraction of the peak learning rates")
@@ -97,11 +99,13 @@ class DistillConfig:
     def __post_init__(self):
         check_positive(self, ("budget", "J", "calib_batches", "chunk_size", "wiki_tokens", "block_size", "batch_size",
                               "grad_accum", "eval_interval", "eval_iters", "log_interval"), 1)
-        check_positive(self, ("query_block", "max_steps", "decay_steps", "warmup_steps", "lr_z", "lr_alpha", "min_lr_frac"), 0)
+        check_positive(self, ("query_block", "direct_steps", "max_steps", "decay_steps", "warmup_steps", "lr_z", "lr_alpha", "min_lr_frac"), 0)
         check_positive(self, ("lam",), 0, above=True)
         if not 0 < self.val_fraction < 1 or self.min_lr_frac > 1:
             raise ModelError(f"--val-fraction must lie between 0 and 1 (got {self.val_fraction}) and --min-lr-frac "
                              f"be at most 1 (got {self.min_lr_frac})")
+        if self.direct_steps > self.max_steps:
+            raise ModelError(f"--direct-steps {self.direct_steps} is more than --max-steps {self.max_steps}")
         if self.resume and self.overwrite:
             raise ModelError("--resume and --overwrite contradict each other; pass one of them")
 
@@ -319,7 +323,8 @@ def check_memory(cfg, mc, device):
         min(mc.n_layer * B * H * T * T, 2 ** 26)
     floats = mc.n_layer * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * block \
         + 4 * B * H * T * M + mc.n_layer * H * M * mc.head_dim * 3 + 8 * B * T * mc.n_embd \
-        + (mc.n_layer * 16 * B * T * mc.n_embd + 2 * B * T * mc.vocab_size if cfg.loss == "direct" else 0)
+        + (mc.n_layer * 16 * B * T * mc.n_embd + 2 * B * T * mc.vocab_size if cfg.loss == "direct" or cfg.direct_steps
+           else 0)
     if device.startswith("cuda"):
         free = torch.cuda.mem_get_info(device)[0]
     else:
@@ -430,16 +435,16 @@ def train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn=laye
     next-token (direct), float64 and left on the device (they reach the host at log lines only)."""
     for g in optim.param_groups:
         g["lr"] = g["peak"] * lr_factor(step, cfg)
-    losses = 0.0
+    losses, kind = 0.0, "direct" if step >= cfg.max_steps - cfg.direct_steps else cfg.loss
     for _ in range(cfg.grad_accum):
         x, y = next_batch()
-        if cfg.loss == "direct":
+        if kind == "direct":
             with amp:
                 loss = student.nll(x, y).sum() / y.numel()
             (loss / cfg.grad_accum).backward()
             loss = loss.detach().double()[None]
         else:
-            loss = student_losses(cfg, teacher, student, x, amp, loss_fn, cfg.loss, 1.0 / cfg.grad_accum)
+            loss = student_losses(cfg, teacher, student, x, amp, loss_fn, kind, 1.0 / cfg.grad_accum)
         losses = losses + loss / cfg.grad_accum
     all_mean([p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None])   # torchrun
     optim.step()

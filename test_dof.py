@@ -2310,6 +2310,18 @@ def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setu
             assert line == f"  {name}: {enc.decode(ids[0, idx.size(1):].tolist())!r}"
 
 
+def test_direct_steps_fine_tune_end_to_end_after_the_layerwise_loss(setup, tmp_path):
+    """--direct-steps 2 of --max-steps 5: steps 1-3 train the layerwise loss (one loss per layer logged), steps 4-5
+    the whole student's next-token loss (one loss)."""
+    d, ckpt, data = setup
+    distill.main(distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "5",
+                              "--direct-steps", "2", "--log-interval", "1", "--warmup-steps", "0"))
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [len(h["loss"]) for h in m["history"]] == [4, 4, 4, 1, 1]
+    with pytest.raises(ModelError, match="--direct-steps 9 is more than --max-steps 5"):
+        distill.main(distill_args(ckpt, data, tmp_path / "x", "--max-steps", "5", "--direct-steps", "9"))
+
+
 def test_preset_prints_its_flags_and_flags_given_win(capsys):
     cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
     assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)

@@ -138,8 +138,23 @@ def converge_grid(seeds=(1, 2)):
             for s in seeds]
 
 
+PRESET = ["--model", "smollm2-135m", "--data", "data/wikitext-smollm2", "--preset", "cpu"]
+PRESET_VARIANTS = {"300 layerwise steps (the old preset)": ("layerwise300", []),
+                   "450 layerwise steps": ("layerwise450", ["--max-steps", "450", "--warmup-steps", "45",
+                                                            "--eval-interval", "150"]),
+                   "360 steps, the last 60 direct": ("direct60", ["--max-steps", "360", "--direct-steps", "60",
+                                                                  "--eval-interval", "120"])}
+
+
+def preset_grid(seeds=(0, 1, 2)):
+    """Recipes for --preset cpu, each about 8 minutes on one thread: the old preset, longer layerwise training, and
+    layerwise training whose last steps fine-tune end to end (the direct loss at the schedule's low tail)."""
+    return [Run("preset", f"{name}-s{s}", f"32/{label}", s, PRESET + flags, name)
+            for label, (name, flags) in PRESET_VARIANTS.items() for s in seeds]
+
+
 GRIDS = {"claim": claim_grid, "recipe": recipe_grid, "heads": heads_grid, "curves": curves_grid,
-         "allocation": allocation_grid, "converge": converge_grid}
+         "allocation": allocation_grid, "converge": converge_grid, "preset": preset_grid}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -439,6 +454,32 @@ def allocation_table(records, base="Fix", best="Measured"):
     return "\n".join(rows)
 
 
+def speed_table(results):
+    """docs/results/restructure: the core against the code before it, side by side (speed.py), per quantity."""
+    rows = ["| quantity | before: median (min) of rounds | after: median (min) | after / before, medians | by minima |",
+            "|---|---:|---:|---:|---:|"]
+    for name in ("speed-step", "speed-kernels"):
+        r = json.loads((Path(results) / "restructure" / f"{name}.json").read_text())
+        for k in (k for k in r["after"][0] if not (name == "speed-step" and k != "step_ms")):
+            b, a = [x[k] for x in r["before"]], [x[k] for x in r["after"]]
+            rows.append(f"| {k.replace('_', ' ')} | {np.median(b):.1f} ({min(b):.1f}) | {np.median(a):.1f} ({min(a):.1f}) "
+                        f"| {np.median(a) / np.median(b):.2f}× | {min(a) / min(b):.2f}× |")
+    return "\n".join(rows)
+
+
+def step_ops_table(results):
+    """docs/results/fast-loss/step.json: aten ops and ms of one training step per loss and layout, two versions."""
+    r = json.loads((Path(results) / "fast-loss" / "step.json").read_text())
+    rows = ["| loss, layout of the layerwise losses | aten ops before | after | ms before: median of rounds | after |",
+            "|---|---:|---:|---:|---:|"]
+    for k, v in r["summary"].items():
+        loss, stack = k.split(", stack ")
+        layout = {"yes": "stacked (a GPU's)", "no": "layer by layer (a CPU's)"}[stack] if loss != "direct" else "–"
+        rows.append(f"| {loss}, {layout} | {v['before']['ops']:,} | {v['after']['ops']:,} | {v['before']['ms']:,.0f} "
+                    f"| {v['after']['ms']:,.0f} |")
+    return "\n".join(rows)
+
+
 def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESULTS, figures=ROOT / "docs"):
     """Rebuild every generated block of `docs` (between their markers) and each grid's learning-curve figure."""
     made = {}
@@ -462,6 +503,9 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
         if grid == "zeroshot":                       # evaluate.py's results.json, not distill.py runs
             for p in sorted((Path(results) / grid).glob("*.json")):
                 made[f"zeroshot:{p.stem}"] = zeroshot_table(json.loads(p.read_text()))
+            continue
+        if grid in ("restructure", "fast-loss"):     # speed side by side with the code before, from its scripts
+            made[f"{grid}:table"] = speed_table(results) if grid == "restructure" else step_ops_table(results)
             continue
         if grid == "curves":                         # the per-layer error curves: tables and figure, not a grid table
             made.update(curve_blocks(results, figures))
