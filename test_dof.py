@@ -1704,7 +1704,7 @@ TOKENIZER = DATA / "gpt2-tokenizer"
 
 # Small and fast: 64-token samples, 4 per batch, one validation batch, a 256-point DoF sample per head.
 FAST = ["--block-size", "64", "--batch-size", "4", "--eval-iters", "1", "--J", "256", "--calib-batches", "2",
-        "--log-interval", "10", "--query-block", "32", "--chunk-size", "16"]
+        "--log-interval", "10", "--query-block", "32", "--chunk-size", "16", "--device", "cpu"]
 
 
 def make_gpt2(path, seed=0):
@@ -1968,9 +1968,9 @@ def test_trained_student_beats_untrained_on_held_out_attention(trained, setup):
             assert torch.equal(t, sd[f"h.{l}.attn.core.{n}"])
 
 
-def test_l2_loss_student_beats_untrained_on_held_out_attention(setup):
+def test_l2_loss_student_beats_untrained_on_held_out_attention(setup, tmp_path):
     d, ckpt, data = setup
-    out = d / "run-l2"
+    out = tmp_path / "run-l2"
     distill.main(["--model", str(ckpt), "--data", str(data), "--budget", "16", "--loss", "l2", "--max-steps", "30",
                   "--alloc", "fix", "--out-dir", str(out), *FAST])
     m = json.loads((out / "metrics.json").read_text())
@@ -1979,19 +1979,19 @@ def test_l2_loss_student_beats_untrained_on_held_out_attention(setup):
     assert all(last < first for first, last in zip(m["history"][0]["loss"], m["history"][-1]["loss"]))
 
 
-def test_resume_equals_uninterrupted_run(setup):
+def test_resume_equals_uninterrupted_run(setup, tmp_path):
     d, ckpt, data = setup
     base = ["--model", str(ckpt), "--data", str(data), "--budget", "8", "--alloc", "fix", "--center-keys",
             "--decay-steps", "12", "--eval-interval", "4", *FAST]
-    distill.main(base + ["--max-steps", "12", "--out-dir", str(d / "full")])
-    distill.main(base + ["--max-steps", "6", "--out-dir", str(d / "part")])           # "interrupted" at step 6
-    distill.main(base + ["--max-steps", "12", "--out-dir", str(d / "part"), "--resume"])
-    a, b = features(d / "full"), features(d / "part")
+    distill.main(base + ["--max-steps", "12", "--out-dir", str(tmp_path / "full")])
+    distill.main(base + ["--max-steps", "6", "--out-dir", str(tmp_path / "part")])           # "interrupted" at step 6
+    distill.main(base + ["--max-steps", "12", "--out-dir", str(tmp_path / "part"), "--resume"])
+    a, b = features(tmp_path / "full"), features(tmp_path / "part")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), k
     assert any(k.endswith("key_mean") and a[k].abs().sum() > 0 for k in a)          # --center-keys stored them
-    ma, mb = (json.loads((d / n / "metrics.json").read_text()) for n in ("full", "part"))
+    ma, mb = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("full", "part"))
     la, lb = ({h["step"]: h["loss"] for h in m["history"]} for m in (ma, mb))   # logged at the same steps, and more
     assert la.keys() <= lb.keys() and all(np.allclose(la[s], lb[s], atol=1e-6) for s in la)
 
@@ -2055,15 +2055,16 @@ def test_nll_is_the_per_sequence_cross_entropy_in_fp32():
 
 def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
     d, ckpt, data = setup
-    r = cli("distill.py", "--model", ckpt, "--data", data, "--loss", "mse", "--out-dir", d / "never")
+    never = d / f"never-{random.random()}"                   # a fresh name each run of the session
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--loss", "mse", "--out-dir", never)
     assert r.returncode == 2 and "argument --loss: invalid choice: 'mse'" in r.stderr
     for flag, value in (("--alloc", "random"), ("--feature-map", "relu")):
         with pytest.raises(SystemExit) as e:
-            distill.main(["--model", str(ckpt), "--data", str(data), flag, value, "--out-dir", str(d / "never")])
+            distill.main(["--model", str(ckpt), "--data", str(data), flag, value, "--out-dir", str(never)])
         assert e.value.code == 2 and f"argument {flag}: invalid choice: {value!r}" in capsys.readouterr().err
-    r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 0, "--out-dir", d / "never")
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 0, "--out-dir", never)
     assert r.returncode == 2 and r.stderr.strip() == "error: --budget must be a number of at least 1, got 0"
-    assert not (d / "never").exists()
+    assert not never.exists()
 
 
 SCRIPTS = ["distill.py", "dof.py", "evaluate.py", "docs/experiments.py", "docs/figures.py", "experiments/bench.py",

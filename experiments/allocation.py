@@ -145,7 +145,7 @@ def make_student(cfg, teacher, calib):
     if cfg.resume or cfg.init_from:
         return distill.make_student(cfg, teacher, calib)
     if cfg.predict:
-        res = {"settings": {k: v for k, v in asdict(cfg).items() if k != "predict"},
+        res = {"settings": {k: v for k, v in asdict(cfg).items() if k not in ("predict", "out_dir")},   # not written
                "predictors": predictors(cfg, teacher, calib)}
         write_text_atomic(cfg.predict, json.dumps(res, indent=1) + "\n")
         print(f"wrote {cfg.predict}")

@@ -355,15 +355,16 @@ def step_row(distill, loss, T=1024, budget=64, repeats=3, device="cpu", config=N
     step()
     with OpCount() as count:
         step()
-    times = []
+    times, cpu = [], []                                     # wall and process CPU time (steadier on a shared CPU)
     for _ in range(repeats):
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         sync(device)
         times.append(1e3 * (time.perf_counter() - t0))
+        cpu.append(1e3 * (time.process_time() - c0))
     return {"loss": loss, "ops": sum(count.ops.values()), "top": count.ops.most_common(6),
-            "ms": statistics.median(times)}
+            "ms": statistics.median(times), "cpu_ms": statistics.median(cpu)}
 
 
 def step_table(cfg, device):

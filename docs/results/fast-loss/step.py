@@ -25,7 +25,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     p.add_argument("--before", required=True)
     p.add_argument("--after", required=True)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="step.json")
     a = p.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -39,9 +39,10 @@ def main():
             if out.returncode:
                 raise SystemExit(f"{tree}: {out.stderr[-2000:]}")
             res[name].append(json.loads(out.stdout.split("RESULT", 1)[1]))
-            print(name, r, [(x["loss"], x["ops"], round(x["ms"])) for x in res[name][-1]], flush=True)
-    res["summary"] = {f"{x['loss']}, stack {x['stack']}": {k: {"ops": res[k][0][i]["ops"], "ms": statistics.median(
-        rr[i]["ms"] for rr in res[k])} for k in ("before", "after")} for i, x in enumerate(res["after"][0])}
+            print(name, r, [(x["loss"], x["ops"], round(x["ms"]), round(x["cpu_ms"])) for x in res[name][-1]], flush=True)
+    res["summary"] = {f"{x['loss']}, stack {x['stack']}": {k: {"ops": res[k][0][i]["ops"], **{t: statistics.median(
+        rr[i][t] for rr in res[k]) for t in ("ms", "cpu_ms")}} for k in ("before", "after")}
+        for i, x in enumerate(res["after"][0])}
     res["command"] = "python docs/results/fast-loss/step.py --before ../before-fast --after ."
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res["summary"], indent=1))
