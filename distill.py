@@ -94,12 +94,14 @@ class DistillConfig:
     prompt: str = opt("The history of the city", "prompt of the greedy continuations printed at the end ('': none)")
     seed: int = opt(0, "seed of the calibration windows, the initial features and the training windows")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16", choices=("auto", "float32", "bfloat16"))
+    dtype: str = opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",
+                     choices=("auto", "float32", "bfloat16"))
 
     def __post_init__(self):
         check_positive(self, ("budget", "J", "calib_batches", "chunk_size", "wiki_tokens", "block_size", "batch_size",
                               "grad_accum", "eval_interval", "eval_iters", "log_interval"), 1)
-        check_positive(self, ("query_block", "direct_steps", "max_steps", "decay_steps", "warmup_steps", "lr_z", "lr_alpha", "min_lr_frac"), 0)
+        check_positive(self, ("query_block", "direct_steps", "max_steps", "decay_steps", "warmup_steps", "lr_z",
+                              "lr_alpha", "min_lr_frac"), 0)
         check_positive(self, ("lam",), 0, above=True)
         if not 0 < self.val_fraction < 1 or self.min_lr_frac > 1:
             raise ModelError(f"--val-fraction must lie between 0 and 1 (got {self.val_fraction}) and --min-lr-frac "
@@ -110,7 +112,7 @@ class DistillConfig:
             raise ModelError("--resume and --overwrite contradict each other; pass one of them")
 
 
-# --preset cpu: SmolLM2-135M on WikiText-2 in about ten minutes on one CPU thread (docs/results.md's settings)
+# --preset cpu: SmolLM2-135M on WikiText-2 in minutes on one CPU thread (docs/results.md's settings)
 PRESETS = {"cpu": "--block-size 256 --batch-size 1 --max-steps 300 --warmup-steps 30 --eval-interval 100 "
                   "--eval-iters 8 --budget 32 --lam 1e-3 --lam-relative --J 1024 --center-keys --val-fraction 0.1"}
 
@@ -131,7 +133,8 @@ def parse_args(argv=None, config=DistillConfig):
 @functools.cache
 def data_script(name):
     """data/<name>/prepare.py as a module, for its prepare(cfg, enc)."""
-    spec = importlib.util.spec_from_file_location(f"prepare_{name}", Path(__file__).parent / "data" / name / "prepare.py")
+    path = Path(__file__).parent / "data" / name / "prepare.py"
+    spec = importlib.util.spec_from_file_location(f"prepare_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -147,7 +150,8 @@ def open_data(cfg, enc, vocab_size):
                              f"token files but no meta.json, which prepare.py writes last; {again}")
         texts = sorted(p for p in d.iterdir() if p.suffix in (".txt", ".raw")) if d.is_dir() else []
         script = data_script("text" if texts else "wikipedia")
-        print(f"preparing {cfg.data} from {', '.join(p.name for p in texts) or f'{cfg.wiki_tokens:,} Wikipedia tokens'}")
+        names = ", ".join(p.name for p in texts) or f"{cfg.wiki_tokens:,} Wikipedia tokens"
+        print(f"preparing {cfg.data} from {names}")
         script.prepare(script.TextConfig(texts, cfg.model, cfg.data, cfg.val_fraction) if texts else script.
                        WikipediaConfig(cfg.model, cfg.data, fraction=1.0, max_tokens=cfg.wiki_tokens,
                                        val_fraction=cfg.val_fraction, seed=cfg.seed), enc)
@@ -155,8 +159,8 @@ def open_data(cfg, enc, vocab_size):
     meta = read_json(d / "meta.json", again, dict)
     tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
     if tok.get("n_vocab") != enc.n_vocab or enc.encode_ordinary(tok.get("probe", "")) != tok.get("probe_ids"):
-        raise ModelError(f"{cfg.data} was tokenized with the tokenizer of {tok.get('model', '?')} ({tok.get('n_vocab')} "
-                         f"tokens), not the teacher's ({cfg.model}, {enc.n_vocab}); {again}")
+        raise ModelError(f"{cfg.data} was tokenized with the tokenizer of {tok.get('model', '?')} "
+                         f"({tok.get('n_vocab')} tokens), not the teacher's ({cfg.model}, {enc.n_vocab}); {again}")
     return {s: read_tokens(d / f"{s}.bin", vocab_size=vocab_size, min_tokens=cfg.block_size + 1)
             for s in ("train", "val")}, meta
 
@@ -164,15 +168,10 @@ def open_data(cfg, enc, vocab_size):
 # ----------------------------------------------------------------------------------------------------------------
 # Layerwise losses: the plain T x T form, then the blockwise forms that training runs on long contexts
 
-def causal_mask(s, e, device):
-    """Rows s..e-1, columns 0..e-1: True where key j <= query i."""
-    return torch.arange(s, e, device=device)[:, None] >= torch.arange(e, device=device)[None, :]
-
-
 def attention_rows(q, k, phi_q, phi_k):
     """log p and log p^ (B, H, T, T): the teacher's causal rows p_i = softmax_{j<=i}(q_i.k_j / sqrt d) and the
     student's p^_i(j) = a_ij / sum_{j'<=i} a_ij', a = phi_q phi_k^T; q, k (B, H, T, D), phi_q, phi_k (B, H, T, M)."""
-    mask = causal_mask(0, q.size(2), q.device)                                         # (T, T)
+    mask = torch.ones(q.size(2), q.size(2), dtype=torch.bool, device=q.device).tril()  # (T, T): key j <= query i
     tiny = torch.finfo(phi_q.dtype).tiny                                               # logs of underflow stay finite
     logp = torch.log_softmax((q @ k.mT / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf")), -1)
     a = (phi_q @ phi_k.mT).masked_fill(~mask, 0.0)                                     # (B, H, T, T)
@@ -296,7 +295,8 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, compile=False, stac
             block = query_block or (max(1, min(T, 2 ** 26 // (B * q.size(1) * T))) if stack else 128)
             blockwise = softmax_loss_blockwise if kind == "softmax" else l2_loss_blockwise
             blockwise = compiled(blockwise) if compile else blockwise
-            out[ls] = blockwise(q * D ** -0.5, kc, pq, pk, block, scale / n if grad else None).view(len(ls), H).sum(1) / n
+            sums = blockwise(q * D ** -0.5, kc, pq, pk, block, scale / n if grad else None)      # (G H,)
+            out[ls] = sums.view(len(ls), H).sum(1) / n
             if grad and fq.requires_grad:
                 torch.autograd.backward([fq, fk], [pq.grad, pk.grad])
     return out
@@ -309,6 +309,28 @@ def layer_loss(core, q, k, kind, query_block=0, scale=None):
 
 # ----------------------------------------------------------------------------------------------------------------
 # The student: dims (dof.py) and features, fresh or from a checkpoint
+
+FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size", "center_keys")
+
+
+def check_memory(cfg, mc, device):
+    """Refuse, before anything large is allocated, a step that cannot fit, by a rough count of 4-byte floats: every
+    layer's teacher q and k, six blocks of attention rows, one layer's features at 4x the budget (where DoF dims
+    reach) and their gradients, the hidden states (the direct loss keeps every layer's, and the logits)."""
+    B, T, H, M, L, C = cfg.batch_size, cfg.block_size, mc.n_head, 4 * cfg.budget, mc.n_layer, mc.n_embd
+    gpu = device.startswith("cuda") and cfg.stack != "no"
+    floats = L * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * (min(L * B * H * T * T, 2 ** 26) if gpu else
+                                                                  B * H * min(cfg.query_block or 128, T) * T) \
+        + 4 * B * H * T * M + 3 * L * H * M * mc.head_dim + 8 * B * T * C \
+        + (16 * L * B * T * C + 2 * B * T * mc.vocab_size if cfg.loss == "direct" or cfg.direct_steps else 0)
+    info = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").is_file() else ""
+    meminfo = re.findall(r"MemAvailable:\s+(\d+)", info)
+    free = torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else 1024 * int((meminfo or [2 ** 40])[0])
+    if 4 * floats > free:
+        raise ModelError(f"a step of --batch-size {B} x --block-size {T} at --budget {cfg.budget} needs about "
+                         f"{4 * floats / 2 ** 30:,.1f} GiB, more than the {free / 2 ** 30:.1f} GiB free on {device}; "
+                         "lower --batch-size, --block-size or --budget (or use --grad-accum)")
+
 
 FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size", "center_keys")
 

@@ -83,7 +83,8 @@ class EvalConfig:
         if self.ppl and (p.is_dir() or not p.exists() or p.stat().st_size == 0):
             raise ModelError(f"--ppl {p} {why}; pass a uint16 token file (data/*/prepare.py) or a text file")
         if self.fla and not (torch.cuda.is_available() and importlib.util.find_spec("fla")):
-            raise ModelError("--fla needs a CUDA device and flash-linear-attention (pip install flash-linear-attention)")
+            raise ModelError("--fla needs a CUDA device and flash-linear-attention (pip install "
+                             "flash-linear-attention)")
 
 
 # --------------------------------------------------------------------------------------------------------------

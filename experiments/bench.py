@@ -77,10 +77,12 @@ class BenchConfig:
                                    "process and prints it as JSON")
 
     def __post_init__(self):
-        check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block", "step_tokens"))
+        check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block",
+                              "step_tokens"))
         for name in ("T", "chunks", "decode_ctx", "heads_T"):
             if any(v < 1 for v in getattr(self, name)):
-                raise ModelError(f"--{name.replace('_', '-')} must list numbers of at least 1, got {getattr(self, name)}")
+                raise ModelError(f"--{name.replace('_', '-')} must list numbers of at least 1, got "
+                                 f"{getattr(self, name)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -370,7 +372,8 @@ def step_row(distill, loss, T=1024, budget=64, repeats=3, device="cpu", config=N
 def step_table(cfg, device):
     import distill
     print(f"\none distill.py step at the GPT-2-124M shape, {cfg.step_tokens} tokens, budget 64, on {device}, "
-          f"{cfg.threads} threads:\n\n| loss | aten ops | ms (median of {cfg.repeats}) | commonest ops |\n|---|---:|---:|---|")
+          f"{cfg.threads} threads:\n\n| loss | aten ops | ms (median of {cfg.repeats}) | commonest ops |\n"
+          "|---|---:|---:|---|")
     for loss in cfg.step:
         for stack in (("yes", "no") if loss != "direct" else ("no",)):
             r = step_row(distill, loss, cfg.step_tokens, 64, cfg.repeats, device, stack=stack)

@@ -1,30 +1,31 @@
 """
 One prepared GPU check, in one run of about seven minutes on one GPU with no network:
 
-    python gpu_check.py --out gpu_check.json                              # one H200: the paper's shapes
-    python gpu_check.py --device cpu --tiny --out /tmp/gpu_check.json     # tiny shapes: a smoke test on the CPU
+    python experiments/gpu_check.py --out gpu_check.json                           # one H200: the paper's shapes
+    python experiments/gpu_check.py --device cpu --tiny --out /tmp/gpu_check.json  # tiny shapes: a CPU smoke test
 
 Every model is built here with random weights (config.json + model.safetensors in the checkpoint's own key names,
 the tokenizer files of tests/data beside them) and every token is random, so nothing is downloaded. Sections:
 
-  distill  `distill.py --alloc fix --budget 64 --loss L` on a GPT-2-124M shape, L = softmax, l2, direct, for --steps
-           steps at --batch-size x --block-size in bf16, each run in a fresh process (its own peak memory and
-           timeout, forked from a server that has imported torch once); then softmax at budget 128 on a Pythia-1B shape at --pythia-batch-size, if time is left.
-           ms/step: the median of distill.py's log intervals after the first (which holds the warm-up);
-           ms/sample: ms/step per 1024-token sample; peak: torch.cuda.max_memory_allocated (on the CPU: max RSS).
-  scan     PRF features + model.causal_linear_attention against F.scaled_dot_product_attention(is_causal=True)
-           (the flash kernel on CUDA), B = 1, H = 12, D = M = 64, bf16 inputs, forward and forward+backward
-           (gradients of q, k, v), the median of --repeats calls; a length that runs out of memory says "oom".
-           The linear path computes in fp32 from the bf16 inputs, as the model does (TF32 matmuls on CUDA).
-  decode   ms per generated token after a prefill of ctx tokens, Pythia-160M shape in bf16: KV cache (softmax)
+  distill  `distill.py --alloc fix --budget 64 --loss L` on a GPT-2-124M shape, L = softmax, l2, direct, and the
+           per-head fork (experiments/per_head.py), for --steps steps at --batch-size x --block-size in bf16, each in
+           a fresh process (its own peak memory and timeout, forked from a server that has imported torch once);
+           then softmax at budget 128 on a Pythia-1B shape at --pythia-batch-size, if time is left. ms/step: the
+           median of distill.py's log intervals after the first (the warm-up); ms/sample: per 1024-token sample;
+           peak: torch.cuda.max_memory_allocated (on the CPU: max RSS).
+  ops      aten ops and ms of one training step per loss at the GPT-2 shape, 1 x --block-size tokens, and of the
+           per-head fork's (experiments/bench.py's step_row).
+  scan     PRF features + model.causal_linear_attention, and FLA's chunk kernel when flash-linear-attention is
+           installed, against F.scaled_dot_product_attention(is_causal=True) (the flash kernel on CUDA); B = 1,
+           H = 12, D = M = 64, bf16 inputs, forward and forward+backward, the median of --repeats calls ("oom" where
+           memory runs out). The linear path computes in fp32 from the bf16 inputs, as the model does.
+  decode   ms per generated token after a prefill of ctx tokens, Pythia-160M shape in bf16: the KV cache (softmax)
            against the fixed linear state (M = 64), as bench.py's decode table.
   dof      dof.degrees_of_freedom on a random (12, 12, J, 64) input on --device (and one layer on the CPU).
 
-Sections run in order of importance (the GPT-2 softmax run, the scan, decoding, DoF, l2, direct, Pythia-1B); each
-checks the --budget-seconds deadline first and records "skipped" where it would overrun, and a crash on the device
-is recorded as "error" with its message, not raised. The results print as one markdown table (with the targets
-under it: softmax distillation <= 30 ms per sample within 24 GiB, the scan faster than flash SDPA from 8k tokens)
-and go to --out as JSON.
+Sections run in order of importance; each checks the --budget-seconds deadline first and records "skipped" where it
+would overrun, and a crash on the device is recorded as "error" with its message, not raised. The results print as
+one markdown table with the targets under it (targets()) and go to --out as JSON.
 """
 
 import copy
@@ -54,8 +55,8 @@ sys.path.insert(0, str(ROOT))
 import dof  # noqa: E402
 from bench import decode_ms  # noqa: E402
 from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
-from common import (ModelError, check_positive, check_writable, opt, parse_config, pick_device, remove, run_main,  # noqa: E402
-                    sync, write_text_atomic)
+from common import (ModelError, check_positive, check_writable, opt, parse_config,  # noqa: E402
+                    pick_device, remove, run_main, sync, write_text_atomic)
 from model import GPT, PRF, GPTConfig, causal_linear_attention, fla_linear_attention  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -185,7 +186,8 @@ def distill_run(cfg, work, kind, loss, batch, device, left):
     ckpt, data, out = work / f"{model}-checkpoint", work / f"{model}-tokens", work / f"{kind}-{loss}"
     remove(out)
     flags = ["--model", str(ckpt), "--data", str(data), "--out-dir", str(out), "--alloc",
-             "dof" if per_head else "fix", "--J", str(cfg.J), "--budget", str(BUDGET[model]), "--loss", loss, "--batch-size", str(batch),
+             "dof" if per_head else "fix", "--J", str(cfg.J), "--budget", str(BUDGET[model]), "--loss", loss,
+             "--batch-size", str(batch),
              "--block-size", str(cfg.block_size), "--max-steps", str(cfg.steps),
              "--log-interval", str(max(1, cfg.steps // 6)), "--eval-iters", "1", "--calib-batches", "1",
              "--device", device, "--dtype", "bfloat16"]

@@ -96,7 +96,8 @@ def make_core(cfg, mc, dims, kind, mu, x, seed):
 
 def train(core, q, k, steps):
     fm = [c.feature_map for c in core.groups]
-    opt_ = torch.optim.Adam([{"params": [f.z for f in fm], "lr": 0.02}, {"params": [f.log_alpha for f in fm], "lr": 0.2}])
+    opt_ = torch.optim.Adam([{"params": [f.z for f in fm], "lr": 0.02},
+                             {"params": [f.log_alpha for f in fm], "lr": 0.2}])
     for _ in range(steps):
         loss(core, q, k, "softmax", q.size(2), scale=1.0)
         opt_.step()
