@@ -138,6 +138,17 @@ def converge_grid(seeds=(1, 2)):
             for s in seeds]
 
 
+def best_grid(seeds=(1, 2)):
+    """The best student: the converge grid's 960 layerwise steps, then 200 steps of the direct loss end to end at a
+    tenth of the layerwise learning rates (the recipe grid's fine-tune, twice as long)."""
+    direct = ["--loss", "direct", "--block-size", "256", "--batch-size", "1", "--eval-iters", "8", "--log-interval",
+              "10", "--lr-z", "2e-3", "--lr-alpha", "2e-2", "--max-steps", "200", "--warmup-steps", "20",
+              "--eval-interval", "100"]
+    return [Run("best", f"b32-{name}-direct-s{s}", f"32/{label}, 960 layerwise + 200 direct steps", s, SMOL[:4] + direct
+                + ["--init-from", f"out-experiments/converge/b32-{name}-s{s}"], name)
+            for label, name in (("Fix", "fix"), ("Measured", "measured")) for s in seeds]
+
+
 PRESET = ["--model", "smollm2-135m", "--data", "data/wikitext-smollm2", "--preset", "cpu"]
 PRESET_VARIANTS = {"300 layerwise steps (the old preset)": ("layerwise300", []),
                    "450 layerwise steps": ("layerwise450", ["--max-steps", "450", "--warmup-steps", "45",
@@ -154,7 +165,8 @@ def preset_grid(seeds=(0, 1, 2)):
 
 
 GRIDS = {"claim": claim_grid, "recipe": recipe_grid, "heads": heads_grid, "curves": curves_grid,
-         "allocation": allocation_grid, "converge": converge_grid, "preset": preset_grid}
+         "allocation": allocation_grid, "converge": converge_grid, "preset": preset_grid,
+         "best": best_grid}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -367,6 +379,7 @@ def splice(text, name, body):
 # grids whose tables also show the claim grid's runs of this configuration, paired seed by seed: the recipe
 # continues the layerwise 64/DoF students; per-head dims compare with per-layer dims at budget 32
 BASELINE = {"recipe": "64/DoF", "heads": "32/DoF"}
+FROM_GRID = {"best": "converge"}             # grids shown after the grid their runs continue
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -517,7 +530,11 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
             made["allocation:summary"] = summary_table(records)
             curves(records, Path(figures) / f"curves-{grid}.png")
             continue
-        if grid in BASELINE:                         # shown against the claim grid's per-layer DoF runs
+        if grid in FROM_GRID:                        # shown after the runs they continue, paired with their Fix
+            made[f"{grid}:continuations"] = continuations(records)
+            records = load(FROM_GRID[grid], results) + records
+            made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records)
+        elif grid in BASELINE:                       # shown against the claim grid's per-layer DoF runs
             if grid == "recipe":
                 made[f"{grid}:continuations"] = continuations(records)
             records = [r for r in load("claim", results) if r["group"] == BASELINE[grid]] + records
