@@ -488,8 +488,9 @@ def step_ops_table(results):
     for k, v in r["summary"].items():
         loss, stack = k.split(", stack ")
         layout = {"yes": "stacked (a GPU's)", "no": "layer by layer (a CPU's)"}[stack] if loss != "direct" else "–"
-        rows.append(f"| {loss}, {layout} | {v['before']['ops']:,} | {v['after']['ops']:,} | {v['before']['cpu_ms']:,.0f} "
-                    f"| {v['after']['cpu_ms']:,.0f} | {v['before']['ms']:,.0f} | {v['after']['ms']:,.0f} |")
+        cpu = [v[k].get("cpu_ms", float("nan")) for k in ("before", "after")]
+        rows.append(f"| {loss}, {layout} | {v['before']['ops']:,} | {v['after']['ops']:,} | {cpu[0]:,.0f} | {cpu[1]:,.0f} "
+                    f"| {v['before']['ms']:,.0f} | {v['after']['ms']:,.0f} |")
     return "\n".join(rows)
 
 
