@@ -2388,6 +2388,32 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
     assert r.returncode == 2 and re.fullmatch(r"error: \S+optim.pt does not exist; [^\n]+\n", r.stderr), r.stderr
 
 
+def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_path):
+    """The other entry scripts' bad input: one sentence, exit 2, nothing written."""
+    d, ckpt, _ = setup
+    (tmp_path / "bad.json").write_text('{"args": {"dof": [[1,')
+    (tmp_path / "a.txt").write_text("short text")
+    (tmp_path / "file").write_text("")
+    cases = [("experiments/bench.py", ["--T", "0"], r"--T must list numbers of at least 1, got \[0\]"),
+             ("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "bad.json"],
+              r"bad.json is damaged or truncated .*; pass the JSON of an experiments/per_head.py run"),
+             ("experiments/bench.py", ["--threads", "0"], r"--threads must be a number of at least 1, got 0"),
+             ("experiments/gpu_check.py", ["--budget-seconds", "-5"], r"--budget-seconds must be a number above 0"),
+             ("experiments/gpu_check.py", ["--out", tmp_path / "no" / "such" / "c.json"], r"cannot write .*c.json: it is "
+              r"in .*such, which does not exist"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--num-threads", "0", tmp_path / "a.txt"],
+              r"--num-threads must be a number of at least 1, got 0"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--val-fraction", "0.001",
+                                       tmp_path / "a.txt"], r"the val split came out empty"),
+             ("data/wikipedia/prepare.py", ["--num-threads", "0"], r"--num-threads must be a number of at least 1"),
+             ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory")]
+    for script, args, match in cases:
+        before = snapshot(tmp_path)
+        r = cli(script, *args)
+        assert r.returncode == 2 and re.fullmatch(f"error: [^\n]*{match}[^\n]*\n", r.stderr), (script, r.stderr[-800:])
+        assert snapshot(tmp_path) == before and not (tmp_path / "out").exists(), script
+
+
 def test_one_run_per_out_dir_and_a_crashed_runs_lock_is_not_stuck(setup, tmp_path):
     d, ckpt, data = setup
     out = tmp_path / "run"

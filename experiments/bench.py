@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import ModelError, check_positive, opt, parse_config, pick_device, run_main, sync  # noqa: E402
+from common import ModelError, check_positive, opt, parse_config, pick_device, read_json, run_main, sync  # noqa: E402
 from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention  # noqa: E402
 
 
@@ -258,8 +258,8 @@ def heads_table(cfg, device):
     import dof
     import per_head
     from model import LinearAttention
-    run = json.loads(open(cfg.heads).read())
-    N = torch.tensor(run["args"]["dof"], dtype=torch.float64)                     # (L, H) per-head DoF
+    run = read_json(cfg.heads, "pass the JSON of an experiments/per_head.py run (docs/results/heads/*.json)", dict)
+    N = torch.tensor(run.get("args", {}).get("dof") or [], dtype=torch.float64)     # (L, H) per-head DoF
     if N.ndim != 2:
         raise ModelError(f"{cfg.heads} has per-layer DoF; pass the JSON of an experiments/per_head.py run")
     L, H = N.shape
