@@ -375,11 +375,11 @@ def make_student(cfg, teacher, calib):
         if cfg.dims and dof.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
             raise ModelError(f"{ckpt} was trained with dims {prev['dims']}, not --dims {cfg.dims}; drop --dims")
         for name in FROM_CHECKPOINT:                                           # so that config.json records them
-            setattr(cfg, name, prev[name])
+            setattr(cfg, name, prev.get(name, getattr(cfg, name)))
         print(f"note: {', '.join(FROM_CHECKPOINT)} and the features come from {ckpt}")
         student = teacher.linearize(prev["dims"], cfg.feature_map, cfg.chunk_size)
         load_feature_state(student, sd, ckpt)
-        return student, prev["dims"], prev["dof"]
+        return student, prev["dims"], prev.get("dof")
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None             # (L, H, D)
     if cfg.dims:
         dims, layer_dof = dof.parse_dims(cfg.dims, teacher.config.n_layer), None

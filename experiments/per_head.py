@@ -74,7 +74,7 @@ def make_student(cfg, teacher, calib):
         prev, sd = read_student(ckpt)
         student = teacher.linearize(prev["dims"], prev["feature_map"], prev["chunk_size"], GroupedLinearAttention)
         load_feature_state(student, sd, ckpt)
-        return student, prev["dims"], prev["dof"]
+        return student, prev["dims"], prev.get("dof")
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None                # (L, H, D)
     dims, N = per_head_dims(cfg, teacher, calib, mu)
     torch.manual_seed(cfg.seed)
