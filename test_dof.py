@@ -2414,6 +2414,21 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
         assert snapshot(tmp_path) == before and not (tmp_path / "out").exists(), script
 
 
+def test_init_from_a_checkpoint_holding_only_what_load_student_needs(setup, tmp_path):
+    """A hand-made checkpoint (teacher, dims, feature map, chunk size, features): --init-from trains on from it."""
+    d, ckpt, data = setup
+    student = GPT.from_pretrained(ckpt).linearize([6] * 4, "prf", 16)
+    src = tmp_path / "made"
+    src.mkdir()
+    from safetensors.torch import save_file
+    save_file(M.feature_state(student), str(src / "features.safetensors"))
+    (src / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [6] * 4, "feature_map": "prf",
+                                                 "chunk_size": 16}))
+    distill.main(distill_args(ckpt, data, tmp_path / "run", "--init-from", src, "--max-steps", "2"))
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert cfg["step"] == 2 and cfg["dims"] == [6] * 4 and cfg["init_from"] == str(src)
+
+
 def test_one_run_per_out_dir_and_a_crashed_runs_lock_is_not_stuck(setup, tmp_path):
     d, ckpt, data = setup
     out = tmp_path / "run"
