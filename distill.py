@@ -332,32 +332,6 @@ def check_memory(cfg, mc, device):
                          "lower --batch-size, --block-size or --budget (or use --grad-accum)")
 
 
-FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size", "center_keys")
-
-
-def check_memory(cfg, mc, device):
-    """Refuse, before anything large is allocated, a step that cannot fit: 4 bytes times every layer's teacher q and
-    k (the layerwise losses keep them), a block of attention rows six times over, one layer's features (at four times
-    the budget, where DoF dims reach) with their gradients, and the hidden states (the direct loss keeps them for
-    every layer, with the logits), for one micro-batch, against the free memory of the device. A rough bound."""
-    B, T, H, M = cfg.batch_size, cfg.block_size, mc.n_head, 4 * cfg.budget
-    block = B * H * min(cfg.query_block or 128, T) * T if cfg.stack == "no" or not device.startswith("cuda") else \
-        min(mc.n_layer * B * H * T * T, 2 ** 26)
-    floats = mc.n_layer * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * block \
-        + 4 * B * H * T * M + mc.n_layer * H * M * mc.head_dim * 3 + 8 * B * T * mc.n_embd \
-        + (mc.n_layer * 16 * B * T * mc.n_embd + 2 * B * T * mc.vocab_size if cfg.loss == "direct" or cfg.direct_steps
-           else 0)
-    if device.startswith("cuda"):
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").is_file() else ""
-        free = 1024 * int((re.findall(r"MemAvailable:\s+(\d+)", meminfo) or [2 ** 40])[0])
-    if 4 * floats > free:
-        raise ModelError(f"a step of --batch-size {B} x --block-size {T} at --budget {cfg.budget} needs about "
-                         f"{4 * floats / 2 ** 30:,.1f} GiB, more than the {free / 2 ** 30:.1f} GiB free on {device}; "
-                         "lower --batch-size, --block-size or --budget (or use --grad-accum)")
-
-
 def make_student(cfg, teacher, calib):
     """-> (student, dims, layer DoF or None): the teacher linearised with --dims or dof.choose_dims's (rank 0's, on
     keys centred with --center-keys), features from --seed; or, with --resume / --init-from, that checkpoint's."""
