@@ -3453,6 +3453,25 @@ def test_figures_script_writes_valid_pngs_and_needs_matplotlib(tmp_path, monkeyp
 # ----------------------------------------------------------------------------------------------------------------
 # docs/experiments.py: one JSON per run, tables generated from them
 
+def test_allocation_table_pairs_seeds_and_gives_shares_only_of_a_clear_gain():
+    """Each rule minus Fix seed by seed, with its share of the measured rule's gain in KL; no share when that gain is
+    within two standard errors of zero."""
+    spec = importlib.util.spec_from_file_location("experiments", ROOT / "docs" / "experiments.py")
+    X = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(X)
+    rec = lambda rule, s, loss, kl: {"group": f"32/{rule}", "seed": s, "allocation": rule.lower(),
+                                     "val": [{"student_loss": loss, "attn_kl": [kl, kl], "teacher_loss": 3.0}]}
+    fix = [rec("Fix", s, 5.0 + s, 0.80 + s / 100) for s in (1, 2, 3)]
+    dof = [rec("DoF", s, 5.1 + s, 0.80 + s / 100 - d) for s, d in ((1, 0.01), (2, 0.02), (3, 0.03))]
+    clear = X.allocation_table(fix + dof + [rec("Measured", s, 5.0 + s, 0.76 + s / 100 + e)
+                                            for s, e in ((1, 0.0), (2, 0.001), (3, -0.001))])
+    assert "| DoF (`dof`) | 3 | +0.100 ± 0.000 | -0.0200 ± 0.0058 | +50% |" in clear
+    assert "| Measured (`measured`) | 3 | +0.000 ± 0.000 | -0.0400 ± 0.0006 | +100% |" in clear
+    noisy = X.allocation_table(fix + dof + [rec("Measured", s, 5.0 + s, 0.80 + s / 100 + e)
+                                            for s, e in ((1, 0.01), (2, -0.02), (3, 0.005))])
+    assert "| -0.0200 ± 0.0058 | – |" in noisy and "is within two standard errors of zero" in noisy
+
+
 def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, tmp_path):
     """Two configurations x two seeds on the tiny model: each run's JSON holds its args, dims, validation history and
     time; a second call runs nothing; the tables rebuilt from the JSON files are the same every time."""

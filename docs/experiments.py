@@ -456,14 +456,19 @@ def allocation_table(records, base="Fix", best="Measured"):
         pairs = [(by[(g, s)], by[(f"32/{base}", s)]) for (gg, s) in by if gg == g and (f"32/{base}", s) in by]
         if alloc != base and pairs:
             diffs[alloc] = np.array([[final(a)[0] - final(b)[0], final(a)[1] - final(b)[1]] for a, b in pairs])
-    gain = -diffs[best][:, 1].mean() if best in diffs else float("nan")
+    g = -diffs[best][:, 1] if best in diffs else np.full(2, np.nan)
+    gain, gain_se = g.mean(), g.std(ddof=1) / np.sqrt(len(g))
+    clear = gain > 2 * gain_se                               # a share of a gain lost in its noise means nothing
     rows = [f"| rule (allocation field) | pairs | Δ next-token loss vs {base} | Δ attention KL vs {base} | share of the "
             f"measured gain in KL |", "|---|---:|---|---|---:|"]
     for alloc, d in diffs.items():
         se = d.std(0, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else [float("nan")] * 2
         name = next(r["allocation"] for r in records if r["group"].endswith("/" + alloc))
         rows.append(f"| {alloc} (`{name}`) | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | {d[:, 1].mean():+.4f} ± "
-                    f"{se[1]:.4f} | {-d[:, 1].mean() / gain:+.0%} |")
+                    f"{se[1]:.4f} | {f'{-d[:, 1].mean() / gain:+.0%}' if clear else '–'} |")
+    if not clear:
+        rows.append(f"\nThe measured allocation's gain in attention KL over {base}, {gain:+.4f} ± {gain_se:.4f}, is "
+                    "within two standard errors of zero, so no share of it is given.")
     return "\n".join(rows)
 
 
@@ -540,6 +545,9 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
                 made[f"{grid}:continuations"] = continuations(records)
             records = [r for r in load("claim", results) if r["group"] == BASELINE[grid]] + records
             made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, "DoF")
+        elif grid == "preset":                       # recipes for --preset cpu against the old one
+            old = next(iter(PRESET_VARIANTS))
+            made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, old)
         elif records:
             made.update(blocks(grid, records))
         if records:
