@@ -10,10 +10,10 @@ import inspect
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import sys
+import tempfile
 from contextlib import contextmanager, nullcontext
 from dataclasses import MISSING, field, fields
 from datetime import timedelta
@@ -119,13 +119,12 @@ def pick_device(device="auto", dtype="auto"):
     """--device/--dtype -> (device, autocast context). auto: cuda with bf16 autocast if there is a GPU, else cpu in
     fp32. TF32 matmuls are turned on only together with bf16 autocast (an fp32 run stays fp32)."""
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(n)] + (["mps"] if torch.backends.mps.is_available() else [])
     device = ("cuda" if n else "cpu") if device == "auto" else device
-    m = re.fullmatch(r"cuda(?::(\d+))?", device)
-    if device != "cpu" and not (m and int(m.group(1) or 0) < n):
-        raise ModelError(f"--device {device} is not a device of this machine; use one of auto, "
-                         + ", ".join(["cpu"] + [f"cuda:{i}" for i in range(n)]))
-    bf16 = dtype == "bfloat16" or (dtype == "auto" and device != "cpu")
-    if bf16 and device != "cpu":
+    if (device + ":0" if device == "cuda" else device) not in devices:
+        raise ModelError(f"--device {device} is not a device of this machine; use one of auto, {', '.join(devices)}")
+    bf16 = dtype == "bfloat16" or (dtype == "auto" and device.startswith("cuda"))
+    if bf16 and device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return device, (torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if bf16 else nullcontext())
 
@@ -242,12 +241,15 @@ def write_text_atomic(path, text):
 
 
 def check_writable(path):
-    """A ModelError, before any work, when a file cannot be written at `path` (its folder missing or read-only, or
-    `path` a directory)."""
+    """A ModelError, before any work, when a file cannot be written at `path` (`path` a directory, or its folder
+    missing or read-only: a real write, as root passes os.access anywhere)."""
     p = Path(path)
-    if p.is_dir() or not p.parent.is_dir() or not os.access(p.parent, os.W_OK):
-        why = "is a directory" if p.is_dir() else f"is in {p.parent}, which " + (
-            "is not writable" if p.parent.is_dir() else "does not exist")
+    try:
+        why = "is a directory" if p.is_dir() else f"is in {p.parent}, which does not exist" if not p.parent.is_dir() \
+            else tempfile.TemporaryFile(dir=p.parent).close()                         # None: writable
+    except OSError as e:
+        why = f"is in {p.parent}, which is not writable ({e.strerror})"
+    if why:
         raise ModelError(f"cannot write {path}: it {why}; pass a file path in a writable folder")
 
 

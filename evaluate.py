@@ -14,7 +14,6 @@ import importlib.util
 import json
 import math
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,33 +23,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (ModelError, all_gather, get_rank, get_world_size, init_distributed, is_main, opt, parse_config,
-                    pick_device, read_json, read_tokens, run_main, shard, sync, write_text_atomic)
+from common import (ModelError, all_gather, check_positive, check_writable, get_rank, get_world_size, init_distributed,
+                    is_main, opt, parse_config, pick_device, read_json, read_tokens, run_main, shard, sync,
+                    write_text_atomic)
 from fast_scorer import score_windows
 from model import GPT, fla_linear_attention, load_student
 from tokenizer import load_tokenizer
-
-
-def check_options(cfg, least: dict[str, int]):
-    """A config's options, checked before any work so that a run cannot fail at its end: integers below their least
-    value, a device torch cannot use, an --output that cannot be written."""
-    for name, n in least.items():
-        if getattr(cfg, name) is not None and getattr(cfg, name) < n:
-            raise ModelError(f"--{name.replace('_', '-')} must be at least {n}, got {getattr(cfg, name)}")
-    cuda = ["cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    devices = ["auto", "cpu"] + cuda + (["mps"] if torch.backends.mps.is_available() else [])
-    if cfg.device not in devices:
-        raise ModelError(f"--device {cfg.device} is not a device torch can use; choose one of {', '.join(devices)}")
-    if not cfg.output:
-        return
-    out = Path(cfg.output)
-    try:
-        why = ("is a directory" if out.is_dir() else f"is in {out.parent}, a folder that does not exist"
-               if not out.parent.is_dir() else tempfile.TemporaryFile(dir=out.parent).close())  # None: writable
-    except OSError as e:  # a real write: os.access says yes to root in a read-only folder
-        why = f"cannot be written ({e.strerror})"
-    if why:
-        raise ModelError(f"--output {out} {why}; give a file path in a writable folder")
 
 
 @dataclass
@@ -77,7 +55,11 @@ class EvalConfig:
     speed_tokens: int = opt(1000, "sequence length for --speed")
 
     def __post_init__(self):
-        check_options(self, {"limit": 1, "batch_size": 1, "ppl_context": 1, "ppl_max_tokens": 2, "speed_tokens": 2})
+        check_positive(self, ("limit", "batch_size", "ppl_context"), 1)           # checked before any work
+        check_positive(self, ("ppl_max_tokens", "speed_tokens"), 2)
+        pick_device(self.device, "float32")
+        if self.output:
+            check_writable(self.output)
         p = Path(self.ppl or ".")
         why = "is a directory" if p.is_dir() else "does not exist" if not p.exists() else "is empty"
         if self.ppl and (p.is_dir() or not p.exists() or p.stat().st_size == 0):

@@ -3190,7 +3190,7 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, tm
     assert "harness tok/s" in r.stdout and json.loads((tmp_path / "bench.json").read_text())["teacher"]["piqa"]
     with pytest.raises(SystemExit) as e:
         common.run_main(lambda: bs.main(["--model", str(ckpt), "--rounds", "0", "--device", "cpu"]))
-    assert e.value.code == 2 and capsys.readouterr().err == "error: --rounds must be at least 1, got 0\n"
+    assert e.value.code == 2 and capsys.readouterr().err == "error: --rounds must be a number of at least 1, got 0\n"
     with pytest.raises(SystemExit) as e:
         bs.main(["--help"])
     assert e.value.code == 0 and "--rounds" in capsys.readouterr().out
@@ -3234,23 +3234,23 @@ def evaluate_exit(capsys, *args):
 
 
 BAD_OPTIONS = [  # flags (after --model --data-dir --tasks piqa --output), and the sentence on stderr
-    (["--batch-size", 0], r"--batch-size must be at least 1, got 0"),
-    (["--limit", 0], r"--limit must be at least 1, got 0"),
-    (["--ppl", "val.bin", "--ppl-context", 0], r"--ppl-context must be at least 1, got 0"),
-    (["--ppl", "val.bin", "--ppl-context", -5], r"--ppl-context must be at least 1, got -5"),
-    (["--ppl", "val.bin", "--ppl-max-tokens", 0], r"--ppl-max-tokens must be at least 2, got 0"),
-    (["--speed", "--speed-tokens", 0], r"--speed-tokens must be at least 2, got 0"),
-    (["--device", "tpu"], r"--device tpu is not a device torch can use; choose one of auto, cpu"),
-    (["--device", "cuda:99"], r"--device cuda:99 is not a device torch can use; choose one of auto, cpu"),
+    (["--batch-size", 0], r"--batch-size must be a number of at least 1, got 0"),
+    (["--limit", 0], r"--limit must be a number of at least 1, got 0"),
+    (["--ppl", "val.bin", "--ppl-context", 0], r"--ppl-context must be a number of at least 1, got 0"),
+    (["--ppl", "val.bin", "--ppl-context", -5], r"--ppl-context must be a number of at least 1, got -5"),
+    (["--ppl", "val.bin", "--ppl-max-tokens", 0], r"--ppl-max-tokens must be a number of at least 2, got 0"),
+    (["--speed", "--speed-tokens", 0], r"--speed-tokens must be a number of at least 2, got 0"),
+    (["--device", "tpu"], r"--device tpu is not a device of this machine; use one of auto, cpu"),
+    (["--device", "cuda:99"], r"--device cuda:99 is not a device of this machine; use one of auto, cpu"),
     (["--tasks", "piqa,hellaswag"], r"unknown task 'hellaswag'; known tasks: piqa, arc_easy, .*, wsc273 \(or 'all'\)"),
     (["--tasks", " , "], r"--tasks is empty; known tasks: piqa, "),
     (["--ppl", "folder"], r"--ppl \S+folder is a directory; pass a uint16 token file \(data/\*/prepare.py\) or a text"),
     (["--ppl", "missing.bin"], r"--ppl \S+missing.bin does not exist; pass a uint16 token file"),
     (["--ppl", "empty.bin"], r"--ppl \S+empty.bin is empty; pass a uint16 token file"),
     (["--ppl", "empty.txt"], r"--ppl \S+empty.txt is empty; pass a uint16 token file"),
-    (["--output", "no/such/r.json"], r"--output \S+no/such/r.json is in \S+no/such, a folder that does not exist; "
-                                     r"give a file path in a writable folder"),
-    (["--output", "folder"], r"--output \S+folder is a directory; give a file path in a writable folder"),
+    (["--output", "no/such/r.json"], r"cannot write \S+no/such/r.json: it is in \S+no/such, which does not exist; "
+                                     r"pass a file path in a writable folder"),
+    (["--output", "folder"], r"cannot write \S+folder: it is a directory; pass a file path in a writable folder"),
 ]
 
 
@@ -3291,8 +3291,8 @@ def test_output_in_a_read_only_folder_fails_before_any_work(ckpt, tmp_path, caps
     monkeypatch.setattr(E, "load_models", lambda *a: pytest.fail("a model was loaded"))
     code, err = evaluate_exit(capsys, "--model", ckpt, "--data-dir", EVAL, "--tasks", "piqa",
                               "--output", folder / "results.json")
-    assert code == 2 and re.fullmatch(rf"error: --output {folder}/results.json cannot be written \([^)]+\); give a "
-                                      r"file path in a writable folder\n", err), err
+    assert code == 2 and re.fullmatch(rf"error: cannot write {folder}/results.json: it is in {folder}, which is not "
+                                      r"writable \([^)]+\); pass a file path in a writable folder\n", err), err
     assert not (folder / "results.json").exists() and list(ro.iterdir()) == []
 
 

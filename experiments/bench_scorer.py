@@ -19,7 +19,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import evaluate as E  # noqa: E402
-from common import opt, parse_config, pick_device, run_main, sync, write_text_atomic  # noqa: E402
+from common import (check_positive, check_writable, opt, parse_config, pick_device, run_main, sync,  # noqa: E402
+                    write_text_atomic)
 from fast_scorer import score_windows  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -38,7 +39,10 @@ class BenchConfig:
     output: str | None = opt(None, "write the table's numbers to this JSON file")
 
     def __post_init__(self):
-        E.check_options(self, {"limit": 1, "batch_size": 1, "rounds": 1})
+        check_positive(self, ("limit", "batch_size", "rounds"), 1)
+        pick_device(self.device, "float32")
+        if self.output:
+            check_writable(self.output)
 
 
 def harness_tokens(tokenized, max_len: int) -> int:
