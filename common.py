@@ -43,6 +43,7 @@ def run_main(main):
     exit code 2; Ctrl-C or SIGTERM with one line naming the last checkpoint, which is whole (atomic_path), exit code
     130 or 143."""
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)     # also where a shell started us with it ignored
     code = 0
     try:
         main()

@@ -2443,13 +2443,15 @@ def test_one_run_per_out_dir_and_a_crashed_runs_lock_is_not_stuck(setup, tmp_pat
 @pytest.mark.parametrize("sig, code, name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
 def test_ctrl_c_and_sigterm_stop_with_one_line_and_the_run_resumes(setup, tmp_path, sig, code, name):
     """A signal during training: exit 130 / 143, one line naming the last checkpoint (whole) and --resume; resumed
-    from it, the run ends as an uninterrupted one would, at the same features."""
+    from it, the run ends as an uninterrupted one would, at the same features. The run starts with SIGINT ignored,
+    as a script's background job does (and as this test's caller may have it), and must still stop on it."""
     d, ckpt, data = setup
     out = tmp_path / "run"
     args = distill_args(ckpt, data, out, "--alloc", "fix", "--budget", "4", "--eval-interval", "2", "--device", "cpu")
     p = subprocess.Popen([sys.executable, str(ROOT / "distill.py"), *args, "--max-steps", "100000"], cwd=ROOT,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     for _ in range(600):                                             # until a checkpoint past step 0 is on disk
         if (out / "config.json").is_file() and json.loads((out / "config.json").read_text())["step"] >= 2:
             break
