@@ -113,7 +113,7 @@ class DistillConfig:
 
 
 # --preset cpu: SmolLM2-135M on WikiText-2 in minutes on one CPU thread (docs/results.md's settings)
-PRESETS = {"cpu": "--block-size 256 --batch-size 1 --max-steps 300 --warmup-steps 30 --eval-interval 100 "
+PRESETS = {"cpu": "--block-size 256 --batch-size 1 --max-steps 450 --warmup-steps 45 --eval-interval 150 "
                   "--eval-iters 8 --budget 32 --lam 1e-3 --lam-relative --J 1024 --center-keys --val-fraction 0.1"}
 
 
