@@ -313,8 +313,9 @@ def curves(records, path):
         print(f"matplotlib is not installed, so {path} was not drawn; pip install matplotlib")
         return False
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
+    ended = {r["name"]: r["val"][-1]["step"] for r in records}       # a continuation starts where its --init-from ended
     for g, rs in groups(records).items():
-        steps = [v["step"] for v in rs[0]["val"]]
+        steps = [v["step"] + ended.get(Path(rs[0]["args"].get("init_from") or "").name, 0) for v in rs[0]["val"]]
         y = np.array([[v["student_loss"] for v in r["val"]] for r in rs if len(r["val"]) == len(steps)])
         m, s = y.mean(0), (y.std(0, ddof=1) if len(y) > 1 else 0 * y[0])
         ax.plot(steps, m, label=f"budget {g.replace('/', ', ')}")
