@@ -150,8 +150,8 @@ def best_grid(seeds=(1, 2)):
 
 
 PRESET = ["--model", "smollm2-135m", "--data", "data/wikitext-smollm2", "--preset", "cpu"]
-PRESET_VARIANTS = {"300 layerwise steps (the old preset)": ("layerwise300", ["--max-steps", "300", "--warmup-steps", "30",
-                                                                             "--eval-interval", "100"]),
+PRESET_VARIANTS = {"300 layerwise steps (the old preset)": ("layerwise300", ["--max-steps", "300", "--warmup-steps",
+                                                                             "30", "--eval-interval", "100"]),
                    "450 layerwise steps": ("layerwise450", ["--max-steps", "450", "--warmup-steps", "45",
                                                             "--eval-interval", "150"]),
                    "360 steps, the last 60 direct": ("direct60", ["--max-steps", "360", "--direct-steps", "60",
@@ -315,7 +315,8 @@ def curves(records, path):
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
     ended = {r["name"]: r["val"][-1]["step"] for r in records}       # a continuation starts where its --init-from ended
     for g, rs in groups(records).items():
-        steps = [v["step"] + ended.get(Path(rs[0]["args"].get("init_from") or "").name, 0) for v in rs[0]["val"]]
+        start = ended.get(Path(rs[0].get("args", {}).get("init_from") or "").name, 0)
+        steps = [start + v["step"] for v in rs[0]["val"]]
         y = np.array([[v["student_loss"] for v in r["val"]] for r in rs if len(r["val"]) == len(steps)])
         m, s = y.mean(0), (y.std(0, ddof=1) if len(y) > 1 else 0 * y[0])
         ax.plot(steps, m, label=f"budget {g.replace('/', ', ')}")
