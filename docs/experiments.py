@@ -271,17 +271,29 @@ def summary_table(records):
     return "\n".join(rows)
 
 
-def paired_table(records, base="Fix"):
-    """Paired differences against `base` at each budget, seed by seed: mean ± standard error."""
+def paired_diffs(records, base="Fix"):
+    """Each group's (next-token loss, attention KL) minus `base`'s at its budget, seed by seed: group -> (pairs, 2)."""
     by = {(r["group"], r["seed"]): r for r in records}
-    rows = [f"| budget | allocation − {base} | pairs | Δ next-token loss | Δ attention KL |", "|---:|---|---:|---|---|"]
+    out = {}
     for g in groups(records):
         budget, alloc = g.split("/")
         pairs = [(by[(g, s)], by[(f"{budget}/{base}", s)]) for (gg, s) in by if gg == g and (f"{budget}/{base}", s) in by]
-        if alloc == base or not pairs:
-            continue
-        d = np.array([[final(a)[0] - final(b)[0], final(a)[1] - final(b)[1]] for a, b in pairs])
-        se = d.std(0, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else [float("nan")] * 2
+        if alloc != base and pairs:
+            out[g] = np.array([[final(a)[0] - final(b)[0], final(a)[1] - final(b)[1]] for a, b in pairs])
+    return out
+
+
+def standard_error(d):
+    """Standard error of the mean of each column of d (pairs, k); nan for one pair."""
+    return d.std(0, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else np.full(d.shape[1:], np.nan)
+
+
+def paired_table(records, base="Fix"):
+    """Paired differences against `base` at each budget, seed by seed: mean ± standard error."""
+    rows = [f"| budget | allocation − {base} | pairs | Δ next-token loss | Δ attention KL |", "|---:|---|---:|---|---|"]
+    for g, d in paired_diffs(records, base).items():
+        budget, alloc = g.split("/")
+        se = standard_error(d)
         rows.append(f"| {budget} | {alloc} − {base} | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | "
                     f"{d[:, 1].mean():+.3f} ± {se[1]:.3f} |")
     return "\n".join(rows)
@@ -453,20 +465,14 @@ def predictor_table(results):
 def allocation_table(records, base="Fix", best="Measured"):
     """Paired differences of each rule against Fix, seed by seed (mean ± standard error), and its share of the
     measured allocation's gain in held-out attention KL."""
-    by = {(r["group"], r["seed"]): r for r in records}
-    diffs = {}
-    for g in groups(records):
-        alloc = g.split("/")[1]
-        pairs = [(by[(g, s)], by[(f"32/{base}", s)]) for (gg, s) in by if gg == g and (f"32/{base}", s) in by]
-        if alloc != base and pairs:
-            diffs[alloc] = np.array([[final(a)[0] - final(b)[0], final(a)[1] - final(b)[1]] for a, b in pairs])
+    diffs = {g.split("/")[1]: d for g, d in paired_diffs(records, base).items()}
     g = -diffs[best][:, 1] if best in diffs else np.full(2, np.nan)
-    gain, gain_se = g.mean(), g.std(ddof=1) / np.sqrt(len(g))
+    gain, gain_se = g.mean(), standard_error(g)
     clear = gain > 2 * gain_se                               # a share of a gain lost in its noise means nothing
     rows = [f"| rule (allocation field) | pairs | Δ next-token loss vs {base} | Δ attention KL vs {base} | share of the "
             f"measured gain in KL |", "|---|---:|---|---|---:|"]
     for alloc, d in diffs.items():
-        se = d.std(0, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else [float("nan")] * 2
+        se = standard_error(d)
         name = next(r["allocation"] for r in records if r["group"].endswith("/" + alloc))
         rows.append(f"| {alloc} (`{name}`) | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | {d[:, 1].mean():+.4f} ± "
                     f"{se[1]:.4f} | {f'{-d[:, 1].mean() / gain:+.0%}' if clear else '–'} |")
