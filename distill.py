@@ -3,16 +3,11 @@ Distil a pretrained transformer's softmax attention into linear attention (the p
 
     python distill.py --budget 64 --loss softmax
     python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu     # offline, minutes on a CPU
-    python distill.py --loss direct --lr-z 2e-3 --lr-alpha 2e-2 --init-from out-distill --out-dir out-direct
     torchrun --nproc_per_node 4 distill.py --budget 64 --loss softmax                # data-parallel, 4 GPUs
 
-teacher -> token files (made on first use) -> calibration windows -> dims (dof.choose_dims, Algorithm 1) -> student
-(teacher.linearize: every teacher weight shared, only the feature maps train) -> training -> checkpoint -> summary.
-The layerwise losses (softmax, l2) train each layer on the teacher's own queries and keys from one frozen pass: the
-layers are independent problems, so each layer's loss backpropagated alone gives exactly the gradient of their sum.
-The direct loss is the whole student's next-token loss. Under torchrun each of N processes trains on its share of
-every batch and the gradients are averaged by one all-reduce per step; rank 0 writes the checkpoint (whole, then
-renamed into place): features.safetensors, config.json, optim.pt (optimizer, data position, RNG) and metrics.json.
+teacher -> token files -> calibration windows -> dims (dof.choose_dims) -> student (teacher.linearize: only the
+feature maps are new) -> training -> checkpoint. The layerwise losses train each layer on the teacher's own queries
+and keys from one frozen pass (independent problems: each layer's gradient alone is that of their sum).
 """
 
 import functools
@@ -32,9 +27,9 @@ from tqdm import tqdm
 
 import dof
 from checkpoint import HubUnreachable, read_student
-from common import (ModelError, all_mean, barrier, broadcast, check_positive, claim_out_dir,
-                    get_batch, get_rank, get_world_size, init_distributed, is_main, opt, parse_config, pick_device,
-                    read_json, read_tokens, run_main, atomic_path, torch_load)
+from common import (ModelError, all_mean, atomic_path, barrier, broadcast, check_positive, claim_out_dir, get_batch,
+                    get_rank, get_world_size, init_distributed, is_main, opt, parse_config, pick_device, read_json,
+                    read_tokens, run_main, torch_load)
 from model import GPT, PRF, feature_state, load_feature_state, overflow_safe_prf, prf_log_features
 from tokenizer import load_tokenizer
 
@@ -50,9 +45,9 @@ class DistillConfig:
                      "size), reverse (dof's dims in reverse DoF order)", choices=dof.RULES)
     lam: float = opt(2 ** -4, "lambda of the degrees of freedom (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
     lam_relative: bool = opt(False, "take lambda as a fraction of tr(S): invariant to the kernel's scale")
-    loss: str = opt("softmax", "softmax, l2: layerwise attention losses; direct: the student's next-token loss",
+    loss: str = opt("softmax", "softmax, l2 (layerwise attention losses) or direct (next-token)",
                     choices=("softmax", "l2", "direct"))
-    feature_map: str = opt("prf", "prf (learned, the paper's), performer (fixed FAVOR+), dijiang (fixed DCT)",
+    feature_map: str = opt("prf", "prf (learned, the paper's), performer (fixed FAVOR+) or dijiang (fixed DCT)",
                            choices=("prf", "performer", "dijiang"))
     lr_z: float = opt(0.02, "peak Adam learning rate of the feature directions z")
     lr_alpha: float = opt(0.2, "peak Adam learning rate of the feature weights alpha")
@@ -77,14 +72,12 @@ class DistillConfig:
     batch_size: int = opt(8, "windows per micro-batch")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
     max_steps: int = opt(2000, "optimizer steps to train to")
-    direct_steps: int = opt(0, "the last this many steps train the direct loss, end to end, after --loss's (the "
-                            "schedule's low tail: a short fine-tune)")
+    direct_steps: int = opt(0, "the last this many steps train the direct loss after --loss's (a short fine-tune)")
     decay_steps: int = opt(0, "length of the cosine schedule (0: --max-steps); keep it fixed across --resume")
     warmup_steps: int = opt(100, "linear warm-up steps (at most a tenth of the schedule)")
     min_lr_frac: float = opt(0.1, "the cosine schedule ends at this fraction of the peak learning rates")
     compile: bool = opt(False, "torch.compile the layerwise loss's blocks (minutes to compile; for long GPU runs)")
-    query_block: int = opt(0, "queries per block of the layerwise losses (memory grows with it x context); 0: "
-                           "128, or with --stack as many as fit 2^26 floats")
+    query_block: int = opt(0, "queries per block of the layerwise losses (0: 128, or with --stack up to 2^26 floats)")
     stack: str = opt("auto", "run the layerwise losses of layers with equal M as one: auto (on a GPU), yes, no",
                      choices=("auto", "yes", "no"))
     # bookkeeping
@@ -135,14 +128,13 @@ def data_script(name):
     """data/<name>/prepare.py as a module, for its prepare(cfg, enc)."""
     path = Path(__file__).parent / "data" / name / "prepare.py"
     spec = importlib.util.spec_from_file_location(f"prepare_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
     return module
 
 
 def open_data(cfg, enc, vocab_size):
-    """--data's token files, made first if it has none (from its text files by data/text/prepare.py, else from
-    --wiki-tokens of Wikipedia by data/wikipedia/prepare.py), checked against the teacher's tokenizer."""
+    """--data's token files, made first if it has none (by data/text/prepare.py from its text files, else by
+    data/wikipedia/prepare.py), checked against the teacher's tokenizer."""
     d, again = Path(cfg.data), "delete its train.bin, val.bin and meta.json to prepare them again"
     if is_main() and not (d / "meta.json").is_file():                  # meta.json is written last: complete
         if d.exists() and not d.is_dir() or any((d / f).exists() for f in ("train.bin", "val.bin")):
@@ -185,34 +177,36 @@ def softmax_loss(q, k, phi_q, phi_k):
     return (logp.exp() * (logp - log_phat)).masked_fill(logp == float("-inf"), 0.0).sum(-1)
 
 
+def causal_blocks(q, k, block):
+    """Query rows s:e of the causal logits q k^T -> (s, e, logits (B, H, e - s, e), diag): keys j > i, all in the
+    diagonal tile, are -inf there (diag (e - s, e - s) marks them)."""
+    for s in range(0, q.size(2), block):
+        e = min(q.size(2), s + block)
+        diag = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu_(1)
+        logits = q[:, :, s:e] @ k[:, :, :e].mT
+        logits[..., s:].masked_fill_(diag, float("-inf"))
+        yield s, e, logits, diag
+
+
+@torch.no_grad()
 def softmax_loss_blockwise(q, k, pq, pk, block, grad_scale=None):
-    """softmax_loss summed over the rows of each head, `block` rows at a time (memory O(block * T), not T^2; only
-    the diagonal tile has keys to mask). q (B, H, T, D) teacher queries divided by sqrt(d), k keys, pq, pk (B, H, T,
-    M) features -> (H,) float64. With grad_scale, adds grad_scale times its gradient into pq.grad, pk.grad, written
-    out: with a_ij = pq_i.pk_j, S_i = sum_{j<=i} a_ij and rows of p summing to 1,
-        KL_i = sum_j p_ij log p_ij - sum_j p_ij log a_ij + log S_i,     dKL_i/da_ij = 1/S_i - p_ij / a_ij,
-    so no autograd graph over a (B, H, b, T) block: half the passes over it. a and S are clamped at the smallest
-    normal float before their logs (zero gradient where clamped, as autograd gives)."""
-    T, tiny, heads = q.size(2), torch.finfo(pq.dtype).tiny, (0, 2, 3)
+    """softmax_loss summed over each head's rows, `block` at a time (memory O(block T)): q (B, H, T, D) queries over
+    sqrt(d), k keys, pq, pk (B, H, T, M) features -> (H,) float64. grad_scale: adds grad_scale times the gradient
+    into pq.grad, pk.grad, written out (a_ij = pq_i.pk_j, S_i = sum_{j<=i} a_ij, a and S clamped at float's tiny):
+        KL_i = sum_j p_ij log p_ij - sum_j p_ij log a_ij + log S_i,     dKL_i/da_ij = 1/S_i - p_ij / a_ij."""
+    tiny, heads = torch.finfo(pq.dtype).tiny, (0, 2, 3)
     total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
-    for s in range(0, T, block):
-        e = min(T, s + block)
-        diag = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu_(1)   # keys j > i, all in [s, e)
-        with torch.no_grad():
-            logits = q[:, :, s:e] @ k[:, :, :e].mT
-            logits[..., s:].masked_fill_(diag, float("-inf"))
-            p = torch.log_softmax(logits, -1).exp_()                                  # teacher (B, H, b, e)
-            a = pq[:, :, s:e] @ pk[:, :, :e].mT                                       # student, a >= 0
-            a[..., s:].masked_fill_(diag, 0.0)
-            S = a.sum(-1, keepdim=True)                                               # (B, H, b, 1)
-            under = a < tiny if grad_scale is not None else None
-            a.clamp_min_(tiny)
-            total += (torch.xlogy(p, p).sum(heads) + S.clamp_min(tiny).log().sum(heads) - (p * a.log()).sum(heads)
-                      ).double()
-            if grad_scale is None:
-                continue
-            inv_s = torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0)
-            g = p.div_(a).masked_fill_(under, 0.0).neg_().add_(inv_s)
+    for s, e, logits, diag in causal_blocks(q, k, block):
+        p = torch.log_softmax(logits, -1).exp_()                                      # teacher (B, H, b, e)
+        a = pq[:, :, s:e] @ pk[:, :, :e].mT                                           # student, a >= 0
+        a[..., s:].masked_fill_(diag, 0.0)
+        S = a.sum(-1, keepdim=True)                                                   # (B, H, b, 1)
+        under = a < tiny if grad_scale is not None else None
+        a.clamp_min_(tiny)
+        total += (torch.xlogy(p, p).sum(heads) + S.clamp_min(tiny).log().sum(heads) - (p * a.log()).sum(heads)
+                  ).double()
+        if grad_scale is not None:
+            g = p.div_(a).masked_fill_(under, 0.0).neg_().add_(torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0))
             g[..., s:].masked_fill_(diag, 0.0)
             g.mul_(grad_scale)
             pq.grad[:, :, s:e] += g @ pk[:, :, :e]                                    # (B, H, b, M)
@@ -220,33 +214,23 @@ def softmax_loss_blockwise(q, k, pq, pk, block, grad_scale=None):
     return total
 
 
+@torch.no_grad()
 def l2_loss_blockwise(q, k, lq, lk, block, grad_scale=None):
-    """Per head, the sum over rows i of sum_{j<=i} (K_ij - K^_ij)^2 / m_i^2, `block` rows at a time: K_ij =
-    exp(q_i.k_j / sqrt d), K^_ij = Phi(q_i).Phi(k_j) = sum_m exp(lq_im + lk_jm) from the log-features, m_i = max_{j<=i}
-    K_ij (the paper's L2 kernel loss, each row divided by its largest teacher value, so that exp stays in range and
-    large rows do not swamp the rest). K^/m = c_i (Fq Fk^T)_ij with Fq = exp(lq + w - u), Fk = exp(lk - w) in (0, 1]
-    and c = exp(u - m) (exact shifts, the exponent capped at 30: a wild student gives a large loss, not inf) -> (H,)
-    float64. With grad_scale, adds its gradient into lq.grad, lk.grad, written out: with G = -2 (K - K^) / m^2,
-        dL/dlq_im = c_i Fq_im (G Fk)_im,     dL/dlk_jm = Fk_jm (G^T (c Fq))_jm."""
-    T, heads = q.size(2), (0, 2, 3)
+    """The paper's L2 kernel loss per head, sum_i sum_{j<=i} (K_ij - K^_ij)^2 / m_i^2 with K_ij = exp(q_i.k_j / sqrt d),
+    K^_ij = sum_m exp(lq_im + lk_jm), m_i = max_{j<=i} K_ij (in range, no row swamps the rest) -> (H,) float64. K^/m =
+    c_i (Fq Fk^T)_ij, Fq = exp(lq + w - u), Fk = exp(lk - w) in (0, 1], c = exp(u - m) capped at e^30. grad_scale:
+        G = -2 (K - K^) / m^2,    dL/dlq_im = c_i Fq_im (G Fk)_im,    dL/dlk_jm = Fk_jm (G^T (c Fq))_jm."""
     total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
-    for s in range(0, T, block):
-        e = min(T, s + block)
-        diag = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu_(1)
-        with torch.no_grad():
-            logits = q[:, :, s:e] @ k[:, :, :e].mT
-            logits[..., s:].masked_fill_(diag, float("-inf"))
-            m = logits.amax(-1, keepdim=True)                                         # (B, H, b, 1) log row max
-            w = lk[:, :, :e].amax(2, keepdim=True)                                    # (B, H, 1, M) per feature
-            u = (lq[:, :, s:e] + w).amax(-1, keepdim=True)                            # (B, H, b, 1) per query
-            Fq, Fk, c = (lq[:, :, s:e] + w - u).exp(), (lk[:, :, :e] - w).exp(), (u - m).clamp_max(30.0).exp()
-            diff = logits.sub_(m).exp_().sub_((Fq @ Fk.mT).mul_(c))                   # K / m - K^ / m (B, H, b, e)
-            diff[..., s:].masked_fill_(diag, 0.0)
-            total += diff.square().sum(heads).double()
-            if grad_scale is None:
-                continue
-            G = diff.mul_(-2.0 * grad_scale)
-            cFq = Fq.mul_(c)
+    for s, e, logits, diag in causal_blocks(q, k, block):
+        m = logits.amax(-1, keepdim=True)                                             # (B, H, b, 1) log row max
+        w = lk[:, :, :e].amax(2, keepdim=True)                                        # (B, H, 1, M) per feature
+        u = (lq[:, :, s:e] + w).amax(-1, keepdim=True)                                # (B, H, b, 1) per query
+        Fq, Fk, c = (lq[:, :, s:e] + w - u).exp(), (lk[:, :, :e] - w).exp(), (u - m).clamp_max(30.0).exp()
+        diff = logits.sub_(m).exp_().sub_((Fq @ Fk.mT).mul_(c))                       # K / m - K^ / m (B, H, b, e)
+        diff[..., s:].masked_fill_(diag, 0.0)
+        total += diff.square().sum((0, 2, 3)).double()
+        if grad_scale is not None:
+            G, cFq = diff.mul_(-2.0 * grad_scale), Fq.mul_(c)
             lq.grad[:, :, s:e] += cFq * (G @ Fk)
             lk.grad[:, :, :e] += Fk * (G.mT @ cFq)
     return total
@@ -258,34 +242,25 @@ def stacked_features(cores, q, k, log=False):
     if len(cores) == 1:
         return cores[0].features(q, k, log)
     z, la = (torch.cat([getattr(c.feature_map, n) for c in cores]) for n in ("z", "log_alpha"))
-    with torch.autocast(q.device.type, enabled=False):
-        if log:
-            return prf_log_features(q, z, la), prf_log_features(k, z, la)
-        return overflow_safe_prf(q, z, la, True), overflow_safe_prf(k, z, la, False)
-
-
-@functools.cache
-def compiled(fn):
-    return torch.compile(fn, dynamic=True)
+    if log:
+        return prf_log_features(q, z, la), prf_log_features(k, z, la)
+    return overflow_safe_prf(q, z, la, True), overflow_safe_prf(k, z, la, False)
 
 
 def layer_losses(cores, qk, kind, query_block=0, scale=None, compile=False, stack=None):
-    """(L,) float64: each layer's mean over (batch, heads, queries) of its softmax or l2 loss on the teacher's (q, k)
-    of that layer; with scale, also backpropagates scale * each loss into its core's features. Keys are centred as
-    the student sees them (the teacher's rows do not change). The fast form of softmax_loss: the blockwise loss fills
-    the features' .grad, then one backward pass goes through the feature maps. stack (default: on a GPU): layers
-    whose cores share a PRF-type map and M run as one, their heads side by side, in blocks of up to 2^26 floats: few,
-    large kernels. Without it each layer runs alone in blocks of 128 queries, which stay in a CPU's cache (faster
-    there than bigger blocks). query_block > 0 sets the block; compile: torch.compile of the blockwise loss."""
-    stack, groups = qk[0][0].is_cuda if stack is None else stack, {}
+    """(L,) float64: each layer's mean softmax or l2 loss on its teacher (q, k), keys centred; with scale, scale *
+    each loss backpropagated into its core (the blockwise loss fills the features' .grad, then one backward pass).
+    stack (default: on a GPU): layers of one PRF-type map and M run as one, in blocks of up to 2^26 floats; else
+    each layer alone in blocks of 128 queries (a CPU's cache). compile: torch.compile the blockwise loss."""
+    stack, groups, dev = qk[0][0].is_cuda if stack is None else stack, {}, qk[0][0].device
     for l, c in enumerate(cores):
-        key = (type(c.feature_map), c.M) if stack and isinstance(c.feature_map, PRF) else l
-        groups.setdefault(key, []).append(l)
-    out = torch.zeros(len(cores), dtype=torch.float64, device=qk[0][0].device)
+        groups.setdefault((type(c.feature_map), c.M) if stack and isinstance(c.feature_map, PRF) else l, []).append(l)
+    blockwise = softmax_loss_blockwise if kind == "softmax" else l2_loss_blockwise
+    blockwise, grad = torch.compile(blockwise, dynamic=True) if compile else blockwise, scale is not None
+    out = torch.zeros(len(cores), dtype=torch.float64, device=dev)
     for ls in groups.values():
         B, H, T, D = qk[ls[0]][0].shape
-        n, grad = B * H * T, scale is not None
-        with torch.autocast(qk[0][0].device.type, enabled=False), torch.set_grad_enabled(grad):
+        with torch.autocast(dev.type, enabled=False), torch.set_grad_enabled(grad):
             inputs = [cores[l].inputs(*qk[l]) for l in ls]                                # fp32, keys centred
             q, kc = (torch.cat(x, 1) if len(ls) > 1 else x[0] for x in zip(*inputs))       # (B, G H, T, D)
             fq, fk = stacked_features([cores[l] for l in ls], q, kc, log=kind == "l2")      # (B, G H, T, M)
@@ -293,10 +268,8 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, compile=False, stac
             if grad:
                 pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
             block = query_block or (max(1, min(T, 2 ** 26 // (B * q.size(1) * T))) if stack else 128)
-            blockwise = softmax_loss_blockwise if kind == "softmax" else l2_loss_blockwise
-            blockwise = compiled(blockwise) if compile else blockwise
-            sums = blockwise(q * D ** -0.5, kc, pq, pk, block, scale / n if grad else None)      # (G H,)
-            out[ls] = sums.view(len(ls), H).sum(1) / n
+            sums = blockwise(q * D ** -0.5, kc, pq, pk, block, scale / (B * H * T) if grad else None)   # (G H,)
+            out[ls] = sums.view(len(ls), H).sum(1) / (B * H * T)
             if grad and fq.requires_grad:
                 torch.autograd.backward([fq, fk], [pq.grad, pk.grad])
     return out
@@ -314,18 +287,17 @@ FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map",
 
 
 def check_memory(cfg, mc, device):
-    """Refuse, before anything large is allocated, a step that cannot fit, by a rough count of 4-byte floats: every
-    layer's teacher q and k, six blocks of attention rows, one layer's features at 4x the budget (where DoF dims
-    reach) and their gradients, the hidden states (the direct loss keeps every layer's, and the logits)."""
+    """Refuse a step that cannot fit before anything large is allocated, by a rough count of 4-byte floats: every
+    layer's q and k, six blocks of attention rows, features at 4x the budget (where DoF dims reach) and their
+    gradients, the hidden states (the direct loss keeps every layer's, and the logits)."""
     B, T, H, M, L, C = cfg.batch_size, cfg.block_size, mc.n_head, 4 * cfg.budget, mc.n_layer, mc.n_embd
-    gpu = device.startswith("cuda") and cfg.stack != "no"
-    floats = L * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * (min(L * B * H * T * T, 2 ** 26) if gpu else
-                                                                  B * H * min(cfg.query_block or 128, T) * T) \
-        + 4 * B * H * T * M + 3 * L * H * M * mc.head_dim + 8 * B * T * C \
-        + (16 * L * B * T * C + 2 * B * T * mc.vocab_size if cfg.loss == "direct" or cfg.direct_steps else 0)
+    cuda, direct = device.startswith("cuda"), cfg.loss == "direct" or cfg.direct_steps
+    rows = min(L * B * H * T * T, 2 ** 26) if cuda and cfg.stack != "no" else B * H * min(cfg.query_block or 128, T) * T
+    floats = (L * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * B * H * T * M + 3 * L * H * M * mc.head_dim
+              + 8 * B * T * C + (16 * L * B * T * C + 2 * B * T * mc.vocab_size if direct else 0))
     info = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").is_file() else ""
-    meminfo = re.findall(r"MemAvailable:\s+(\d+)", info)
-    free = torch.cuda.mem_get_info(device)[0] if device.startswith("cuda") else 1024 * int((meminfo or [2 ** 40])[0])
+    free = torch.cuda.mem_get_info(device)[0] if cuda else \
+        1024 * int((re.findall(r"MemAvailable:\s+(\d+)", info) or [2 ** 40])[0])
     if 4 * floats > free:
         raise ModelError(f"a step of --batch-size {B} x --block-size {T} at --budget {cfg.budget} needs about "
                          f"{4 * floats / 2 ** 30:,.1f} GiB, more than the {free / 2 ** 30:.1f} GiB free on {device}; "
@@ -341,8 +313,7 @@ def make_student(cfg, teacher, calib):
         if prev["teacher"] != cfg.model:
             raise ModelError(f"{'--resume' if cfg.resume else '--init-from'} {ckpt} distils {prev['teacher']}, not "
                              f"{cfg.model}; pass --model {prev['teacher']}")
-        n = prev.get("world_size", 1)
-        if cfg.resume and n != get_world_size():
+        if cfg.resume and (n := prev.get("world_size", 1)) != get_world_size():
             how = "plain python distill.py" if n == 1 else f"torchrun --nproc_per_node {n} distill.py"
             raise ModelError(f"{ckpt} was trained by {n} process(es) and this run has {get_world_size()}; resume it "
                              f"with {how}, as the global batch and each process's share of the data depend on it")
@@ -370,14 +341,14 @@ def make_student(cfg, teacher, calib):
 
 def make_optimizer(student, cfg):
     """Adam over the weights alpha (lr_alpha) and the directions z (lr_z); None for a map without parameters."""
-    train = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for n, p in train if n.endswith("alpha") == a], "peak": lr}
-              for a, lr in ((False, cfg.lr_z), (True, cfg.lr_alpha)) if any(n.endswith("alpha") == a for n, _ in train)]
+    named = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
+    groups = [{"params": ps, "peak": lr} for a, lr in ((False, cfg.lr_z), (True, cfg.lr_alpha))
+              if (ps := [p for n, p in named if n.endswith("alpha") == a])]
     return torch.optim.Adam(groups, betas=(0.9, 0.999), eps=1e-8, foreach=True) if groups else None
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoint: written whole into <out_dir>.tmp, then renamed into place (common.atomic_path)
+# Checkpoint: rank 0 writes it whole into <out_dir>.tmp, then renames it into place (common.atomic_path)
 
 def checkpoint_config(cfg, dims, layer_dof, meta):
     """config.json: what load_student needs (teacher, dims, feature map, chunk size) and how the run was made."""
@@ -388,15 +359,12 @@ def checkpoint_config(cfg, dims, layer_dof, meta):
                      "tokenizer": meta["tokenizer"].get("model")}, "args": asdict(cfg)}
 
 
-def save_checkpoint(cfg, student, optim, gen, config, metrics, step):
-    """The whole checkpoint at `step` (rank 0 writes it: every process holds the same features)."""
-    if not is_main():
-        return
-    state = {"optimizer": optim.state_dict() if optim else None, "step": step, "train_rng": gen.get_state(),
-             "torch_rng": torch.get_rng_state()}
+def save_checkpoint(cfg, student, optim, gen, config, metrics):
+    state = {"optimizer": optim.state_dict() if optim else None, "step": config["step"],
+             "train_rng": gen.get_state(), "torch_rng": torch.get_rng_state()}
     with atomic_path(cfg.out_dir, directory=True) as tmp:
         save_file(feature_state(student), str(tmp / "features.safetensors"))
-        (tmp / "config.json").write_text(json.dumps({**config, "step": step}, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "metrics.json").write_text(json.dumps(metrics) + "\n")
         torch.save(state, tmp / "optim.pt")
 
@@ -414,7 +382,7 @@ def restore(cfg, optim, gen):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Training: the learning rate, a step, validation, the loop
+# Training: the learning rate, a step, the loop with its validation
 
 def lr_factor(step, cfg):
     """Linear warm-up then cosine decay to min_lr_frac, over decay_steps (default max_steps)."""
@@ -426,9 +394,20 @@ def lr_factor(step, cfg):
     return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def student_losses(cfg, teacher, student, x, amp, loss_fn, kind, scale=None):
+    """One teacher pass over x, then every layer's loss on its own queries and keys -> (L,), float64: all layers
+    at once (layer_losses) with the core's loss, one by one with a fork's loss_fn."""
+    with amp:
+        qk = dof.teacher_qk(teacher, x)
+    if loss_fn is layer_loss:
+        return layer_losses(student.cores(), qk, kind, cfg.query_block, scale, cfg.compile,
+                            {"auto": None, "yes": True, "no": False}[cfg.stack])
+    return torch.stack([loss_fn(c, q, k, kind, cfg.query_block, scale) for c, (q, k) in zip(student.cores(), qk)])
+
+
 def train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn=layer_loss):
     """Optimizer step step + 1 over grad_accum micro-batches -> its losses, (L,) per layer (softmax, l2) or (1,)
-    next-token (direct), float64 and left on the device (they reach the host at log lines only)."""
+    next-token (direct), float64, left on the device (they reach the host at log lines only)."""
     for g in optim.param_groups:
         g["lr"] = g["peak"] * lr_factor(step, cfg)
     losses, kind = 0.0, "direct" if step >= cfg.max_steps - cfg.direct_steps else cfg.loss
@@ -448,17 +427,6 @@ def train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn=laye
     return losses
 
 
-def student_losses(cfg, teacher, student, x, amp, loss_fn, kind, scale=None):
-    """One teacher pass over x, then every layer's loss on its own queries and keys -> (L,), float64: all layers
-    at once (layer_losses) with the core's loss, one by one with a fork's loss_fn."""
-    with amp:
-        qk = dof.teacher_qk(teacher, x)
-    if loss_fn is layer_loss:
-        return layer_losses(student.cores(), qk, kind, cfg.query_block, scale, cfg.compile,
-                            {"auto": None, "yes": True, "no": False}[cfg.stack])
-    return torch.stack([loss_fn(c, q, k, kind, cfg.query_block, scale) for c, (q, k) in zip(student.cores(), qk)])
-
-
 @torch.no_grad()
 def lm_loss(model, batches, amp):
     """Mean next-token loss of model over the batches (under torchrun, over every process's share)."""
@@ -468,24 +436,10 @@ def lm_loss(model, batches, amp):
     return tot.item() / len(batches)
 
 
-@torch.no_grad()
-def validate(cfg, teacher, student, batches, amp, step, loss_fn=layer_loss, teacher_loss=None):
-    """The student's next-token loss and each layer's held-out attention KL (the softmax loss) at `step`."""
-    kl = sum(student_losses(cfg, teacher, student, x, amp, loss_fn, "softmax") for x, _ in batches)
-    all_mean([kl])
-    record = {"step": step, "teacher_loss": teacher_loss, "student_loss": lm_loss(student, batches, amp),
-              "attn_kl": (kl / len(batches)).tolist()}
-    check_finite(cfg, step, [record["student_loss"]] + record["attn_kl"],
-                 lambda i: f"layer {i - 1}'s held-out attention KL" if i else "the student's held-out loss")
-    tqdm.write(f"val step {step}: student loss {record['student_loss']:.4f} | attention KL {fmt(record['attn_kl'])}")
-    return record
-
-
-def check_finite(cfg, step, values, names):
-    """A ModelError naming the first non-finite loss, before the checkpoint is touched."""
-    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-    if bad:
-        raise ModelError(f"{names(bad[0])} became {values[bad[0]]} at step {step}; the checkpoint in {cfg.out_dir} "
+def check_finite(cfg, step, values, name):
+    """A ModelError naming (name(i)) the first non-finite value, before the checkpoint is touched."""
+    if bad := [i for i, v in enumerate(values) if not math.isfinite(v)]:
+        raise ModelError(f"{name(bad[0])} became {values[bad[0]]} at step {step}; the checkpoint in {cfg.out_dir} "
                          "was not updated; lower --lr-z/--lr-alpha or use --dtype float32")
 
 
@@ -496,20 +450,29 @@ def fmt(losses):
                     range(0, len(losses), g)) if len(losses) > 1 else f"{losses[0]:.4f} (next-token)"
 
 
-def train(cfg, teacher, student, optim, data, val, amp, step, metrics, gen, save, loss_fn=layer_loss):
-    """The loop from `step` to --max-steps: a step, a log line every --log-interval steps, validation and a
-    checkpoint every --eval-interval steps and at the end. -> the last step."""
-    next_batch = lambda: get_batch(data["train"], cfg.batch_size, cfg.block_size, gen, val[0][0].device,
-                                   (get_rank(), get_world_size()))
-    check = lambda s: metrics["val"].append(validate(cfg, teacher, student, val, amp, s, loss_fn,
-                                                     metrics["teacher_loss"]))
-    if not metrics["val"]:                                          # a fresh run: its first checkpoint, at once
-        check(step)
-        save(step)
-    n, t0, tokens = 0, time.time(), cfg.batch_size * cfg.block_size * cfg.grad_accum * get_world_size()
+def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, config, loss_fn=layer_loss):
+    """The loop from `step` to --max-steps: a log line every --log-interval steps; validation (held-out next-token
+    loss and attention KL) and a checkpoint every --eval-interval steps, at the end and, for a fresh run, at once."""
+    share, tokens = (get_rank(), get_world_size()), cfg.batch_size * cfg.block_size * cfg.grad_accum * get_world_size()
+    next_batch = lambda: get_batch(data["train"], cfg.batch_size, cfg.block_size, gen, val[0][0].device, share)
+
+    def validate_and_save(s):
+        with torch.no_grad():
+            kl = sum(student_losses(cfg, teacher, student, x, amp, loss_fn, "softmax") for x, _ in val)
+        all_mean([kl])
+        v = {"step": s, "teacher_loss": metrics["teacher_loss"], "student_loss": lm_loss(student, val, amp),
+             "attn_kl": (kl / len(val)).tolist()}
+        check_finite(cfg, s, [v["student_loss"]] + v["attn_kl"],
+                     lambda i: f"layer {i - 1}'s held-out attention KL" if i else "the student's held-out loss")
+        tqdm.write(f"val step {s}: student loss {v['student_loss']:.4f} | attention KL {fmt(v['attn_kl'])}")
+        metrics["val"].append(v)
+        if is_main():
+            save_checkpoint(cfg, student, optim, gen, {**config, "step": s}, metrics)
+    if not metrics["val"]:
+        validate_and_save(step)
+    n, t0 = 0, time.time()
     for step in tqdm(range(step, cfg.max_steps if optim else step), desc="distill", unit="step", disable=not is_main()):
-        losses, n = train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn), n + 1
-        step += 1
+        losses, n, step = train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn), n + 1, step + 1
         if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.max_steps:
             all_mean([losses])
             losses, ms, lr = losses.tolist(), (time.time() - t0) * 1e3 / n, optim.param_groups[0]["lr"]
@@ -520,12 +483,8 @@ def train(cfg, teacher, student, optim, data, val, amp, step, metrics, gen, save
             tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses)} | lr {lr:.4g} | {ms:.0f} ms/step | "
                        f"{tokens * 1e3 / ms:,.0f} tok/s")
             n, t0 = 0, time.time()
-        if step % cfg.eval_interval == 0 and step < cfg.max_steps:
-            check(step)
-            save(step)
-    if metrics["val"][-1]["step"] != step:
-        check(step)
-    save(step)
+        if step % cfg.eval_interval == 0 or step == cfg.max_steps:
+            validate_and_save(step)
     return step
 
 
@@ -548,8 +507,7 @@ def print_summary(cfg, teacher, student, metrics, step, enc, device):
 
 
 def main(argv=None, make=make_student, loss_fn=layer_loss):
-    """distill.py's flow; an experiment passes its own make (-> student, dims, DoF) and loss_fn (layer_loss's
-    signature) to fork it (experiments/per_head.py)."""
+    """distill.py; a fork passes its own make (make_student's signature) and loss_fn (layer_loss's): per_head.py."""
     cfg = parse_args(argv) if not isinstance(argv, DistillConfig) else argv
     with claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite):    # refuses before any work; one run at a time
         try:
@@ -564,7 +522,7 @@ def run(cfg, make, loss_fn):
     if Path(cfg.model).exists():                                  # a local teacher by its absolute path, as
         cfg.model = str(Path(cfg.model).resolve())                # config.json records it for load_student
     device, amp = pick_device(cfg.device, cfg.dtype)
-    device = init_distributed(device)                              # torchrun: a process per device, rank 0 prints
+    device, N = init_distributed(device), get_world_size()        # torchrun: a process per device, rank 0 prints
     teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     cfg.block_size = min(cfg.block_size, teacher.config.block_size)
     check_memory(cfg, teacher.config, device)
@@ -572,21 +530,19 @@ def run(cfg, make, loss_fn):
     data, meta = open_data(cfg, enc, teacher.config.vocab_size)
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size, cfg.block_size, cfg.seed, device)
     val_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    val = [get_batch(data["val"], cfg.batch_size, cfg.block_size, val_gen, device, (get_rank(), get_world_size()))
+    val = [get_batch(data["val"], cfg.batch_size, cfg.block_size, val_gen, device, (get_rank(), N))
            for _ in range(cfg.eval_iters)]
     student, dims, layer_dof = make(cfg, teacher, calib)
     optim, gen = make_optimizer(student, cfg), torch.Generator().manual_seed(cfg.seed)
     step, metrics = restore(cfg, optim, gen) if cfg.resume else (0, {"history": [], "val": []})
     metrics.setdefault("teacher_loss", lm_loss(teacher, val, amp))
-    N = get_world_size()
     print(f"teacher {cfg.model}: {teacher.config.n_layer} layers; data {cfg.data} ({len(data['train']):,} train "
           f"tokens); dims {dims} (mean {np.mean(dims):.2f}); {cfg.feature_map} features, loss {cfg.loss}, "
           f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step"
           + (f" in each of {N} processes (global batch {N * cfg.batch_size * cfg.grad_accum})" if N > 1 else "")
           + f", device {device}")
     config = checkpoint_config(cfg, dims, layer_dof, meta)
-    save = lambda s: save_checkpoint(cfg, student, optim, gen, config, metrics, s)
-    step = train(cfg, teacher, student, optim, data, val, amp, step, metrics, gen, save, loss_fn)
+    step = train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, config, loss_fn)
     print_summary(cfg, teacher, student, metrics, step, enc, device)
 
 
