@@ -1,8 +1,5 @@
-"""
-Plumbing every entry script shares, written once: the one-sentence error and a clean stop, the command line built
-from a config dataclass, the device, the process group of a torchrun launch, and the project's files (written whole
-or not at all; one reader per kind, naming a damaged file; the out-dir's lock; token windows). A learner may skip it.
-"""
+"""Plumbing the entry scripts share: one-sentence errors, command lines from config dataclasses, devices, torchrun's
+process group, and the project's files (written whole or not at all, read with one sentence for a damaged one)."""
 
 import argparse
 import fcntl
@@ -25,6 +22,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+REQUIRED = MISSING     # opt(REQUIRED, help): a field the command line must give
+CLAIMED = []           # the out-dir this process writes checkpoints to (named when a run is stopped)
+
 
 class ModelError(Exception):
     """Bad input a user can fix: the message is one sentence saying what is wrong and what to do."""
@@ -34,67 +34,52 @@ class Stopped(BaseException):
     """SIGTERM, raised in the main thread so that a run stops the way Ctrl-C stops it."""
 
 
-def stop(signum, frame):
-    raise Stopped()
-
-
 def run_main(main):
-    """Run an entry script's main(): a ModelError ends it with one sentence on stderr (rank 0's under torchrun) and
-    exit code 2; Ctrl-C or SIGTERM with one line naming the last checkpoint, which is whole (atomic_path), exit code
-    130 or 143."""
+    """Run an entry script's main(): a ModelError ends it with one sentence on stderr (rank 0's) and exit code 2;
+    Ctrl-C or SIGTERM with one line naming the last checkpoint (whole: atomic_path) and exit code 130 or 143."""
+    def stop(signum, frame):
+        raise Stopped()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)     # also where a shell started us with it ignored
-    code = 0
     try:
         main()
     except ModelError as e:
-        code = 2
         if get_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except (KeyboardInterrupt, Stopped) as e:
-        code = 143 if isinstance(e, Stopped) else 130
         where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if CLAIMED else ""
-        print(f"\nstopped by {'SIGTERM' if code == 143 else 'Ctrl-C'}{where}", file=sys.stderr)
+        print(f"\nstopped by {'SIGTERM' if isinstance(e, Stopped) else 'Ctrl-C'}{where}", file=sys.stderr)
+        sys.exit(143 if isinstance(e, Stopped) else 130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if code:
-        sys.exit(code)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Command lines: a config dataclass whose fields carry their own help; options are checked where declared
-
-REQUIRED = MISSING     # opt(REQUIRED, help): a field the command line must give
-
 
 def opt(default, help, choices=None):
     """A config field with its help text (and allowed values), read by parse_config."""
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
+    kind = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
+    return field(**kind, metadata={"help": help, "choices": choices})
 
 
 def parse_config(cls, argv=None, description=None):
-    """argparse for a config dataclass: one --flag per field (underscores become dashes) with its help and default.
-    Booleans are switches; `X | None` fields take an X; `list[X]` take zero or more (a REQUIRED list: positional).
-    The dataclass's own checks (__post_init__) run on the result."""
+    """argparse for a config dataclass: a --flag per field with its help and default (a bool: a switch; `X | None`:
+    an X; `list[X]`: zero or more, a REQUIRED one positional); the dataclass's __post_init__ checks the result."""
     p = argparse.ArgumentParser(description=description or inspect.cleandoc(cls.__doc__ or ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    hints = get_type_hints(cls)
     for f in fields(cls):
-        flag, hint, required = "--" + f.name.replace("_", "-"), hints[f.name], f.default is MISSING is f.default_factory
+        hint, required = get_type_hints(cls)[f.name], f.default is MISSING is f.default_factory
         default = None if required else f.default if f.default is not MISSING else f.default_factory()
         text = (f.metadata["help"] + (f" (default: {default})" if default is not None and hint is not bool else "")
                 ).replace("%", "%%")                                                  # argparse %-formats help
-        if hint is bool:
-            p.add_argument(flag, action="store_true", help=text)
-            continue
         if get_origin(hint) in (Union, UnionType):
             hint = next(t for t in get_args(hint) if t is not type(None))
-        many, typ = get_origin(hint) is list, (get_args(hint) or [hint])[0]
-        if required and many:
+        many, typ, flag = get_origin(hint) is list, (get_args(hint) or [hint])[0], "--" + f.name.replace("_", "-")
+        if hint is bool:
+            p.add_argument(flag, action="store_true", help=text)
+        elif required and many:
             p.add_argument(f.name, type=typ, nargs="+", help=text)
         else:
             p.add_argument(flag, type=typ, nargs="*" if many else None, default=default, required=required,
@@ -103,8 +88,7 @@ def parse_config(cls, argv=None, description=None):
 
 
 def check_positive(cfg, names, minimum=1, above=False):
-    """A ModelError naming the first of the config's numeric fields `names` below `minimum` (or, above=True, not
-    above it) or not finite; None passes."""
+    """A ModelError naming the first field of `names` below `minimum` (above=True: not above it) or not finite."""
     for name in names:
         v = getattr(cfg, name)
         if v is not None and not (math.isfinite(v) and (v > minimum if above else v >= minimum)):
@@ -112,13 +96,11 @@ def check_positive(cfg, names, minimum=1, above=False):
                              f"{minimum}, got {v}")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Device, and several processes: `torchrun --nproc_per_node N script.py ...` starts N copies of a script, told apart
-# by their rank, that meet in one process group; a plain `python script.py` is rank 0 of a world of 1.
+# Devices, and torchrun: it starts N copies of a script (ranks 0 .. N-1) in one process group; python: 1 of 1
 
 def pick_device(device="auto", dtype="auto"):
-    """--device/--dtype -> (device, autocast context). auto: cuda with bf16 autocast if there is a GPU, else cpu in
-    fp32. TF32 matmuls are turned on only together with bf16 autocast (an fp32 run stays fp32)."""
+    """--device/--dtype -> (device, autocast context); auto: cuda with bf16 autocast (and TF32 matmuls) if there is
+    a GPU, else cpu in fp32."""
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = ["cpu"] + [f"cuda:{i}" for i in range(n)] + (["mps"] if torch.backends.mps.is_available() else [])
     device = ("cuda" if n else "cpu") if device == "auto" else device
@@ -137,9 +119,8 @@ def sync(device):
 
 
 def init_distributed(device):
-    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on cuda:LOCAL_RANK, gloo on the CPU), its
-    timeout long enough for rank 0 to prepare the data while the others wait; the other ranks' stdout goes to
-    os.devnull. -> this process's device."""
+    """Under torchrun (WORLD_SIZE > 1), join the process group (NCCL on cuda:LOCAL_RANK, else gloo; a timeout long
+    enough for rank 0 to prepare the data) and silence the other ranks' stdout -> this process's device."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return device
     cuda = device.startswith("cuda")
@@ -204,14 +185,12 @@ def barrier():
         dist.barrier()
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Files: written whole or not at all; read with one sentence for a missing or damaged file
 
 @contextmanager
 def atomic_path(path, directory=False):
-    """Yield <path>.tmp (an empty directory if asked) to write into; on success it replaces `path` (a directory by
-    two renames: a complete one is on disk at every instant, <path> or <path>.old between them); on failure or
-    interruption it is removed, and whatever was at `path` stays."""
+    """Yield <path>.tmp (an empty directory if asked) to write; on success it replaces `path` (a directory by two
+    renames: <path> or <path>.old is whole at every instant), on failure it is removed and `path` stays."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     remove(tmp)
@@ -242,8 +221,7 @@ def write_text_atomic(path, text):
 
 
 def check_writable(path):
-    """A ModelError, before any work, when a file cannot be written at `path` (`path` a directory, or its folder
-    missing or read-only: a real write, as root passes os.access anywhere)."""
+    """A ModelError, before any work, when no file can be written at `path` (tried for real: root passes os.access)."""
     p = Path(path)
     try:
         why = "is a directory" if p.is_dir() else f"is in {p.parent}, which does not exist" if not p.parent.is_dir() \
@@ -254,28 +232,25 @@ def check_writable(path):
         raise ModelError(f"cannot write {path}: it {why}; pass a file path in a writable folder")
 
 
-CLAIMED = []           # the out-dir this process writes checkpoints to (named when a run is stopped)
-
-
 @contextmanager
 def claim_out_dir(out_dir, resume=False, overwrite=False):
-    """Check --out-dir before any work and hold it for the run inside: refuse a file, a directory that is not an
-    empty or a distill.py one (unless --resume or --overwrite fits it), an unwritable place, and a directory another
-    run holds (fcntl.flock on <out_dir>.lock beside it, which the OS releases when a process ends, even by a crash)."""
+    """Check --out-dir before any work (a file, a non-empty directory that --resume or --overwrite does not fit, an
+    unwritable place) and hold it for the run: an flock on <out_dir>.lock, which the OS releases even on a crash."""
     out = Path(out_dir)
     ckpt = (out / "config.json").is_file() and (out / "features.safetensors").is_file()
-    if out.exists() and not out.is_dir():
+    if out.is_dir():
+        if any(out.iterdir()) and not resume and not (overwrite and ckpt):
+            raise ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not replace it; pass "
+                             "another --out-dir" if overwrite else f"{out_dir} already exists and is not empty; pass "
+                             "--resume to continue it, --overwrite to replace it, or another --out-dir")
+    elif out.exists():
         raise ModelError(f"--out-dir {out_dir} is a file; pass a directory")
-    if not out.exists() and (out.with_name(out.name + ".old") / "config.json").is_file():
+    elif (out.with_name(out.name + ".old") / "config.json").is_file():
         raise ModelError(f"a save into {out_dir} was interrupted and the last checkpoint is in {out.name}.old; "
                          f"rename it to {out.name} and pass --resume")
     if resume and not ckpt:
         raise ModelError(f"{out_dir} holds no checkpoint to resume (no config.json and features.safetensors); "
                          "drop --resume")
-    if out.is_dir() and any(out.iterdir()) and not resume and not (overwrite and ckpt):
-        raise ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not replace it; pass another "
-                         "--out-dir" if overwrite else f"{out_dir} already exists and is not empty; pass --resume to "
-                         "continue it, --overwrite to replace it, or another --out-dir")
     if os.environ.get("RANK", "0") != "0":                       # under torchrun rank 0 writes, and holds the lock
         yield
         return
@@ -299,8 +274,7 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
 
 
 def read_file(path, todo, reader):
-    """reader(path), the content of one of the project's files; a missing or damaged file is one ModelError naming
-    it and `todo` (what to do)."""
+    """reader(path); a missing or damaged file is one ModelError naming it and `todo` (what to do)."""
     if not Path(path).is_file():
         raise ModelError(f"{path} does not exist; {todo}")
     try:
@@ -329,9 +303,8 @@ def torch_load(path, todo):
 
 
 def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None, min_tokens=1):
-    """A uint16 token file (memory-mapped) or, given a tokenizer, a UTF-8 text file -> token ids (at most
-    max_tokens): the one reader of data/*/prepare.py's train.bin and val.bin, refusing too few tokens and ids
-    beyond vocab_size. special: a special token's text in the text becomes that token (as an HF tokenizer does)."""
+    """data/*/prepare.py's uint16 .bin file (memory-mapped) or, with a tokenizer, UTF-8 text (special: a special
+    token's text becomes that token) -> at most max_tokens token ids, at least min_tokens, all below vocab_size."""
     p = Path(path)
     if not p.is_file():
         raise ModelError(f"{p} {'is a directory' if p.is_dir() else 'does not exist'}; pass a uint16 token file "
@@ -348,7 +321,7 @@ def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None,
         except UnicodeDecodeError:
             raise ModelError(f"{p} is neither a .bin token file nor UTF-8 text") from None
         tokens = np.array(enc.encode(text, allowed_special="all") if special else enc.encode_ordinary(text), np.int64)
-    tokens = tokens[:max_tokens] if max_tokens else tokens
+    tokens = tokens[:max_tokens or None]
     if len(tokens) < min_tokens:
         raise ModelError(f"{p} holds {len(tokens)} tokens, fewer than the {min_tokens} needed; give it more text "
                          "(or a shorter --block-size)")
@@ -359,13 +332,10 @@ def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None,
 
 
 def get_batch(data, B, T, gen, device, share=(0, 1)):
-    """B random windows of T + 1 tokens (starts 0 .. len - T - 1) -> (x, y) (B, T), y shifted by one. share = (r,
-    N): process r of N draws the N*B windows of one process's batch and keeps windows r, r+N, ..., so N processes
-    see the batches of one process N times as large. On CUDA the copy runs from pinned memory, not blocking."""
+    """B random windows of T + 1 tokens -> (x, y) (B, T), y shifted by one; share = (r, N): process r of N keeps
+    windows r, r+N, ... of N*B draws, as one process N times as large would. On CUDA: from pinned memory."""
     r, N = share
     ix = torch.randint(len(data) - T, (N * B,), generator=gen)[r::N].tolist()
     xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
-    if torch.device(device).type == "cuda":
-        xy = xy.pin_memory()
-    xy = xy.to(device, non_blocking=True)
+    xy = (xy.pin_memory() if torch.device(device).type == "cuda" else xy).to(device, non_blocking=True)
     return xy[:, :-1], xy[:, 1:]
