@@ -1,8 +1,5 @@
-"""
-Checkpoint reading, plumbing a learner may skip: Hugging Face directories (config.json + safetensors), hub ids and .gguf
-files as plain data (the HF config dict, tensors under their names) that config_from_hf and convert_state_dict turn into
-model.py's. A missing or damaged file ends in one ModelError sentence.
-"""
+"""Checkpoint reading: Hugging Face directories, hub ids and .gguf files as plain data (the HF config dict, tensors
+under their names) that config_from_hf and convert_state_dict turn into model.py's."""
 
 import contextlib
 import importlib.util

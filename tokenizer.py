@@ -1,7 +1,5 @@
-"""
-Tokenizers, plumbing a learner may skip: a checkpoint's byte-level BPE as a tiktoken Encoding (ids as Hugging Face's
-with add_special_tokens=False), from GPT-2's vocab.json + merges.txt, a tokenizer.json or a GGUF file's metadata.
-"""
+"""A checkpoint's byte-level BPE tokenizer (vocab.json + merges.txt, tokenizer.json or a GGUF file's metadata) as a
+tiktoken Encoding whose ids are Hugging Face's with add_special_tokens=False."""
 
 import functools
 import re
@@ -17,16 +15,14 @@ from common import ModelError, read_json
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 # Each digit a piece (HF's Digits(individual_digits), llama.cpp's "smollm"); a digit ends a whitespace run like $ does.
 DIGITS_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++|\p{N}| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?![^\s\p{N}])|\s"""
-# Llama-3's (tiktoken's cl100k_base), llama.cpp's "llama-bpe".
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+                  r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")     # Llama-3's (tiktoken's cl100k_base), llama.cpp's "llama-bpe"
 # llama.cpp's tokenizer.ggml.pre values (grouped as in its llama-vocab.cpp) -> the regex that splits text alike
 GGUF_PATTERNS = {**dict.fromkeys(["gpt2", "mpt", "olmo"], GPT2_PATTERN),
                  **dict.fromkeys(["smollm", "starcoder", "refact", "codeshell", "command-r"], DIGITS_PATTERN),
                  **dict.fromkeys(["llama-bpe", "llama3", "llama-v3"], LLAMA3_PATTERN)}
 UTF8_BYTES = [b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5]   # the bytes UTF-8 text can hold
-# GPT-2's byte-level alphabet: the character each byte is spelled with in vocab and merges files
-PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
+PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]      # U2B: GPT-2's character for each byte
 U2B = {chr(b): b for b in PRINTABLE} | {chr(256 + n): b for n, b in enumerate(sorted(set(range(256)) - set(PRINTABLE)))}
 REFETCH = "re-download the tokenizer files"
 
@@ -38,9 +34,8 @@ def _alternation(tokens: frozenset) -> re.Pattern:
 
 
 class HFEncoding(tiktoken.Encoding):
-    """A tiktoken Encoding plus a Hugging Face tokenizer's steps before its BPE, in order: cut out the allowed special
-    tokens; normalise the rest (NFC in GPT-NeoX); cut out added tokens (GPT-NeoX's space runs); drop bytes the
-    vocabulary cannot spell (6 in SmolLM2). Not in encode_to_numpy. Uses tiktoken's _pat_str, _encode_single_piece."""
+    """A tiktoken Encoding plus an HF tokenizer's steps before its BPE: cut out allowed special tokens, normalise the
+    rest, cut out added tokens, drop bytes the vocabulary cannot spell (6 in SmolLM2). Not in encode_to_numpy."""
 
     def __init__(self, name, *, pat_str, mergeable_ranks, special_tokens, added_tokens=None, normalizer=None):
         self.specials, self.added_tokens, self.normalizer = special_tokens, added_tokens or {}, normalizer
@@ -88,9 +83,8 @@ class HFEncoding(tiktoken.Encoding):
 
 
 def _byte_level_bpe(name, vocab, merges, pat_str, where, *, specials=None, added=None, normalizer=None):
-    """A tiktoken Encoding for a byte-level BPE vocabulary {token: id} and merges ["left right" or (left, right)].
-    tiktoken returns ranks as ids and merges the pair of lowest rank, so ranks are ids and merged tokens' ids must
-    rise in merge order. specials=None: special is every token neither a byte nor merged (GPT-2's <|endoftext|>)."""
+    """A tiktoken Encoding of a byte-level BPE {token: id} and merges ["left right" or (left, right)]; tiktoken's ranks
+    are ids, so ids must rise in merge order. specials=None: every token neither a byte nor merged (<|endoftext|>)."""
     try:
         ranks = {bytes([U2B[t]]): i for t, i in vocab.items() if len(t) == 1 and t in U2B}
         pairs = [m.split(" ") if isinstance(m, str) else m for m in merges]
