@@ -99,8 +99,7 @@ def check_positive(cfg, names, minimum=1, above=False):
 # Devices, and torchrun: it starts N copies of a script (ranks 0 .. N-1) in one process group; python: 1 of 1
 
 def pick_device(device="auto", dtype="auto"):
-    """--device/--dtype -> (device, autocast context); auto: cuda with bf16 autocast (and TF32 matmuls) if there is
-    a GPU, else cpu in fp32."""
+    """--device/--dtype -> (device, autocast context); auto: cuda under bf16 autocast and TF32, else cpu in fp32."""
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = ["cpu"] + [f"cuda:{i}" for i in range(n)] + (["mps"] if torch.backends.mps.is_available() else [])
     device = ("cuda" if n else "cpu") if device == "auto" else device
