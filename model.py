@@ -1,12 +1,10 @@
-"""
-The model: GPT-2, GPT-NeoX (Pythia) and Llama-family (SmolLM2) transformers in one file, with softmax attention and
-the linear attention that replaces it (feature maps, chunked causal scan, recurrent state).
+"""GPT-2, GPT-NeoX (Pythia) and Llama-family (SmolLM2) transformers in one file, with softmax attention and the
+linear attention that replaces it (feature maps, chunked causal scan, recurrent state).
 
     idx (B, T) -> wte (+ wpe) -> n_layer x Block -> ln_f -> lm_head -> logits (B, T, V)
     Block:  x + attn(ln_1(x)) + mlp(ln_2(x)) (parallel residual, Pythia), or x += attn(ln_1(x)); x += mlp(ln_2(x))
     attn:   qkv -> rotary (NeoX, Llama) -> core(q, k, v) -> proj, core the teacher's SoftmaxAttention or the
-            student's LinearAttention (GPT.linearize); a hook on model.h[l].attn.core sees layer l's q and k.
-"""
+            student's LinearAttention (GPT.linearize); a hook on model.h[l].attn.core sees layer l's q and k."""
 
 import copy
 import math
@@ -69,22 +67,19 @@ def rotary(x, cos, sin):
 
 class SoftmaxAttention(nn.Module):
     """The teacher's core: y_i = sum_{j<=i} softmax_j(q_i.k_j / sqrt d) v_j; q (B, H, T, D), k, v (B, Hkv, T, D).
-    Decoding keeps a KV cache in the cache dict: cache["k"], cache["v"] (B, Hkv, capacity, D) hold cache["n"]
-    tokens, new ones written in place (preallocated, as in gpt-fast); a full one doubles its capacity."""
+    Decoding keeps a KV cache: cache["k"], cache["v"] (B, Hkv, capacity, D) hold cache["n"] tokens."""
     def forward(self, q, k, v, cache=None):
-        gqa = k.size(1) != q.size(1)
-        if cache is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        P, T = cache.get("n", 0), q.size(2)
-        for name, x in (("k", k), ("v", v)):
-            if name not in cache or cache[name].size(2) < P + T:
-                old, cache[name] = cache.get(name), x.new_empty(*x.shape[:2], max(P + T, 2 * P), x.size(3))
-                cache[name][:, :, :P] = old[:, :, :P] if P else 0
-            cache[name][:, :, P:P + T] = x
-        cache["n"] = P + T
-        mask = None if T == 1 else torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(P)  # j <= P + i
-        return F.scaled_dot_product_attention(q, cache["k"][:, :, :P + T], cache["v"][:, :, :P + T],
-                                              attn_mask=mask, enable_gqa=gqa)
+        gqa, mask = k.size(1) != q.size(1), None
+        if cache is not None:
+            (B, Hkv, T, D), P = k.shape, cache.get("n", 0)
+            for name, x in (("k", k), ("v", v)):
+                kept = cache.get(name, x[:, :, :0])
+                if kept.size(2) < P + T:                                     # preallocated; a full one doubles
+                    kept = cache[name] = torch.cat((kept[:, :, :P], x.new_empty(B, Hkv, max(T, P), D)), 2)
+                kept[:, :, P:P + T] = x                                      # written in place (as in gpt-fast)
+            cache["n"], k, v = P + T, cache["k"][:, :, :P + T], cache["v"][:, :, :P + T]
+            mask = None if T == 1 else torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(P)  # j <= P + i
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None, enable_gqa=gqa)
 
 
 # ----------------------------------------------------------------------------------------------------------------
