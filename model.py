@@ -96,13 +96,12 @@ class PRF(nn.Module):
     forward, Phi rescaled by overflow_safe_prf. A given z (Performer) makes z and alpha fixed buffers."""
     def __init__(self, n_head, head_dim, M, z=None):
         super().__init__()
-        self.M = M
-        if z is None:
-            self.z = nn.Parameter(torch.randn(n_head, M, head_dim))                      # (H, M, d)
-            self.log_alpha = nn.Parameter(torch.zeros(n_head, M))                        # (H, M)
+        self.M, log_alpha = M, torch.zeros(n_head, M)                                   # (H, M)
+        if z is None:                                                                   # learned z (H, M, d), alpha
+            self.z, self.log_alpha = nn.Parameter(torch.randn(n_head, M, head_dim)), nn.Parameter(log_alpha)
         else:
             self.register_buffer("z", z)
-            self.register_buffer("log_alpha", torch.zeros(n_head, M))
+            self.register_buffer("log_alpha", log_alpha)
 
     def log_features(self, x):
         return prf_log_features(x, self.z, self.log_alpha)
@@ -121,18 +120,16 @@ def prf_log_features(x, z, log_alpha):
 
 
 def overflow_safe_prf(x, z, log_alpha, is_query, beta=KEY_SHIFT):
-    """Phi(x) times factors that cancel in the normalised attention, so that it stays in fp32's range. Phi itself,
-    sqrt(alpha_m / M) e^(|z_m|^2/2 - |x~ - z_m|^2/2), does not: a query far from every z_m gets all-zero features
-    (0/0 attention) and a long z_m overflows. x (B, H, T, d), z (H, M, d), log_alpha (H, M) -> (B, H, T, M):
+    """Phi(x)_m = sqrt(alpha_m / M) e^(|z_m|^2/2 - |x~ - z_m|^2/2) leaves fp32's range (a query far from every z_m
+    gets all-zero features, 0/0 attention; a long z_m overflows); this is Phi times factors that cancel in the
+    normalised attention. x (B, H, T, d), z (H, M, d), log_alpha (H, M) -> (B, H, T, M), computed in place:
         keys:     phi_m = exp(beta - |k~ - z_m|^2 / 2)           = Phi(k)_m sqrt(M / alpha_m) e^(beta - |z_m|^2/2)
         queries:  phi_m = exp(a_m - max a),  a_m = log alpha_m + z_m.q~ + |z_m|^2 / 2
                                                                 = Phi(q)_m sqrt(M alpha_m) e^(|z_m|^2/2) c(q)
-    The per-feature factors multiply to M e^beta, so phi(q).phi(k) = M e^beta c(q) Phi(q).Phi(k): a factor of the
-    query alone, which cancels between numerator and denominator. Keys lie in (0, e^beta], queries in (0, 1]."""
+    so phi(q).phi(k) = M e^beta c(q) Phi(q).Phi(k), a factor of the query alone. Keys in (0, e^beta], queries (0, 1]."""
     r = x.size(-1) ** -0.25                                                              # x~ = r x
     zx = x @ (r * z).mT                                                                  # z_m.x~ (B, H, T, M)
     half_z2 = 0.5 * z.square().sum(-1)[:, None]                                          # (H, 1, M)
-    # in place (_): these are the big (B, H, T, M) tensors, and each pass over them costs as much as the matmul
     if is_query:
         a = zx.add_(half_z2 + log_alpha[:, None])                                        # (B, H, T, M)
         return a.sub_(a.detach().amax(-1, keepdim=True)).exp_()  # the max cancels: no gradient through it
@@ -160,10 +157,9 @@ def dct_matrix(d):
 
 
 class DiJiang(nn.Module):
-    """DiJiang's feature map (Chen et al. 2024, arXiv 2403.19928), as in the authors' modeling_gpt_neox.py:
-    phi(x) = softmax(x P) for queries and keys, P = [C diag(Phi^-1(u_1)) | C diag(Phi^-1(u_2)) | ...][:, :M] fixed,
-    C the orthonormal DCT, Phi^-1 the normal quantile, u scrambled Sobol points (the paper's quasi-Monte-Carlo).
-    DiJiang's decay masks and output gate change the architecture, not the map: left out."""
+    """DiJiang's feature map (Chen et al. 2024, arXiv 2403.19928, as in its modeling_gpt_neox.py; its decay masks and
+    output gate are left out): phi(x) = softmax(x P) for queries and keys, P = [C diag(Phi^-1(u_1)) | ...][:, :M]
+    fixed, C the orthonormal DCT, Phi^-1 the normal quantile, u scrambled Sobol points (quasi-Monte-Carlo)."""
     def __init__(self, n_head, head_dim, M):
         super().__init__()
         self.M, nb = M, -(-M // head_dim)
@@ -217,9 +213,8 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=Non
 
 
 def fla_linear_attention(phi_q, phi_k, v, chunk_size=None):
-    """causal_linear_attention by flash-linear-attention's chunk kernel (CUDA; pip install flash-linear-attention),
-    on the same features: its normalize=True divides by phi_q,i . sum_{j<=i} phi_k,j, the same denominator. A core
-    runs it after core.scan = fla_linear_attention (evaluate.py --fla)."""
+    """causal_linear_attention by flash-linear-attention's CUDA chunk kernel (pip install flash-linear-attention),
+    whose normalize=True divides by the same phi_q,i . sum_{j<=i} phi_k,j; set core.scan to it (evaluate.py --fla)."""
     from fla.ops.linear_attn import chunk_linear_attn
     y, _ = chunk_linear_attn(*(x.transpose(1, 2).contiguous() for x in (phi_q, phi_k, v)), scale=1.0, normalize=True)
     return y.transpose(1, 2)                                                            # (B, H, T, D)
@@ -241,11 +236,10 @@ def repeat_kv(x, H):
 
 
 class LinearAttention(nn.Module):
-    """The student's core: causal linear attention with M features per head in place of softmax attention.
-    forward(q (B, H, T, D), k, v (B, Hkv, T, D), cache=None) -> (B, H, T, D). Keys and values are repeated to the H
-    query heads (GQA) and keys centred by the buffer key_mean (H, D), zero unless distillation sets it: q.(k - mu)
-    shifts a query's logits alike, so softmax attention is unchanged. Decoding keeps only S (B, H, M, D) and s
-    (B, H, M) in the cache dict. Features, scan and step run in fp32, autocast off."""
+    """The student's core, M features per head: q (B, H, T, D), k, v (B, Hkv, T, D) -> (B, H, T, D), in fp32 with
+    autocast off. Keys and values are repeated to the H query heads, keys centred by the buffer key_mean (H, D),
+    zero unless distillation sets it (q.(k - mu) shifts all of a query's logits alike: softmax attention is the
+    same). Decoding keeps only S (B, H, M, D) and s (B, H, M) in the cache dict."""
     def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
         super().__init__()
         if feature_map not in FEATURE_MAPS:
@@ -296,9 +290,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, cache=None):
         (B, T, _), H, Hkv, D = x.shape, self.cfg.n_head, self.cfg.n_kv_head, self.cfg.head_dim
-        q, k, v = self.qkv(x).split([H * D, Hkv * D, Hkv * D], -1)
-        q = q.view(B, T, H, D).transpose(1, 2)                                       # (B, H, T, D)
-        k, v = (t.view(B, T, Hkv, D).transpose(1, 2) for t in (k, v))                # (B, Hkv, T, D)
+        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in self.qkv(x).split([H * D, Hkv * D, Hkv * D], -1))
         if rope is not None:
             q, k = rotary(q, *rope), rotary(k, *rope)
         return self.proj(self.core(q, k, v, cache).transpose(1, 2).reshape(B, T, H * D))
@@ -363,12 +355,9 @@ class GPT(nn.Module):
             raise ModelError(f"{p0 + T} positions exceed GPT-2's learned {c.block_size}; use a shorter input")
         pos = torch.arange(p0, p0 + T, device=idx.device)
         x = self.wte(idx) + (self.wpe(pos) if c.family == "gpt2" else 0)                 # learned positions: GPT-2
-        rope = None
-        if c.rotary_dim:                                                                  # once for all layers
-            inv_freq = 1.0 / c.rope_base ** (torch.arange(0, c.rotary_dim, 2, device=idx.device, dtype=torch.float32)
-                                             / c.rotary_dim)
-            angles = torch.cat(2 * [pos.float()[:, None] * inv_freq[None, :]], dim=-1)   # (T, rotary_dim)
-            rope = angles.cos(), angles.sin()
+        two_i = torch.arange(0, c.rotary_dim, 2, device=idx.device, dtype=torch.float32)   # rotary, once for all layers
+        angles = torch.cat(2 * [pos.float()[:, None] * (1.0 / c.rope_base ** (two_i / c.rotary_dim))], -1)   # (T, r)
+        rope = (angles.cos(), angles.sin()) if c.rotary_dim else None
         for i, block in enumerate(self.h):
             x = block(x, rope, cache[i] if cache is not None else None)
         if cache is not None:
@@ -396,9 +385,8 @@ class GPT(nn.Module):
         return idx
 
     def linearize(self, dims, feature_map="prf", chunk_size=64, core=None):
-        """The student: a copy of this model sharing every weight and buffer with it, layer l's softmax core
-        replaced by LinearAttention (or `core`, a fork's) with dims[l] features per head (fp32): its only new
-        parameters."""
+        """The student: a copy of this model sharing every weight and buffer with it, layer l's softmax core replaced
+        by LinearAttention (or `core`, a fork's) with dims[l] features per head (fp32): its only new parameters."""
         c = self.config
         if len(dims) != c.n_layer:
             raise ModelError(f"linearize needs {c.n_layer} feature dimensions (one per layer), got {list(dims)}")
@@ -434,8 +422,8 @@ def load_feature_state(student, sd, where):
     """feature_state's inverse, after a set-equality check of keys and shapes (the rest is the teacher's)."""
     sd = {k.replace(".core.feature_maps.0.", ".core.feature_map."): v for k, v in sd.items()}   # older checkpoints
     mine = feature_state(student)
-    if mine.keys() != sd.keys() or any(mine[k].shape != sd[k].shape for k in mine):
-        missing, extra = sorted(mine.keys() - sd.keys()), sorted(sd.keys() - mine.keys())
+    missing, extra = sorted(mine.keys() - sd.keys()), sorted(sd.keys() - mine.keys())
+    if missing or extra or any(mine[k].shape != sd[k].shape for k in mine):
         raise ModelError(f"{where} does not fit this student (missing: {missing[:4] or 'none'}, unexpected: "
                          f"{extra[:4] or 'none'}); it was made with another teacher, dims or feature map")
     student.load_state_dict(sd, strict=False)                    # exactly the cores' tensors, checked above
