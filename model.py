@@ -38,9 +38,6 @@ class GPTConfig:
     name: str = ""                # the checkpoint it was loaded from (hub id or path)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Layers: norms, rotary, softmax attention
-
 class RMSNorm(nn.Module):
     """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 (Llama)."""
     def __init__(self, dim, eps):
@@ -141,11 +138,10 @@ class Performer(PRF):
     """FAVOR+ (Choromanski et al. 2021): the PRF map with fixed z, not trained: blocks of d orthogonal rows (QR of
     a Gaussian matrix, sign-fixed: Haar), each rescaled to an independent chi(d) norm, so every row is N(0, I_d)."""
     def __init__(self, n_head, head_dim, M):
-        d = head_dim
-        q, r = torch.linalg.qr(torch.randn(n_head, -(-M // d), d, d))                   # (H, nb, d, d)
+        q, r = torch.linalg.qr(torch.randn(n_head, -(-M // head_dim), head_dim, head_dim))   # (H, nb, d, d)
         q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]             # sign fix: exactly Haar
-        rows = q.mT.reshape(n_head, -1, d)[:, :M]                                           # (H, M, d) unit rows
-        super().__init__(n_head, d, M, z=rows * torch.randn(n_head, M, d).norm(dim=-1, keepdim=True))
+        rows = q.mT.reshape(n_head, -1, head_dim)[:, :M]                                    # (H, M, d) unit rows
+        super().__init__(n_head, head_dim, M, z=rows * torch.randn(n_head, M, head_dim).norm(dim=-1, keepdim=True))
 
 
 def dct_matrix(d):
@@ -203,8 +199,7 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=Non
     P = torch.cat((torch.zeros_like(U[:, :, :1]), U[:, :, :-1]), 2).cumsum_(2)        # (B, H, N, M, D+1) before n
     if state is not None:
         P = P + torch.cat((state[0], state[1][..., None]), -1).to(dt)[:, :, None]     # + (B, H, 1, M, D+1)
-    out = (q @ P).add_((q @ k.mT).tril_() @ v1)                                       # (B, H, N, C, D+1)
-    out = out.view(B, H, N * C, D + 1)[:, :, :T]
+    out = (q @ P).add_((q @ k.mT).tril_() @ v1).view(B, H, N * C, D + 1)[:, :, :T]   # (B, H, T, D+1)
     y = out[..., :D] / out[..., D:].clamp_min(eps)                                     # (B, H, T, D)
     if not return_state:
         return y
@@ -265,10 +260,8 @@ class LinearAttention(nn.Module):
             v = repeat_kv(v, self.n_head)
             if cache is None:                                   # the chunked scan, or FLA's (fla_linear_attention)
                 return self.scan(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
-            B, H, T, M = phi_q.shape       # decoding: the step for one token, the scan from the state for more
-            if "S" not in cache:
-                cache["S"], cache["s"] = phi_q.new_zeros(B, H, M, v.size(-1)), phi_q.new_zeros(B, H, M)
-            S, s = cache["S"], cache["s"]
+            (B, H, T, D), M = v.shape, phi_q.size(-1)   # decoding: the step for one token, the scan for more
+            S, s = (cache["S"], cache["s"]) if cache else (phi_q.new_zeros(B, H, M, D), phi_q.new_zeros(B, H, M))
             if T == 1:
                 y, cache["S"], cache["s"] = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], S, s)
                 return y[:, :, None].to(q.dtype)
@@ -300,8 +293,7 @@ class MLP(nn.Module):
     """GPT-2: proj(gelu_tanh(fc(x))); NeoX: proj(gelu(fc(x))); Llama: proj(silu(gate(x)) * fc(x))."""
     def __init__(self, cfg):
         super().__init__()
-        self.family = cfg.family
-        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=cfg.bias)
+        self.family, self.fc = cfg.family, nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=cfg.bias)
         self.proj = nn.Linear(cfg.mlp_hidden, cfg.n_embd, bias=cfg.bias)
         if cfg.family == "llama":
             self.gate = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=False)
@@ -335,12 +327,10 @@ class Cache(list):
 class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.config, self.wte = cfg, nn.Embedding(cfg.vocab_size, cfg.n_embd)
         if cfg.family == "gpt2":
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = norm(cfg)
+        self.h, self.ln_f = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)), norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -410,11 +400,8 @@ class GPT(nn.Module):
         return model.to(device=device, dtype=dtype).eval()
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# A distill.py checkpoint: config.json and features.safetensors, the student's own tensors
-
 def feature_state(student):
-    """The student's tensors that are not its teacher's: its cores' parameters and buffers (h.{l}.attn.core.*)."""
+    """The student's own tensors, which distill.py saves: its cores' parameters and buffers (h.{l}.attn.core.*)."""
     return {k: t.detach().contiguous() for k, t in student.state_dict().items() if ".attn.core." in k}
 
 
