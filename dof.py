@@ -1,5 +1,4 @@
-"""
-Algorithm 1 of the paper: how many features does each layer's linear attention need?
+"""Algorithm 1 of the paper: how many features does each layer's linear attention need?
 
     python dof.py --model gpt2 --lam 0.0625 --J 2048 --budget 64 --data data/wikipedia
 
@@ -10,9 +9,8 @@ form the Gram matrix G_ij = K(x_i, x_j) = exp(x_i.x_j / sqrt d); the head's degr
 
 A layer's DoF is the maximum over its heads (they share one feature dimension); layer l gets M_l = C N_l / mean(N)
 features, so the mean is the budget C (the cost of Fix: C everywhere). DoF+Clip caps M_l at the head size; Reverse
-hands the same dims out in the opposite order (a control). With key centring the DoF is that of the kernel the
-student learns, K(q, k - mu). distill.py calls the same choose_dims on the same windows: both give the same dims.
-"""
+hands the same dims out in the opposite order (a control). With key centring it is the DoF of the kernel the
+student learns, K(q, k - mu). distill.py calls the same choose_dims on the same windows."""
 
 import json
 import math
@@ -86,27 +84,24 @@ def collect_qk(model, batches, J, seed=0, key_means=None):
 def dof_reference(S, lam, relative=False):
     """Logits S (..., J, J), S_ij = x_i.x_j / sqrt d -> N_lam (...) = sum_i mu_i / (mu_i + lam), mu the eigenvalues
     of G / J, G = exp(S). relative=True: lam := lam * tr(G / J), which makes N invariant to K -> cK."""
-    J = S.size(-1)
-    G = S.exp()                                                             # (..., J, J)
+    J, G = S.size(-1), S.exp()                                              # G (..., J, J)
     mu = torch.linalg.eigvalsh(G / J).clamp(min=0)                          # (..., J)
     if relative:
         lam = lam * G.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / J
     return (mu / (mu + lam)).sum(-1)
 
 
-# Needed once the largest logit passes ~40: float64 eigvalsh resolves eigenvalues only down to ~1e-16 of the
-# largest (~e^max S), so those near lam are lost, and past 709 exp(S) overflows (past 88 in float32).
 def dof_from_logits(S, lam, relative=False, J=None):
-    """The same N_lam from the logits S (..., n, n) without forming exp(S). With c = J lam (relative: lam tr(G)),
-    a_i = G_ii / (G_ii + c) and D = diag(G_ii + c):
+    """The same N_lam from the logits S (..., n, n) without forming exp(S), which overflows past S = 709 and, past
+    ~40, has eigenvalues near lam below float64 eigvalsh's resolution (~1e-16 of the largest, ~e^max S). With
+    c = J lam (relative: lam tr(G)), a_i = G_ii / (G_ii + c) and D = diag(G_ii + c):
         G + cI = D^1/2 A D^1/2,   A = D^-1/2 G D^-1/2 + c D^-1,   A_ij = exp(S_ij - (S_ii + S_jj) / 2) sqrt(a_i a_j),
     A_ii = 1 and every entry of A lies in [0, 1] (Cauchy-Schwarz), whatever the logits. Then
     N = tr(G (G + cI)^-1) = n - c tr((G + cI)^-1) = n - sum_i (1 - a_i) (A^-1)_ii, A^-1 from A's Cholesky factor.
     J (default n): the number of points when S's n rows stand for several copies each (see degrees_of_freedom)."""
-    n = S.size(-1)
-    C, _, w = regularised_cholesky(S, lam, relative, n if J is None else J)
-    A_inv_diag = torch.cholesky_inverse(C).diagonal(dim1=-2, dim2=-1)       # (..., n)
-    return (n - (w * A_inv_diag).sum(-1)).clamp(0, n if J is None else J)
+    n, J = S.size(-1), S.size(-1) if J is None else J
+    C, _, w = regularised_cholesky(S, lam, relative, J)
+    return (n - (w * torch.cholesky_inverse(C).diagonal(dim1=-2, dim2=-1)).sum(-1)).clamp(0, J)   # (A^-1)_ii
 
 
 def regularised_cholesky(S, lam, relative, J):
@@ -169,12 +164,10 @@ def whole_dims(M):
     """Real dims M (n,) -> whole dims >= 1 with the same sum: a layer whose share is below 1 gets 1 and the others
     share the rest in proportion to M (repeated until none is below 1), then largest-remainder rounding."""
     total, one = round(M.sum()), np.zeros(M.size, bool)                     # one: layers pinned at 1
-    while True:
+    share = total * M / M.sum()
+    while (share[~one] < 1).any():
+        one |= share < 1
         share = (total - one.sum()) * M / M[~one].sum()
-        low = ~one & (share < 1)
-        if not low.any():
-            break
-        one |= low
     dims = np.where(one, 1, np.floor(share)).astype(int)
     remainder = np.where(one, -1.0, share - np.floor(share))
     dims[np.argsort(-remainder, kind="stable")[:total - dims.sum()]] += 1
