@@ -89,8 +89,7 @@ KEY_SHIFT = 32.0  # beta of overflow_safe_prf: key features are at most e^32 ~ 8
 class PRF(nn.Module):
     """Learned positive random features (the paper's). Per head, with x~ = x / d^(1/4) and m = 1..M:
         Phi(x)_m = sqrt(alpha_m / M) exp(z_m.x~ - |x~|^2 / 2),   z_m ~ N(0, I_d),   alpha_m = exp(log_alpha_m),
-    so that E_z[Phi(q).Phi(k)] = exp(q.k / sqrt(d)) at alpha = 1 (the init). log_features is log Phi as written;
-    forward, Phi rescaled by overflow_safe_prf. A given z (Performer) makes z and alpha fixed buffers."""
+    so that E_z[Phi(q).Phi(k)] = exp(q.k / sqrt d) at alpha = 1 (the init). A given z (Performer): fixed buffers."""
     def __init__(self, n_head, head_dim, M, z=None):
         super().__init__()
         self.M, log_alpha = M, torch.zeros(n_head, M)                                   # (H, M)
@@ -192,19 +191,16 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=Non
     B, H, T, M = phi_q.shape
     D, C, N = v.size(-1), chunk_size, -(-T // chunk_size)                               # N chunks of C tokens
     dt = torch.promote_types(v.dtype, torch.float32)
-    pad = lambda x: F.pad(x.to(dt), (0, 0, 0, N * C - T)) if N * C > T else x.to(dt)
-    q, k = pad(phi_q).view(B, H, N, C, M), pad(phi_k).view(B, H, N, C, M)
-    v1 = pad(torch.cat((v, v.new_ones(B, H, T, 1)), -1)).view(B, H, N, C, D + 1)     # [v | 1]
+    pad = lambda x: F.pad(x.to(dt), (0, 0, 0, N * C - T)) if N * C > T else x.to(dt)   # T -> N * C tokens
+    q, k, v1 = (pad(x).view(B, H, N, C, -1) for x in (phi_q, phi_k, torch.cat((v, v.new_ones(B, H, T, 1)), -1)))
     U = k.mT @ v1                                                                      # (B, H, N, M, D+1) per chunk
     P = torch.cat((torch.zeros_like(U[:, :, :1]), U[:, :, :-1]), 2).cumsum_(2)        # (B, H, N, M, D+1) before n
     if state is not None:
         P = P + torch.cat((state[0], state[1][..., None]), -1).to(dt)[:, :, None]     # + (B, H, 1, M, D+1)
     out = (q @ P).add_((q @ k.mT).tril_() @ v1).view(B, H, N * C, D + 1)[:, :, :T]   # (B, H, T, D+1)
     y = out[..., :D] / out[..., D:].clamp_min(eps)                                     # (B, H, T, D)
-    if not return_state:
-        return y
-    last = P[:, :, -1] + U[:, :, -1]                                                   # (B, H, M, D+1)
-    return y, last[..., :D], last[..., D]
+    last = P[:, :, -1] + U[:, :, -1]                                                   # (B, H, M, D+1) after the last
+    return (y, last[..., :D], last[..., D]) if return_state else y
 
 
 def fla_linear_attention(phi_q, phi_k, v, chunk_size=None):
@@ -219,8 +215,7 @@ def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
     """One token (decoding): S += phi_k v^T, s += phi_k, y = phi_q S / phi_q.s; phi (B, H, M), v, y (B, H, D)."""
     dt = torch.promote_types(v.dtype, torch.float32)
     phi_q, phi_k, v = phi_q.to(dt), phi_k.to(dt), v.to(dt)
-    S = S + phi_k[..., :, None] * v[..., None, :]                                       # (B, H, M, D)
-    s = s + phi_k                                                                       # (B, H, M)
+    S, s = S + phi_k[..., :, None] * v[..., None, :], s + phi_k                         # (B, H, M, D), (B, H, M)
     num = (phi_q[..., :, None] * S).sum(-2)  # a tiny product: elementwise beats a threaded bmm on CPU
     return num / (phi_q * s).sum(-1, keepdim=True).clamp_min(eps), S, s                # y (B, H, D)
 
@@ -231,10 +226,9 @@ def repeat_kv(x, H):
 
 
 class LinearAttention(nn.Module):
-    """The student's core, M features per head: q (B, H, T, D), k, v (B, Hkv, T, D) -> (B, H, T, D), in fp32 with
-    autocast off. Keys and values are repeated to the H query heads, keys centred by the buffer key_mean (H, D),
-    zero unless distillation sets it (q.(k - mu) shifts all of a query's logits alike: softmax attention is the
-    same). Decoding keeps only S (B, H, M, D) and s (B, H, M) in the cache dict."""
+    """The student's core, M features per head, fp32 with autocast off: q (B, H, T, D), k, v (B, Hkv, T, D) ->
+    (B, H, T, D), keys and values repeated to the H heads, keys centred by the buffer key_mean (H, D), which softmax
+    ignores (q.(k - mu) shifts a query's logits alike). Decoding keeps S (B, H, M, D) and s (B, H, M) in the cache."""
     def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
         super().__init__()
         if feature_map not in FEATURE_MAPS:
@@ -366,8 +360,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens):
-        """Greedy decoding of max_new_tokens after idx (B, T) with a cache (KV cache or linear state): one forward
-        pass per token, the LM head at the last position only."""
+        """Greedy decoding of max_new_tokens after idx (B, T): one forward pass per token through a Cache."""
         cache, x = Cache(self.config.n_layer), idx
         for _ in range(max_new_tokens):
             x = self.lm_head(self.hidden(x, cache)[:, -1]).argmax(-1, keepdim=True)          # (B, 1)
