@@ -67,9 +67,8 @@ def collect_qk(model, batches, J, seed=0, key_means=None):
             k = repeat_kv(k, q.size(1)) - (0 if key_means is None else key_means[l][:, None].to(k))
             x.append(torch.cat((q, k), 2).transpose(0, 1).flatten(1, 2))       # (H, 2BT, D)
         x = torch.stack(x)                                                     # (L, H, 2BT, D)
-        r = torch.rand(x.shape[:3], generator=gen).to(x.device)
-        if kept is not None:
-            x, r = torch.cat((kept, x), 2), torch.cat((prio, r), 2)
+        r = torch.rand(x.shape[:3], generator=gen).to(x.device)               # the points' priorities
+        x, r = (x, r) if kept is None else (torch.cat((kept, x), 2), torch.cat((prio, r), 2))
         top = r.topk(min(J, r.size(2)), dim=2).indices                        # (L, H, <=J)
         kept, prio = x.gather(2, top[..., None].expand(-1, -1, -1, x.size(-1))), r.gather(2, top)
     if kept is None or kept.size(2) < J:
@@ -109,8 +108,7 @@ def regularised_cholesky(S, lam, relative, J):
     log D_ii^-1/2 = -log(G_ii + c) / 2 and w_i = 1 - a_i = c / (G_ii + c), so that G + cI = D^1/2 C C^T D^1/2."""
     s = S.diagonal(dim1=-2, dim2=-1)                                        # (..., n) log G_ii = |x_i|^2 / sqrt d
     log_c = math.log(lam) + (torch.logsumexp(s, -1, keepdim=True) if relative else math.log(J))
-    u = (F.logsigmoid(s - log_c) - s) / 2                                   # (log a_i - S_ii) / 2
-    w = torch.sigmoid(log_c - s)                                            # 1 - a_i = c / (G_ii + c)
+    u, w = (F.logsigmoid(s - log_c) - s) / 2, torch.sigmoid(log_c - s)     # (log a_i - S_ii) / 2, 1 - a_i
     A = (S + u[..., :, None] + u[..., None, :]).exp()                       # D^-1/2 G D^-1/2
     A.diagonal(dim1=-2, dim2=-1).add_(w)                                    # + c D^-1
     C, info = torch.linalg.cholesky_ex(A)
@@ -121,10 +119,9 @@ def regularised_cholesky(S, lam, relative, J):
 
 
 def degrees_of_freedom(x, lam, relative=False):
-    """x (..., J, d) queries+keys per head -> N_lam (...) float64 of K(x, y) = exp(x.y / sqrt d), one head at a time
-    in float64 on x's device (relative=True: lam times tr(G / J)). Exact duplicates (a position-0 query or key
-    depends only on its token) make G singular; each distinct point enters once, its m copies folded into its
-    logits, S_ij + (log m_i + log m_j) / 2, which leaves the nonzero eigenvalues of G / J unchanged."""
+    """x (..., J, d) queries+keys per head -> N_lam (...) of K(x, y) = exp(x.y / sqrt d), a head at a time in float64
+    (relative=True: lam times tr(G / J)). Exact duplicates (position 0 depends only on the token) make G singular, so
+    a point with m copies enters once, with logits S_ij + (log m_i + log m_j) / 2: G / J's nonzero eigenvalues stay."""
     if not lam > 0 or not math.isfinite(lam):
         raise ModelError(f"lambda must be a positive number, got {lam}")
     if not torch.isfinite(x).all():
@@ -143,9 +140,8 @@ def degrees_of_freedom(x, lam, relative=False):
 # 3. Feature dimensions for a budget: M_l = C N_l / mean(N)
 
 def allocate(dof, budget, clip=None, order="dof"):
-    """DoF (n,) -> whole feature dims (list of int), proportional to the DoF with mean exactly `budget`, so the
-    total is budget x n. clip: cap at the head size (DoF+Clip; nothing is redistributed, so the mean can fall below
-    the budget). order: "dof"; "reverse" (the same dims, largest DoF getting the smallest); "fix" (C everywhere)."""
+    """DoF (n,) -> whole feature dims (list of int) proportional to the DoF with mean exactly `budget` (order "dof"),
+    the same dims largest DoF smallest ("reverse") or the budget everywhere ("fix"); clip caps them (DoF+Clip)."""
     N = np.asarray(torch.as_tensor(dof, dtype=torch.float64).cpu()).reshape(-1)
     if int(budget) != budget or budget < 1:
         raise ModelError(f"the budget must be a whole number of at least 1 feature per layer, got {budget}")
@@ -182,9 +178,9 @@ def parse_dims(text, n_layer):
     try:
         dims = [int(x) for x in text.split(",")]
     except ValueError:
-        raise ModelError(f"--dims must be comma-separated integers, got {text!r}") from None
-    if len(dims) != n_layer or min(dims) < 1:
-        raise ModelError(f"--dims needs {n_layer} positive integers, one per layer, got {text!r}")
+        dims = []
+    if len(dims) != n_layer or min(dims, default=0) < 1:
+        raise ModelError(f"--dims needs {n_layer} comma-separated positive integers, one per layer, got {text!r}")
     return dims
 
 
@@ -211,8 +207,7 @@ def calibration_batches(tokens, n, B, T, seed, device):
 
 @dataclass
 class DofConfig:
-    """Degrees of freedom of every head's attention kernel, and the dims they give each layer (Algorithm 1), on the
-    calibration windows distill.py draws with the same flags."""
+    """Every head's DoF and each layer's dims (Algorithm 1), on the windows distill.py draws with the same flags."""
     model: str = opt("gpt2", "checkpoint: hub id, local directory, .gguf file or smollm2-135m")
     data: str = opt("data/wikipedia", "directory of train.bin (data/*/prepare.py, or made by distill.py)")
     budget: int = opt(64, "mean feature dimension C over the layers (paper, GPT-2: 64)")
@@ -252,9 +247,8 @@ def main(argv=None):
     print(f"{cfg.model}: J={cfg.J} queries+keys per head{' (keys centred)' if cfg.center_keys else ''}, lambda="
           f"{cfg.lam:g}{' x tr(S)' if cfg.lam_relative else ''}, budget {cfg.budget}\n{'layer':>5} {'DoF max':>8} "
           f"{'mean':>8} {'max/J':>6}" + "".join(f" {a:>7}" for a in dims))
-    for l in range(mc.n_layer):
-        print(f"{l:5d} {layer[l]:8.2f} {per_head[l].mean():8.2f} {layer[l] / cfg.J:6.3f}"
-              + "".join(f" {d[l]:7d}" for d in dims.values()))
+    for l, (top, mean) in enumerate(zip(layer, per_head.mean(1))):
+        print(f"{l:5d} {top:8.2f} {mean:8.2f} {top / cfg.J:6.3f}" + "".join(f" {d[l]:7d}" for d in dims.values()))
     if layer.max() > 0.9 * cfg.J:
         print("warning: DoF/J > 0.9: the estimate saturates at J and the dims tend to Fix; raise --lam or use "
               "--lam-relative (e.g. --lam-relative --lam 1e-3)", file=sys.stderr)
