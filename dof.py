@@ -2,15 +2,15 @@
 
     python dof.py --model gpt2 --lam 0.0625 --J 2048 --budget 64 --data data/wikipedia
 
-For every layer and head: pool the head's queries and keys (after rotary) on calibration windows, draw J of them,
-form the Gram matrix G_ij = K(x_i, x_j) = exp(x_i.x_j / sqrt d); the head's degrees of freedom are
+For every layer and head: pool the head's queries and keys (after rotary) on calibration windows, draw J of them
+(collect_qk), form the Gram matrix G_ij = K(x_i, x_j) = exp(x_i.x_j / sqrt d); the head's degrees of freedom are
 
-    N_lam = sum_i mu_i / (mu_i + lam) = tr(G (G + J lam I)^-1),   mu_i the eigenvalues of G / J.
+    N_lam = sum_i mu_i / (mu_i + lam) = tr(G (G + J lam I)^-1),   mu_i the eigenvalues of G / J   (degrees_of_freedom).
 
 A layer's DoF is the maximum over its heads (they share one feature dimension); layer l gets M_l = C N_l / mean(N)
-features, so the mean is the budget C (the cost of Fix: C everywhere). DoF+Clip caps M_l at the head size; Reverse
-hands the same dims out in the opposite order (a control). With key centring it is the DoF of the kernel the
-student learns, K(q, k - mu). distill.py calls the same choose_dims on the same windows."""
+features (allocate), so the mean is the budget C (the cost of Fix: C everywhere). DoF+Clip caps M_l at the head
+size; Reverse hands the same dims out in the opposite order (a control). With key centring it is the DoF of the
+student's kernel, K(q, k - mu). choose_dims does all of it, for distill.py too."""
 
 import json
 import math
@@ -28,14 +28,12 @@ from common import (ModelError, check_positive, check_writable, get_batch, opt, 
                     run_main, write_text_atomic)
 from model import GPT, repeat_kv
 
+RULES = ("dof", "fix", "clip", "reverse")  # Fix: C everywhere; DoF+Clip: capped at the head size; Reverse: a control
 
-# ----------------------------------------------------------------------------------------------------------------
-# 1. Queries and keys
 
 @torch.no_grad()
 def teacher_qk(model, idx):
-    """One frozen forward pass of idx (B, T) -> [(q (B, H, T, D), k (B, Hkv, T, D))] per layer, fp32: the inputs
-    of every model.h[l].attn.core, after rotary (the project's one q/k hook)."""
+    """idx (B, T) -> per layer, in fp32, the q (B, H, T, D) and k (B, Hkv, T, D) its core sees (after rotary)."""
     seen = []
     hooks = [c.register_forward_pre_hook(lambda mod, args: seen.append(args[:2])) for c in model.cores()]
     try:
@@ -57,9 +55,8 @@ def key_means(model, batches):
 
 @torch.no_grad()
 def collect_qk(model, batches, J, seed=0, key_means=None):
-    """Token batches (B, T) through the frozen model -> (L, H, J, D) fp32 on its device: each query head's queries
-    pooled with its KV head's keys (minus key_means (L, H, D), if given). Every point gets an i.i.d. uniform random
-    priority and the J with the highest are kept as the batches stream by: uniform without replacement."""
+    """Token batches (B, T) -> (L, H, J, D) fp32: each query head's queries pooled with its KV head's keys (minus
+    key_means (L, H, D) if given), the J of highest i.i.d. uniform priority: uniform sampling without replacement."""
     gen, kept, prio = torch.Generator().manual_seed(seed), None, None
     for idx in batches:
         x = []
@@ -77,9 +74,6 @@ def collect_qk(model, batches, J, seed=0, key_means=None):
     return kept
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 2. Degrees of freedom: N_lam = sum mu / (mu + lam) over the eigenvalues of G / J
-
 def dof_reference(S, lam, relative=False):
     """Logits S (..., J, J), S_ij = x_i.x_j / sqrt d -> N_lam (...) = sum_i mu_i / (mu_i + lam), mu the eigenvalues
     of G / J, G = exp(S). relative=True: lam := lam * tr(G / J), which makes N invariant to K -> cK."""
@@ -91,12 +85,11 @@ def dof_reference(S, lam, relative=False):
 
 
 def dof_from_logits(S, lam, relative=False, J=None):
-    """The same N_lam from the logits S (..., n, n) without forming exp(S), which overflows past S = 709 and, past
-    ~40, has eigenvalues near lam below float64 eigvalsh's resolution (~1e-16 of the largest, ~e^max S). With
-    c = J lam (relative: lam tr(G)), a_i = G_ii / (G_ii + c) and D = diag(G_ii + c):
-        G + cI = D^1/2 A D^1/2,   A = D^-1/2 G D^-1/2 + c D^-1,   A_ij = exp(S_ij - (S_ii + S_jj) / 2) sqrt(a_i a_j),
-    A_ii = 1 and every entry of A lies in [0, 1] (Cauchy-Schwarz), whatever the logits. Then
-    N = tr(G (G + cI)^-1) = n - c tr((G + cI)^-1) = n - sum_i (1 - a_i) (A^-1)_ii, A^-1 from A's Cholesky factor.
+    """The same N_lam from the logits S (..., n, n) without exp(S), which overflows past 709 and past ~40 puts the
+    eigenvalues near lam below float64's resolution. With c = J lam (relative: lam tr(G)), a_i = G_ii / (G_ii + c):
+        G + cI = D^1/2 A D^1/2,   D = diag(G_ii + c),   A = D^-1/2 G D^-1/2 + c D^-1,
+    A_ij = exp(S_ij - (S_ii + S_jj) / 2) sqrt(a_i a_j) (i != j), A_ii = 1: all in [0, 1] whatever S (Cauchy-Schwarz).
+    Then N = tr(G (G + cI)^-1) = n - c tr((G + cI)^-1) = n - sum_i (1 - a_i) (A^-1)_ii, A^-1 from A's Cholesky factor.
     J (default n): the number of points when S's n rows stand for several copies each (see degrees_of_freedom)."""
     n, J = S.size(-1), S.size(-1) if J is None else J
     C, _, w = regularised_cholesky(S, lam, relative, J)
@@ -136,9 +129,6 @@ def degrees_of_freedom(x, lam, relative=False):
     return torch.stack(N).reshape(batch)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# 3. Feature dimensions for a budget: M_l = C N_l / mean(N)
-
 def allocate(dof, budget, clip=None, order="dof"):
     """DoF (n,) -> whole feature dims (list of int) proportional to the DoF with mean exactly `budget` (order "dof"),
     the same dims largest DoF smallest ("reverse") or the budget everywhere ("fix"); clip caps them (DoF+Clip)."""
@@ -170,9 +160,6 @@ def whole_dims(M):
     return dims
 
 
-RULES = ("dof", "fix", "clip", "reverse")      # Fix: C everywhere; DoF+Clip: capped at the head size
-
-
 def parse_dims(text, n_layer):
     """--dims "8,16,..." -> n_layer whole dims >= 1, or a ModelError."""
     try:
@@ -189,21 +176,16 @@ def choose_dims(model, batches, budget, alloc="dof", lam=2 ** -4, relative=False
     (keys minus key_means: the kernel the student learns), N_lam per head, its maximum per layer, allocate."""
     if alloc == "fix":
         return [int(budget)] * model.config.n_layer, None
-    x = collect_qk(model, batches, J, seed, key_means)                       # (L, H, J, D)
-    layer = degrees_of_freedom(x, lam, relative).amax(-1).cpu()              # heads share the layer's dimension
+    layer = degrees_of_freedom(collect_qk(model, batches, J, seed, key_means), lam, relative).amax(-1).cpu()
     clip = model.config.head_dim if alloc == "clip" else None
     return allocate(layer, budget, clip, "reverse" if alloc == "reverse" else "dof"), layer.tolist()
 
 
 def calibration_batches(tokens, n, B, T, seed, device):
-    """The n calibration batches (B, T) of a run with this seed: random windows of the training tokens, drawn by
-    their own generator (seed + 2), so that the DoF pass sees the same windows in dof.py and distill.py."""
+    """n batches (B, T) of random training windows, by a generator of seed + 2: alike in dof.py and distill.py."""
     gen = torch.Generator().manual_seed(seed + 2)
     return [get_batch(tokens, B, T, gen, device)[0] for _ in range(n)]
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# 4. The command: a model's DoF profile and every rule's dims
 
 @dataclass
 class DofConfig:
