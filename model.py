@@ -1,5 +1,4 @@
-"""GPT-2, GPT-NeoX (Pythia) and Llama-family (SmolLM2) transformers in one file, with softmax attention and the
-linear attention that replaces it (feature maps, chunked causal scan, recurrent state).
+"""GPT-2, GPT-NeoX (Pythia) and Llama (SmolLM2) with softmax attention, and the linear attention that replaces it.
 
     idx (B, T) -> wte (+ wpe) -> n_layer x Block -> ln_f -> lm_head -> logits (B, T, V)
     Block:  x + attn(ln_1(x)) + mlp(ln_2(x)) (parallel residual, Pythia), or x += attn(ln_1(x)); x += mlp(ln_2(x))
@@ -152,9 +151,8 @@ def dct_matrix(d):
 
 
 class DiJiang(nn.Module):
-    """DiJiang's feature map (Chen et al. 2024, arXiv 2403.19928, as in its modeling_gpt_neox.py; its decay masks and
-    output gate are left out): phi(x) = softmax(x P) for queries and keys, P = [C diag(Phi^-1(u_1)) | ...][:, :M]
-    fixed, C the orthonormal DCT, Phi^-1 the normal quantile, u scrambled Sobol points (quasi-Monte-Carlo)."""
+    """DiJiang's map (Chen et al. 2024, arXiv 2403.19928; decay masks and output gate left out): phi(x) = softmax(x P),
+    P = [C diag(Phi^-1(u_1)) | ...][:, :M] fixed, C the orthonormal DCT, Phi^-1 the normal quantile, u Sobol points."""
     def __init__(self, n_head, head_dim, M):
         super().__init__()
         self.M, nb = M, -(-M // head_dim)
@@ -184,10 +182,9 @@ def linear_attention_reference(phi_q, phi_k, v):
 
 
 def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=None, return_state=False):
-    """The reference's y in O(T) memory: in chunk n of C tokens (T padded to a multiple of C), in fp32,
-        y_n = phi_q,n P_n + tril(phi_q,n phi_k,n^T) [v_n | 1],   P_n = sum_{n' < n} phi_k,n'^T [v_n' | 1],
-    the state of all earlier chunks (a cumsum) plus the masked form inside; the ones give the denominator. state =
-    (S (B, H, M, D), s (B, H, M)) continues earlier tokens; return_state=True also returns S, s after the last."""
+    """The reference's y in O(T) memory, in fp32: with T padded to N chunks of C tokens, chunk n's output is
+        y_n = phi_q,n P_n + tril(phi_q,n phi_k,n^T) [v_n | 1],   P_n = sum_{n' < n} phi_k,n'^T [v_n' | 1]   (a cumsum),
+    the ones giving the denominator. state = (S, s) continues earlier tokens; return_state=True also returns S, s."""
     B, H, T, M = phi_q.shape
     D, C, N = v.size(-1), chunk_size, -(-T // chunk_size)                               # N chunks of C tokens
     dt = torch.promote_types(v.dtype, torch.float32)
@@ -353,8 +350,7 @@ class GPT(nn.Module):
         return self.lm_head(self.hidden(idx, cache))
 
     def nll(self, idx, targets):
-        """(B,) summed next-token cross-entropy of each sequence against targets (B, T), -1 ignored: the one loss,
-        fp32. The LM head runs a sequence at a time: no fp32 copy of all (B, T, V) logits (1.6 GB: GPT-2, 8 x 1024)."""
+        """The one loss, (B,): summed fp32 cross-entropy on targets (B, T), -1 ignored; a sequence at a time."""
         return torch.stack([F.cross_entropy(self.lm_head(h).float(), y, ignore_index=-1, reduction="sum")
                             for h, y in zip(self.hidden(idx), targets)])
 
@@ -410,8 +406,7 @@ def load_feature_state(student, sd, where):
 
 
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32):
-    """A distill.py checkpoint directory -> (the student: its teacher in `dtype` with the trained linear-attention
-    cores, which stay fp32; the checkpoint's config.json dict)."""
+    """A distill.py checkpoint directory -> (the teacher in `dtype` with its trained fp32 cores, config.json's dict)."""
     cfg, sd = read_student(ckpt_dir)
     if any(isinstance(m, list) for m in cfg["dims"]):
         raise ModelError(f"{ckpt_dir} has a feature dimension per head; load it with experiments/per_head.py")
