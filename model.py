@@ -115,9 +115,8 @@ def prf_log_features(x, z, log_alpha):
 
 
 def overflow_safe_prf(x, z, log_alpha, is_query, beta=KEY_SHIFT):
-    """Phi(x)_m = sqrt(alpha_m / M) e^(|z_m|^2/2 - |x~ - z_m|^2/2) leaves fp32's range (a query far from every z_m
-    gets all-zero features, 0/0 attention; a long z_m overflows); this is Phi times factors that cancel in the
-    normalised attention. x (B, H, T, d), z (H, M, d), log_alpha (H, M) -> (B, H, T, M), computed in place:
+    """Phi(x)_m = sqrt(alpha_m / M) e^(|z_m|^2/2 - |x~ - z_m|^2/2) times factors that cancel in normalised attention, to
+    stay in fp32's range (Phi gives 0/0 for a query far from every z_m, overflows for a long z_m), in place:
         keys:     phi_m = exp(beta - |k~ - z_m|^2 / 2)           = Phi(k)_m sqrt(M / alpha_m) e^(beta - |z_m|^2/2)
         queries:  phi_m = exp(a_m - max a),  a_m = log alpha_m + z_m.q~ + |z_m|^2 / 2
                                                                 = Phi(q)_m sqrt(M alpha_m) e^(|z_m|^2/2) c(q)
@@ -192,8 +191,7 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=Non
     q, k, v1 = (pad(x).view(B, H, N, C, -1) for x in (phi_q, phi_k, torch.cat((v, v.new_ones(B, H, T, 1)), -1)))
     U = k.mT @ v1                                                                      # (B, H, N, M, D+1) per chunk
     P = torch.cat((torch.zeros_like(U[:, :, :1]), U[:, :, :-1]), 2).cumsum_(2)        # (B, H, N, M, D+1) before n
-    if state is not None:
-        P = P + torch.cat((state[0], state[1][..., None]), -1).to(dt)[:, :, None]     # + (B, H, 1, M, D+1)
+    P = P if state is None else P + torch.cat((state[0], state[1][..., None]), -1).to(dt)[:, :, None]   # + earlier
     out = (q @ P).add_((q @ k.mT).tril_() @ v1).view(B, H, N * C, D + 1)[:, :, :T]   # (B, H, T, D+1)
     y = out[..., :D] / out[..., D:].clamp_min(eps)                                     # (B, H, T, D)
     last = P[:, :, -1] + U[:, :, -1]                                                   # (B, H, M, D+1) after the last
@@ -201,8 +199,7 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=Non
 
 
 def fla_linear_attention(phi_q, phi_k, v, chunk_size=None):
-    """causal_linear_attention by flash-linear-attention's CUDA chunk kernel (pip install flash-linear-attention),
-    whose normalize=True divides by the same phi_q,i . sum_{j<=i} phi_k,j; set core.scan to it (evaluate.py --fla)."""
+    """causal_linear_attention by flash-linear-attention's CUDA chunk kernel: normalize=True, the same denominator."""
     from fla.ops.linear_attn import chunk_linear_attn
     y, _ = chunk_linear_attn(*(x.transpose(1, 2).contiguous() for x in (phi_q, phi_k, v)), scale=1.0, normalize=True)
     return y.transpose(1, 2)                                                            # (B, H, T, D)
@@ -260,9 +257,6 @@ class LinearAttention(nn.Module):
                                                                 return_state=True)
             return y.to(q.dtype)
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# The transformer: Attention (projections and rotary around a core), MLP, Block, GPT
 
 class Attention(nn.Module):
     """Projections and rotary around an attention core: x (B, T, C) -> (B, T, C)."""
@@ -350,7 +344,7 @@ class GPT(nn.Module):
         return self.lm_head(self.hidden(idx, cache))
 
     def nll(self, idx, targets):
-        """The one loss, (B,): summed fp32 cross-entropy on targets (B, T), -1 ignored; a sequence at a time."""
+        """The one loss, (B,): summed fp32 cross-entropy on targets (B, T), -1 ignored; no (B, T, V) logits at once."""
         return torch.stack([F.cross_entropy(self.lm_head(h).float(), y, ignore_index=-1, reduction="sum")
                             for h, y in zip(self.hidden(idx), targets)])
 
