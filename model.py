@@ -2,8 +2,7 @@
 
     idx (B, T) -> wte (+ wpe) -> n_layer x Block -> ln_f -> lm_head -> logits (B, T, V)
     Block:  x + attn(ln_1(x)) + mlp(ln_2(x)) (parallel residual, Pythia), or x += attn(ln_1(x)); x += mlp(ln_2(x))
-    attn:   qkv -> rotary (NeoX, Llama) -> core(q, k, v) -> proj, core the teacher's SoftmaxAttention or the
-            student's LinearAttention (GPT.linearize); a hook on model.h[l].attn.core sees layer l's q and k."""
+    attn:   qkv -> rotary (NeoX, Llama) -> core -> proj, the core SoftmaxAttention or the student's LinearAttention"""
 
 import copy
 import math
@@ -53,8 +52,7 @@ def norm(cfg):
 
 
 def rotary(x, cos, sin):
-    """Rotate-half rotary on the first r dims of each head of x (B, H, T, D), dim j paired with j + r/2; cos, sin
-    (T, r) of the angles pos_t / base^(2i / r) (GPT.hidden makes them once for all layers)."""
+    """Rotary on the first r dims of x (B, H, T, D), j paired with j + r/2; cos, sin (T, r) of pos_t / base^(2i / r)."""
     r = cos.size(-1)
     x1, x2 = x[..., :r].chunk(2, dim=-1)
     xr = x[..., :r] * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
@@ -321,7 +319,7 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
 
     def cores(self):
-        return [block.attn.core for block in self.h]          # SoftmaxAttention (teacher) or LinearAttention
+        return [block.attn.core for block in self.h]          # a forward pre-hook on one sees its layer's q, k
 
     def hidden(self, idx, cache=None):
         """idx (B, T) -> final-normed hidden states (B, T, C); advances cache.pos by T when decoding."""
@@ -358,8 +356,7 @@ class GPT(nn.Module):
         return idx
 
     def linearize(self, dims, feature_map="prf", chunk_size=64, core=None):
-        """The student: a copy of this model sharing every weight and buffer with it, layer l's softmax core replaced
-        by LinearAttention (or `core`, a fork's) with dims[l] features per head (fp32): its only new parameters."""
+        """The student: all weights shared, layer l's core a LinearAttention (or `core`) of dims[l] features a head."""
         c = self.config
         if len(dims) != c.n_layer:
             raise ModelError(f"linearize needs {c.n_layer} feature dimensions (one per layer), got {list(dims)}")
@@ -370,8 +367,7 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_path, device="cpu", dtype=torch.float32):
-        """Load a checkpoint: a local directory (config.json + model.safetensors or a sharded index), a .gguf file
-        of llama architecture, the alias "smollm2-135m", or a Hugging Face hub id (gpt2, EleutherAI/pythia-160m)."""
+        """Load a directory (config.json + safetensors, maybe sharded), a llama .gguf, "smollm2-135m" or a hub id."""
         name = str(name_or_path)
         hf_config, sd = read_checkpoint(name)                      # config.json's dict, tensors under their names
         cfg = GPTConfig(**config_from_hf(hf_config, name))
