@@ -192,8 +192,10 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=Non
     P = P if state is None else P + torch.cat((state[0], state[1][..., None]), -1).to(dt)[:, :, None]   # + earlier
     out = (q @ P).add_((q @ k.mT).tril_() @ v1).view(B, H, N * C, D + 1)[:, :, :T]   # (B, H, T, D+1)
     y = out[..., :D] / out[..., D:].clamp_min(eps)                                     # (B, H, T, D)
+    if not return_state:
+        return y
     last = P[:, :, -1] + U[:, :, -1]                                                   # (B, H, M, D+1) after the last
-    return (y, last[..., :D], last[..., D]) if return_state else y
+    return y, last[..., :D], last[..., D]
 
 
 def fla_linear_attention(phi_q, phi_k, v, chunk_size=None):
