@@ -482,13 +482,15 @@ def allocation_table(records, base="Fix", best="Measured"):
     return "\n".join(rows)
 
 
-def speed_table(results):
-    """docs/results/restructure: the core against the code before it, side by side (speed.py), per quantity."""
+def speed_table(results, grid="restructure"):
+    """docs/results/<grid>: the core against the code before it, side by side (speed.py), per quantity; where the
+    kernels were timed in a run of their own (speed-kernels.json), speed-step.json gives the step alone."""
     rows = ["| quantity | before: median (min) of rounds | after: median (min) | after / before, medians | by minima |",
             "|---|---:|---:|---:|---:|"]
-    for name in ("speed-step", "speed-kernels"):
-        r = json.loads((Path(results) / "restructure" / f"{name}.json").read_text())
-        for k in (k for k in r["after"][0] if not (name == "speed-step" and k != "step_ms")):
+    apart = (Path(results) / grid / "speed-kernels.json").is_file()
+    for name in ("speed-step", "speed-kernels") if apart else ("speed-step",):
+        r = json.loads((Path(results) / grid / f"{name}.json").read_text())
+        for k in (k for k in r["after"][0] if not (name == "speed-step" and apart and k != "step_ms")):
             b, a = [x[k] for x in r["before"]], [x[k] for x in r["after"]]
             rows.append(f"| {k.replace('_', ' ')} | {np.median(b):.1f} ({min(b):.1f}) | {np.median(a):.1f} ({min(a):.1f}) "
                         f"| {np.median(a) / np.median(b):.2f}× | {min(a) / min(b):.2f}× |")
@@ -533,8 +535,8 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
             for p in sorted((Path(results) / grid).glob("*.json")):
                 made[f"zeroshot:{p.stem}"] = zeroshot_table(json.loads(p.read_text()))
             continue
-        if grid in ("restructure", "fast-loss"):     # speed side by side with the code before, from its scripts
-            made[f"{grid}:table"] = speed_table(results) if grid == "restructure" else step_ops_table(results)
+        if grid in ("restructure", "trim", "fast-loss"):   # speed side by side with the code before, from its scripts
+            made[f"{grid}:table"] = step_ops_table(results) if grid == "fast-loss" else speed_table(results, grid)
             continue
         if grid == "curves":                         # the per-layer error curves: tables and figure, not a grid table
             made.update(curve_blocks(results, figures))
