@@ -375,7 +375,12 @@ class GPT(nn.Module):
         cfg = GPTConfig(**config_from_hf(hf_config, name))
         with torch.device("meta"):
             model = cls(cfg)                                       # no memory until the weights are assigned
-        model.load_state_dict(convert_state_dict(cfg, sd, name), assign=True)
+        try:
+            model.load_state_dict(convert_state_dict(cfg, sd, name), assign=True)
+        except RuntimeError as e:                                  # shapes: a config.json of other weights
+            why = str(e).strip().splitlines()[-1].strip().rstrip(".")[:160]
+            raise ModelError(f"{name}: its tensors do not fit its config.json ({why}); use the config.json saved "
+                             "with these weights") from None
         if cfg.tie_embeddings:
             model.lm_head.weight = model.wte.weight                # assign=True replaced the shared parameter
         return model.to(device=device, dtype=dtype).eval()

@@ -266,6 +266,11 @@ DAMAGED_TEACHERS = {   # name -> (teacher, what is done to its folder, the sente
                       r"model\.safetensors\.index\.json lists"),
     "shard truncated": ("neox", lambda d: first_shard(d).write_bytes(first_shard(d).read_bytes()[:3000]),
                         r"model-00001-of-\d+\.safetensors is damaged or truncated"),
+    "config.json sizes not its tensors": ("gpt2", lambda d: edit_json(d / "config.json", n_embd=32),
+                                          r"its tensors do not fit its config\.json \(size mismatch for .*\); use "
+                                          r"the config\.json saved with these weights"),
+    "config.json sizes not its qkv": ("neox", lambda d: edit_json(d / "config.json", hidden_size=96),
+                                      r"its tensors do not fit its config\.json \(.*\); use the config\.json saved"),
 }
 
 
@@ -596,6 +601,9 @@ DAMAGED_TOKENIZERS = {   # name -> (files, what is done to their folder, the sen
     "tokenizer.json merging unknown tokens": (
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"merges": *\[', '"merges": ["qq zz", ', t, count=1)),
         r"tokenizer\.json is not a consistent byte-level BPE tokenizer \(KeyError\('qqzz'\)\)"),
+    "tokenizer.json added token without its id": (
+        "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+, *', "", t, count=1)),
+        r"tokenizer\.json's added_tokens are malformed \(KeyError\('id'\)\); re-download the tokenizer files"),
 }
 
 

@@ -122,8 +122,11 @@ def _tokenizer_json(path: Path) -> tiktoken.Encoding:
     if not pattern or last.get("add_prefix_space"):
         raise ModelError(f"{path} has a pre-tokenizer this loader does not support ({' + '.join(map(str, kinds))}); "
                          "supported: ByteLevel, Digits + ByteLevel, Split + ByteLevel, all without add_prefix_space")
-    extra = spec.get("added_tokens") or []
-    specials, added = ({t["content"]: t["id"] for t in extra if bool(t.get("special")) == s} for s in (True, False))
+    try:
+        extra = spec.get("added_tokens") or []
+        specials, added = ({t["content"]: t["id"] for t in extra if bool(t.get("special")) == s} for s in (True, False))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ModelError(f"{path}'s added_tokens are malformed ({e!r}); {REFETCH}") from None
     return _byte_level_bpe(path.stem, model["vocab"], model.get("merges", []), pattern, str(path),
                            specials=specials, added=added, normalizer=norm)
 
