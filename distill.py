@@ -472,7 +472,8 @@ def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, conf
         validate_and_save(step)
     n, t0 = 0, time.time()
     for step in tqdm(range(step, cfg.max_steps if optim else step), desc="distill", unit="step", disable=not is_main()):
-        losses, n, step = train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn), n + 1, step + 1
+        losses = train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn)
+        n, step = n + 1, step + 1
         if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.max_steps:
             all_mean([losses])
             losses, ms, lr = losses.tolist(), (time.time() - t0) * 1e3 / n, optim.param_groups[0]["lr"]

@@ -77,7 +77,8 @@ def collect_qk(model, batches, J, seed=0, key_means=None):
 def dof_reference(S, lam, relative=False):
     """Logits S (..., J, J), S_ij = x_i.x_j / sqrt d -> N_lam (...) = sum_i mu_i / (mu_i + lam), mu the eigenvalues
     of G / J, G = exp(S). relative=True: lam := lam * tr(G / J), which makes N invariant to K -> cK."""
-    J, G = S.size(-1), S.exp()                                              # G (..., J, J)
+    J = S.size(-1)
+    G = S.exp()                                                             # (..., J, J)
     mu = torch.linalg.eigvalsh(G / J).clamp(min=0)                          # (..., J)
     if relative:
         lam = lam * G.diagonal(dim1=-2, dim2=-1).sum(-1, keepdim=True) / J
@@ -101,7 +102,8 @@ def regularised_cholesky(S, lam, relative, J):
     log D_ii^-1/2 = -log(G_ii + c) / 2 and w_i = 1 - a_i = c / (G_ii + c), so that G + cI = D^1/2 C C^T D^1/2."""
     s = S.diagonal(dim1=-2, dim2=-1)                                        # (..., n) log G_ii = |x_i|^2 / sqrt d
     log_c = math.log(lam) + (torch.logsumexp(s, -1, keepdim=True) if relative else math.log(J))
-    u, w = (F.logsigmoid(s - log_c) - s) / 2, torch.sigmoid(log_c - s)     # (log a_i - S_ii) / 2, 1 - a_i
+    u = (F.logsigmoid(s - log_c) - s) / 2                                   # (log a_i - S_ii) / 2
+    w = torch.sigmoid(log_c - s)                                            # 1 - a_i = c / (G_ii + c)
     A = (S + u[..., :, None] + u[..., None, :]).exp()                       # D^-1/2 G D^-1/2
     A.diagonal(dim1=-2, dim2=-1).add_(w)                                    # + c D^-1
     C, info = torch.linalg.cholesky_ex(A)

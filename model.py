@@ -278,7 +278,8 @@ class MLP(nn.Module):
     """GPT-2: proj(gelu_tanh(fc(x))); NeoX: proj(gelu(fc(x))); Llama: proj(silu(gate(x)) * fc(x))."""
     def __init__(self, cfg):
         super().__init__()
-        self.family, self.fc = cfg.family, nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=cfg.bias)
+        self.family = cfg.family
+        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=cfg.bias)
         self.proj = nn.Linear(cfg.mlp_hidden, cfg.n_embd, bias=cfg.bias)
         if cfg.family == "llama":
             self.gate = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=False)
@@ -312,10 +313,12 @@ class Cache(list):
 class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.config, self.wte = cfg, nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         if cfg.family == "gpt2":
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h, self.ln_f = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)), norm(cfg)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = norm(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -330,9 +333,11 @@ class GPT(nn.Module):
             raise ModelError(f"{p0 + T} positions exceed GPT-2's learned {c.block_size}; use a shorter input")
         pos = torch.arange(p0, p0 + T, device=idx.device)
         x = self.wte(idx) + (self.wpe(pos) if c.family == "gpt2" else 0)                 # learned positions: GPT-2
-        two_i = torch.arange(0, c.rotary_dim, 2, device=idx.device, dtype=torch.float32)   # rotary, once for all layers
-        angles = torch.cat(2 * [pos.float()[:, None] * (1.0 / c.rope_base ** (two_i / c.rotary_dim))], -1)   # (T, r)
-        rope = (angles.cos(), angles.sin()) if c.rotary_dim else None
+        rope = None
+        if c.rotary_dim:                                                                  # once for all layers
+            two_i = torch.arange(0, c.rotary_dim, 2, device=idx.device, dtype=torch.float32)
+            angles = torch.cat(2 * [pos.float()[:, None] * (1.0 / c.rope_base ** (two_i / c.rotary_dim))], -1)  # (T, r)
+            rope = angles.cos(), angles.sin()
         for i, block in enumerate(self.h):
             x = block(x, rope, cache[i] if cache is not None else None)
         if cache is not None:
