@@ -1738,16 +1738,23 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def script_env(**extra):
+    """The environment of a script the tests start: the caller's, less its HF_* and proxy variables (the hub client
+    reads them, and may warn about them on stderr), with one torch thread and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k not in PROXY_VARIABLES}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
 def cli(script, *args):
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          cwd=ROOT, timeout=300, env=script_env())
 
 
 def torchrun(script, *args, n=2):
     """`torchrun --standalone --nproc_per_node n script args` on the CPU (gloo), one thread per process."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                            str(n), str(ROOT / script), *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=300, env=script_env())
 
 
 @pytest.fixture(scope="module")
@@ -2223,7 +2230,7 @@ def test_main_command_without_the_hub_fails_at_once_naming_the_offline_command(t
     torch start-up included; the hub client's retries would take minutes), one sentence naming the offline command,
     nothing written."""
     import time
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+    env = script_env(HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
     t0 = time.time()
     r = subprocess.run([sys.executable, str(ROOT / "distill.py"), "--budget", "64", "--loss", "softmax",
                         "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, env=env,
@@ -2458,7 +2465,7 @@ def test_ctrl_c_and_sigterm_stop_with_one_line_and_the_run_resumes(setup, tmp_pa
     args = distill_args(ckpt, data, out, "--alloc", "fix", "--budget", "4", "--eval-interval", "2", "--device", "cpu")
     p = subprocess.Popen([sys.executable, str(ROOT / "distill.py"), *args, "--max-steps", "100000"], cwd=ROOT,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         env=script_env(),
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     for _ in range(600):                                             # until a checkpoint past step 0 is on disk
         if (out / "config.json").is_file() and json.loads((out / "config.json").read_text())["step"] >= 2:
@@ -3208,7 +3215,7 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, tm
 
 def run_cli(*args):
     p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--device", "cpu", *map(str, args)], text=True,
-                       capture_output=True, cwd=ROOT, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       capture_output=True, cwd=ROOT, timeout=120, env=script_env())
     return p.returncode, p.stderr.strip()
 
 
