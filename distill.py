@@ -470,22 +470,23 @@ def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, conf
             save_checkpoint(cfg, student, optim, gen, {**config, "step": s}, metrics)
     if not metrics["val"]:
         validate_and_save(step)
-    n, t0 = 0, time.time()
+    n, t0 = 0, time.perf_counter()
     for step in tqdm(range(step, cfg.max_steps if optim else step), desc="distill", unit="step", disable=not is_main()):
         losses = train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn)
         n, step = n + 1, step + 1
         if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.max_steps:
             all_mean([losses])
-            losses, ms, lr = losses.tolist(), (time.time() - t0) * 1e3 / n, optim.param_groups[0]["lr"]
+            losses, ms, lr = losses.tolist(), (time.perf_counter() - t0) * 1e3 / n, optim.param_groups[0]["lr"]
             check_finite(cfg, step, losses, lambda l: f"layer {l}'s {cfg.loss} loss" if len(losses) > 1 else
                          "the next-token loss")
             metrics["history"].append({"step": step, "loss": losses, "lr": lr, "ms": ms})
-            metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + time.time() - t0
+            metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + time.perf_counter() - t0
             tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses)} | lr {lr:.4g} | {ms:.0f} ms/step | "
                        f"{tokens * 1e3 / ms:,.0f} tok/s")
-            n, t0 = 0, time.time()
+            n, t0 = 0, time.perf_counter()
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
             validate_and_save(step)
+            t0 = time.perf_counter()                                  # ms/step times training steps alone
     return step
 
 

@@ -2338,6 +2338,27 @@ def test_direct_steps_fine_tune_end_to_end_after_the_layerwise_loss(setup, tmp_p
         distill.main(distill_args(ckpt, data, tmp_path / "x", "--max-steps", "5", "--direct-steps", "9"))
 
 
+def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkeypatch):
+    """ms/step (the log line, metrics.json's history) and train_seconds time the training steps alone: with a clock
+    that a step advances by 1 s and a validation by 100 s, every logged step took 1,000 ms."""
+    d, ckpt, data = setup
+    clock = [0.0]
+
+    def slower(f, seconds):
+        def run(*args, **kwargs):
+            clock[0] += seconds
+            return f(*args, **kwargs)
+        return run
+    monkeypatch.setattr(distill, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(distill, "train_step", slower(distill.train_step, 1.0))
+    monkeypatch.setattr(distill, "lm_loss", slower(distill.lm_loss, 100.0))
+    distill.main(distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "6",
+                              "--log-interval", "1", "--eval-interval", "2", "--warmup-steps", "0"))
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert len(m["val"]) == 4 and clock[0] == 506.0                 # the teacher's loss, then steps 0, 2, 4, 6
+    assert [h["ms"] for h in m["history"]] == [1000.0] * 6 and m["train_seconds"] == 6.0, m["history"]
+
+
 def test_preset_prints_its_flags_and_flags_given_win(capsys):
     cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
     assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)
