@@ -115,6 +115,8 @@ def sync(device):
     """Wait for the device's queued work (for timing): a no-op on the CPU."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+    elif torch.device(device).type == "mps":
+        torch.mps.synchronize()
 
 
 def init_distributed(device):
@@ -316,10 +318,14 @@ def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None,
         raise ModelError(f"{p} is not a .bin token file; tokenize it with data/text/prepare.py")
     else:
         try:
-            text = p.read_text(encoding="utf-8")[:None if max_tokens is None else 16 * max_tokens]
+            text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise ModelError(f"{p} is neither a .bin token file nor UTF-8 text") from None
-        tokens = np.array(enc.encode(text, allowed_special="all") if special else enc.encode_ordinary(text), np.int64)
+        encode = (lambda t: enc.encode(t, allowed_special="all")) if special else enc.encode_ordinary
+        n = 16 * max_tokens if max_tokens else len(text)
+        while len(ids := encode(text[:n])) <= (max_tokens or 0) + 64 and n < len(text):   # a prefix holding the
+            n *= 2                                         # first max_tokens whole (only its last word's can change)
+        tokens = np.array(ids, np.int64)
     tokens = tokens[:max_tokens or None]
     if len(tokens) < min_tokens:
         raise ModelError(f"{p} holds {len(tokens)} tokens, fewer than the {min_tokens} needed; give it more text "
@@ -328,6 +334,14 @@ def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None,
         raise ModelError(f"{p} holds token id {int(tokens.max())}, but the model has {vocab_size} embeddings; "
                          "tokenize the text with this model's tokenizer")
     return tokens
+
+
+def check_tokenizer(meta, enc, where, model, todo):
+    """A ModelError unless prepare.py's meta.json records enc as the tokenizer (its size, and a probe's ids)."""
+    tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
+    if tok.get("n_vocab") != enc.n_vocab or enc.encode_ordinary(tok.get("probe", "")) != tok.get("probe_ids"):
+        raise ModelError(f"{where} was tokenized with the tokenizer of {tok.get('model', '?')} ({tok.get('n_vocab')} "
+                         f"tokens), not {model}'s ({enc.n_vocab}); {todo}")
 
 
 def get_batch(data, B, T, gen, device, share=(0, 1)):

@@ -14,6 +14,7 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -27,9 +28,9 @@ from tqdm import tqdm
 
 import dof
 from checkpoint import HubUnreachable, read_student
-from common import (ModelError, all_mean, atomic_path, barrier, broadcast, check_positive, claim_out_dir, get_batch,
-                    get_rank, get_world_size, init_distributed, is_main, opt, parse_config, pick_device, read_json,
-                    read_tokens, run_main, torch_load)
+from common import (ModelError, all_mean, atomic_path, barrier, broadcast, check_positive, check_tokenizer,
+                    claim_out_dir, get_batch, get_rank, get_world_size, init_distributed, is_main, opt, parse_config,
+                    pick_device, read_json, read_tokens, run_main, torch_load)
 from model import GPT, PRF, feature_state, load_feature_state, overflow_safe_prf, prf_log_features
 from tokenizer import load_tokenizer
 
@@ -44,7 +45,7 @@ class DistillConfig:
     alloc: str = opt("dof", "dims: dof (M_l ~ the layer's DoF), fix (C everywhere), clip (dof capped at the head "
                      "size), reverse (dof's dims in reverse DoF order)", choices=dof.RULES)
     lam: float = opt(2 ** -4, "lambda of the degrees of freedom (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
-    lam_relative: bool = opt(False, "take lambda as a fraction of tr(S): invariant to the kernel's scale")
+    lam_relative: bool = opt(False, "take lambda as a fraction of tr(G / J), the mean K(x, x): invariant to K's scale")
     loss: str = opt("softmax", "softmax, l2 (layerwise attention losses) or direct (next-token)",
                     choices=("softmax", "l2", "direct"))
     feature_map: str = opt("prf", "prf (learned, the paper's), performer (fixed FAVOR+) or dijiang (fixed DCT)",
@@ -65,9 +66,10 @@ class DistillConfig:
     wiki_tokens: int = opt(20_000_000, "when --data holds no text: tokens of English Wikipedia to stream into it")
     out_dir: str = opt("out-distill", "checkpoint directory")
     init_from: str = opt("", "start from this checkpoint's features, dims and key means; train with this run's loss")
-    resume: bool = opt(False, "continue the checkpoint in --out-dir to --max-steps")
+    resume: bool = opt(False, "continue the checkpoint in --out-dir to --max-steps, with the flags it was started with")
     overwrite: bool = opt(False, "replace an existing checkpoint in --out-dir")
-    preset: str = opt("", "cpu: settings for a CPU (printed when used); flags given win", choices=("", "cpu"))
+    preset: str = opt("", "cpu: settings for a CPU (printed when used); flags given win, its switches stay on",
+                      choices=("", "cpu"))
     # training
     batch_size: int = opt(8, "windows per micro-batch")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
@@ -115,7 +117,8 @@ def parse_args(argv=None, config=DistillConfig):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     cfg = parse_config(config, argv)
     if cfg.preset:
-        print(f"--preset {cfg.preset}: {PRESETS[cfg.preset]}")
+        if os.environ.get("RANK", "0") == "0":                       # under torchrun, once
+            print(f"--preset {cfg.preset}: {PRESETS[cfg.preset]}")
         cfg = parse_config(config, PRESETS[cfg.preset].split() + argv)
     return cfg
 
@@ -149,10 +152,7 @@ def open_data(cfg, enc, vocab_size):
                                        val_fraction=cfg.val_fraction, seed=cfg.seed), enc)
     barrier()                                                          # the others wait while rank 0 prepares
     meta = read_json(d / "meta.json", again, dict)
-    tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
-    if tok.get("n_vocab") != enc.n_vocab or enc.encode_ordinary(tok.get("probe", "")) != tok.get("probe_ids"):
-        raise ModelError(f"{cfg.data} was tokenized with the tokenizer of {tok.get('model', '?')} "
-                         f"({tok.get('n_vocab')} tokens), not the teacher's ({cfg.model}, {enc.n_vocab}); {again}")
+    check_tokenizer(meta, enc, cfg.data, f"the teacher {cfg.model}", again)
     return {s: read_tokens(d / f"{s}.bin", vocab_size=vocab_size, min_tokens=cfg.block_size + 1)
             for s in ("train", "val")}, meta
 
@@ -284,6 +284,21 @@ def layer_loss(core, q, k, kind, query_block=0, scale=None):
 # The student: dims (dof.py) and features, fresh or from a checkpoint
 
 FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size", "center_keys")
+RESUMED = ("loss", "lr_z", "lr_alpha", "block_size", "data", "init_from", "batch_size", "grad_accum", "direct_steps",
+           "warmup_steps", "min_lr_frac", "eval_iters", "seed")         # the data, batches, losses and schedule
+
+
+def check_resumed(cfg, args, ckpt):
+    """A ModelError where --resume would continue the run in `args` (its config.json's) with other data, batches,
+    losses or learning-rate schedule: resumed, it must end as the uninterrupted run would."""
+    for name in RESUMED:
+        if name in args and args[name] != getattr(cfg, name):
+            raise ModelError(f"{ckpt} was started with --{name.replace('_', '-')} {args[name]!r}, not "
+                             f"{getattr(cfg, name)!r}; resume it with the flags it was started with")
+    schedule = (args.get("decay_steps") or args.get("max_steps"), cfg.decay_steps or cfg.max_steps)
+    if None not in schedule and schedule[0] != schedule[1]:
+        raise ModelError(f"{ckpt}'s cosine schedule is {schedule[0]} steps long, and this run's {schedule[1]}; pass "
+                         f"--decay-steps {schedule[0]} to keep it")
 
 
 def check_memory(cfg, mc, device):
@@ -479,9 +494,9 @@ def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, conf
             losses, ms, lr = losses.tolist(), (time.perf_counter() - t0) * 1e3 / n, optim.param_groups[0]["lr"]
             check_finite(cfg, step, losses, lambda l: f"layer {l}'s {cfg.loss} loss" if len(losses) > 1 else
                          "the next-token loss")
-            metrics["history"].append({"step": step, "loss": losses, "lr": lr, "ms": ms})
+            metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
             metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + time.perf_counter() - t0
-            tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses)} | lr {lr:.4g} | {ms:.0f} ms/step | "
+            tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses)} | lr_z {lr:.4g} | {ms:.0f} ms/step | "
                        f"{tokens * 1e3 / ms:,.0f} tok/s")
             n, t0 = 0, time.perf_counter()
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
@@ -527,6 +542,8 @@ def run(cfg, make, loss_fn):
     device, N = init_distributed(device), get_world_size()        # torchrun: a process per device, rank 0 prints
     teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     cfg.block_size = min(cfg.block_size, teacher.config.block_size)
+    if cfg.resume:                                                # before any work: it must continue that run
+        check_resumed(cfg, read_student(cfg.out_dir)[0].get("args", {}), cfg.out_dir)
     check_memory(cfg, teacher.config, device)
     enc = load_tokenizer(cfg.model)
     data, meta = open_data(cfg, enc, teacher.config.vocab_size)
@@ -537,7 +554,7 @@ def run(cfg, make, loss_fn):
     student, dims, layer_dof = make(cfg, teacher, calib)
     optim, gen = make_optimizer(student, cfg), torch.Generator().manual_seed(cfg.seed)
     step, metrics = restore(cfg, optim, gen) if cfg.resume else (0, {"history": [], "val": []})
-    metrics.setdefault("teacher_loss", lm_loss(teacher, val, amp))
+    metrics["teacher_loss"] = lm_loss(teacher, val, amp)          # on this run's device, as the student's
     print(f"teacher {cfg.model}: {teacher.config.n_layer} layers; data {cfg.data} ({len(data['train']):,} train "
           f"tokens); dims {dims} (mean {np.mean(dims):.2f}); {cfg.feature_map} features, loss {cfg.loss}, "
           f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step"

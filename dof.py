@@ -195,8 +195,8 @@ class DofConfig:
     model: str = opt("gpt2", "checkpoint: hub id, local directory, .gguf file or smollm2-135m")
     data: str = opt("data/wikipedia", "directory of train.bin (data/*/prepare.py, or made by distill.py)")
     budget: int = opt(64, "mean feature dimension C over the layers (paper, GPT-2: 64)")
-    lam: float = opt(2 ** -4, "lambda (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B); --lam-relative: times tr(S)")
-    lam_relative: bool = opt(False, "take --lam as a fraction of tr(S), invariant to the kernel's scale (SmolLM2)")
+    lam: float = opt(2 ** -4, "lambda (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B); --lam-relative: times tr(G / J)")
+    lam_relative: bool = opt(False, "take --lam as a fraction of tr(G / J), the mean K(x, x): invariant to K's scale")
     J: int = opt(2048, "queries+keys drawn per head: the DoF comes from a J x J Gram matrix")
     center_keys: bool = opt(False, "the DoF of the centred kernel K(q, k - mu) that distill.py --center-keys trains")
     calib_batches: int = opt(4, "calibration batches (as distill.py)")
@@ -218,7 +218,8 @@ def main(argv=None):
     cfg = parse_config(DofConfig, argv)
     device, _ = pick_device(cfg.device, "float32")                           # queries and keys in float32
     model = GPT.from_pretrained(cfg.model, device=device)
-    mc, T = model.config, min(cfg.block_size, model.config.block_size)
+    mc = model.config
+    cfg.block_size = T = min(cfg.block_size, mc.block_size)                 # dof.json records the length used
     tokens = read_tokens(Path(cfg.data) / "train.bin", vocab_size=mc.vocab_size, min_tokens=T + 1)
     t0 = time.time()
     batches = calibration_batches(tokens, cfg.calib_batches, cfg.batch_size, T, cfg.seed, device)
@@ -229,7 +230,7 @@ def main(argv=None):
     dims = {a: allocate(layer, cfg.budget, mc.head_dim if a == "clip" else None, "dof" if a == "clip" else a)
             for a in RULES}
     print(f"{cfg.model}: J={cfg.J} queries+keys per head{' (keys centred)' if cfg.center_keys else ''}, lambda="
-          f"{cfg.lam:g}{' x tr(S)' if cfg.lam_relative else ''}, budget {cfg.budget}\n{'layer':>5} {'DoF max':>8} "
+          f"{cfg.lam:g}{' x tr(G / J)' if cfg.lam_relative else ''}, budget {cfg.budget}\n{'layer':>5} {'DoF max':>8} "
           f"{'mean':>8} {'max/J':>6}" + "".join(f" {a:>7}" for a in dims))
     for l, (top, mean) in enumerate(zip(layer, per_head.mean(1))):
         print(f"{l:5d} {top:8.2f} {mean:8.2f} {top / cfg.J:6.3f}" + "".join(f" {d[l]:7d}" for d in dims.values()))

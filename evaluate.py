@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (ModelError, all_gather, check_positive, check_writable, get_rank, get_world_size, init_distributed,
-                    is_main, opt, parse_config, pick_device, read_json, read_tokens, run_main, shard, sync,
-                    write_text_atomic)
+from common import (ModelError, all_gather, check_positive, check_tokenizer, check_writable, get_rank, get_world_size,
+                    init_distributed, is_main, opt, parse_config, pick_device, read_json, read_tokens, run_main, shard,
+                    sync, write_text_atomic)
 from fast_scorer import score_windows
 from model import GPT, fla_linear_attention, load_student
 from tokenizer import load_tokenizer
@@ -44,9 +44,10 @@ class EvalConfig:
     batch_size: int = opt(16, "sequences per forward pass")
     device: str = opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = opt("float32", "model dtype (log-softmax is float32)", choices=["float32", "bfloat16", "float16"])
-    plain: bool = opt(False, "one full forward pass per request, the plain harness way (slow, same numbers)")
-    fla: bool = opt(False, "the student's scan by flash-linear-attention's kernel (CUDA; pip install "
-                    "flash-linear-attention)")
+    plain: bool = opt(False, "one full forward pass per request, the plain harness way (slow; the same numbers in "
+                      "float32, within rounding in bf16)")
+    fla: bool = opt(False, "the student's scan without a cache (--ppl, --plain, prefill) by flash-linear-attention's "
+                    "CUDA kernel; decoding and shared prefixes keep ours (pip install flash-linear-attention)")
     # other measurements
     ppl: str | None = opt(None, "next-token loss and perplexity on a uint16 .bin token file or a text file")
     ppl_context: int | None = opt(None, "window length for --ppl; if not given, the model's context length")
@@ -64,9 +65,10 @@ class EvalConfig:
         why = "is a directory" if p.is_dir() else "does not exist" if not p.exists() else "is empty"
         if self.ppl and (p.is_dir() or not p.exists() or p.stat().st_size == 0):
             raise ModelError(f"--ppl {p} {why}; pass a uint16 token file (data/*/prepare.py) or a text file")
-        if self.fla and not (torch.cuda.is_available() and importlib.util.find_spec("fla")):
-            raise ModelError("--fla needs a CUDA device and flash-linear-attention (pip install "
-                             "flash-linear-attention)")
+        if self.fla and not (self.ckpt and self.device.startswith(("auto", "cuda")) and torch.cuda.is_available()
+                             and importlib.util.find_spec("fla")):
+            raise ModelError("--fla runs a student's scan on CUDA: it needs --ckpt, a CUDA --device and "
+                             "flash-linear-attention (pip install flash-linear-attention)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -356,6 +358,9 @@ def main(argv=None):
     models, enc = load_models(cfg, device), load_tokenizer(cfg.model)
     report = {}
     if cfg.ppl:                                        # first: a bad token file fails before the tasks' work
+        if Path(cfg.ppl).suffix == ".bin" and (meta := Path(cfg.ppl).with_name("meta.json")).is_file():
+            check_tokenizer(read_json(meta, "prepare the token files again", dict), enc, cfg.ppl, cfg.model,
+                            "pass a file made with this model's tokenizer (data/*/prepare.py)")
         tokens = read_tokens(cfg.ppl, enc, cfg.ppl_max_tokens, special=True)  # text encoded as the tasks' text is
         report["ppl"] = {k: perplexity(m, tokens, cfg.ppl_context, device, cfg.batch_size) for k, m in models.items()}
         for k, r in report["ppl"].items():

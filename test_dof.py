@@ -299,6 +299,13 @@ def test_hub_id_without_internet(tmp_path):
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
+def script_env(**extra):
+    """The environment of a script the tests start: the caller's, less its HF_* and proxy variables (the hub client
+    reads them, and may warn about them on stderr), with one torch thread and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k not in PROXY_VARIABLES}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
 @pytest.fixture
 def hub_without_repos(monkeypatch, tmp_path):
     """A stand-in for the hub on a local port that answers 404 to every request, an empty cache, no offline mode and
@@ -1626,7 +1633,7 @@ def test_collect_qk_bad_input(tmp_path):
 
 def run_dof(*args, cwd=ROOT):
     return subprocess.run([sys.executable, str(ROOT / "dof.py"), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, env=script_env())
 
 
 def check_ok(out, stdout, n_layer=2, budget=8, head_dim=16):
@@ -1653,9 +1660,11 @@ def test_command_on_token_files(tmp_path, capsys):
     r = run_dof(*flags, "--out", tmp_path / "o1")
     assert r.returncode == 0, r.stderr
     check_ok(tmp_path / "o1", r.stdout)
-    dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o2"), "--lam", "1e-3", "--lam-relative"])
+    dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o2"), "--lam", "1e-3", "--lam-relative",
+                                        "--block-size", "1000"])
     res = check_ok(tmp_path / "o2", capsys.readouterr().out)
     assert max(res["layer_dof"]) < 0.9 * 256                       # relative lambda: far from saturated
+    assert res["settings"]["block_size"] == 128                     # the model's context, as used, not as asked
     dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o3"), "--center-keys"])
     centred = check_ok(tmp_path / "o3", capsys.readouterr().out)
     assert centred["per_head_dof"] != json.loads((tmp_path / "o1" / "dof.json").read_text())["per_head_dof"]
@@ -1736,13 +1745,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def script_env(**extra):
-    """The environment of a script the tests start: the caller's, less its HF_* and proxy variables (the hub client
-    reads them, and may warn about them on stderr), with one torch thread and `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k not in PROXY_VARIABLES}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def cli(script, *args):
@@ -2160,12 +2162,17 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
     d, ckpt, data = setup
     out, _ = trained
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    args = ["--model", ckpt, "--data", data, "--budget", "16", "--max-steps", "60", "--out-dir", out, *FAST]
+    args = ["--model", ckpt, "--data", data, "--budget", "16", "--max-steps", "50", "--out-dir", out, *FAST]
     run_bad(args, r"already exists and is not empty; pass --resume to continue it, --overwrite to replace it")
     run_bad(args + ["--resume", "--dims", "8,8,24,24"], r"was trained with dims .*, not --dims 8,8,24,24; drop --dims")
     other = shutil.copytree(ckpt, tmp_path / "other-teacher")
     run_bad(["--model", other] + args[2:] + ["--resume"], r"distils .*gpt2-tiny, not .*other-teacher")
     run_bad(args + ["--resume", "--overwrite"], r"contradict")
+    run_bad(args + ["--resume", "--batch-size", "2"],
+            r"was started with --batch-size 4, not 2; resume it with the flags it was started with")
+    run_bad(args + ["--resume", "--loss", "l2"], r"was started with --loss 'softmax', not 'l2'")
+    run_bad(args + ["--resume", "--max-steps", "60"],
+            r"cosine schedule is 50 steps long, and this run's 60; pass --decay-steps 50 to keep it")
     run_bad(["--model", ckpt, "--data", data, "--out-dir", tmp_path / "none", "--resume", *FAST], r"no checkpoint to resume")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
@@ -2361,10 +2368,12 @@ def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkey
     assert [h["ms"] for h in m["history"]] == [1000.0] * 6 and m["train_seconds"] == 6.0, m["history"]
 
 
-def test_preset_prints_its_flags_and_flags_given_win(capsys):
+def test_preset_prints_its_flags_and_flags_given_win(capsys, monkeypatch):
     cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
     assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)
     assert distill.PRESETS["cpu"] in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "1")                                   # torchrun's other processes: not again
+    assert distill.parse_args(["--preset", "cpu"]).budget == 32 and capsys.readouterr().out == ""
 
 
 def distill_args(ckpt, data, out, *extra):
@@ -2392,14 +2401,14 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         return c
     big = np.fromfile(data / "train.bin", dtype=np.uint16)
     big[7] = 60000
-    x = tmp_path / "never"
+    x, again = tmp_path / "never", ("--max-steps", "2", "--resume")
     cases = [  # (argv, sentence); --resume continues the damaged copy, the rest write to `never`
-        (distill_args(ckpt, data, copy(base, "config.json", "cut"), "--resume"), r"config.json is damaged or truncated"),
-        (distill_args(ckpt, data, copy(base, "features.safetensors", "cut"), "--resume"),
+        (distill_args(ckpt, data, copy(base, "config.json", "cut"), *again), r"config.json is damaged or truncated"),
+        (distill_args(ckpt, data, copy(base, "features.safetensors", "cut"), *again),
          r"features.safetensors is damaged or truncated"),
-        (distill_args(ckpt, data, copy(base, "optim.pt", "cut"), "--resume"), r"optim.pt is damaged or truncated"),
-        (distill_args(ckpt, data, copy(base, "optim.pt", "gone"), "--resume"), r"optim.pt does not exist"),
-        (distill_args(ckpt, data, copy(base, "metrics.json", "set", b"[1, 2"), "--resume"), r"metrics.json is damaged"),
+        (distill_args(ckpt, data, copy(base, "optim.pt", "cut"), *again), r"optim.pt is damaged or truncated"),
+        (distill_args(ckpt, data, copy(base, "optim.pt", "gone"), *again), r"optim.pt does not exist"),
+        (distill_args(ckpt, data, copy(base, "metrics.json", "set", b"[1, 2"), *again), r"metrics.json is damaged"),
         (distill_args(ckpt, data, x, "--init-from", copy(base, "features.safetensors", "cut")), r"is damaged or truncated"),
         (distill_args(ckpt, data, x, "--init-from", copy(base, "config.json", "set", b"[]")), r"holds a JSON list"),
         (distill_args(ckpt, copy(data, "meta.json", "cut"), x), r"meta.json is damaged or truncated.*prepare them again"),
@@ -2485,7 +2494,8 @@ def test_ctrl_c_and_sigterm_stop_with_one_line_and_the_run_resumes(setup, tmp_pa
     as a script's background job does (and as this test's caller may have it), and must still stop on it."""
     d, ckpt, data = setup
     out = tmp_path / "run"
-    args = distill_args(ckpt, data, out, "--alloc", "fix", "--budget", "4", "--eval-interval", "2", "--device", "cpu")
+    args = distill_args(ckpt, data, out, "--alloc", "fix", "--budget", "4", "--eval-interval", "2", "--device", "cpu",
+                        "--decay-steps", "100000")
     p = subprocess.Popen([sys.executable, str(ROOT / "distill.py"), *args, "--max-steps", "100000"], cwd=ROOT,
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          env=script_env(),
@@ -2549,7 +2559,7 @@ def test_resume_takes_dims_key_means_and_features_from_the_checkpoint(setup, tmp
     flags would choose other dims."""
     d, ckpt, data = setup
     args = [str(a) for a in ["--model", ckpt, "--data", data, "--budget", 8, "--center-keys", "--prompt", "",
-                             "--out-dir", tmp_path / "run", *FAST]]
+                             "--decay-steps", 4, "--out-dir", tmp_path / "run", *FAST]]
     distill.main(args + ["--max-steps", "2"])
     dims = json.loads((tmp_path / "run" / "config.json").read_text())["dims"]
     for name in ("choose_dims", "key_means", "collect_qk"):
@@ -2754,7 +2764,7 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     d, ckpt, data = setup
     out = tmp_path / "heads"
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 4,
-            "--out-dir", out, *FAST)
+            "--decay-steps", 6, "--out-dir", out, *FAST)
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((out / "config.json").read_text())
     dims = np.array(cfg["dims"])
@@ -2766,7 +2776,7 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     with pytest.raises(ModelError, match="load it with experiments/per_head.py"):
         M.load_student(out)
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 6,
-            "--out-dir", out, "--resume", *FAST)
+            "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
     assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-3000:]
     r = cli("experiments/leverage.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 0,
             "--center-keys", "--out-dir", tmp_path / "lev", *FAST)            # untrained: the initial features
@@ -3120,6 +3130,29 @@ def test_cli_plain_and_default_write_the_naive_log_likelihoods(ckpt, hf_model, h
             assert (p["acc"], p["acc_norm"]) == (f["acc"], f["acc_norm"])
 
 
+def test_ppl_max_tokens_are_the_first_tokens_of_the_whole_file(enc, tmp_path):
+    """--ppl-max-tokens N on a text file: the first N tokens of the whole file's encoding, also where a token is
+    longer than the 16 characters a token first gets (the prefix that is encoded grows until it holds N)."""
+    for i, text in enumerate([("#" * 80 + "\n") * 200, WIKITEXT.read_text(encoding="utf-8")[:20000]]):
+        (tmp_path / f"{i}.txt").write_text(text, encoding="utf-8")
+        full = enc.encode_ordinary(text)
+        for n in (10, 100, len(full) - 1):
+            assert E.read_tokens(tmp_path / f"{i}.txt", enc, n).tolist() == full[:n], (i, n)
+
+
+def test_ppl_refuses_token_files_of_another_tokenizer(ckpt, enc, tmp_path, capsys):
+    """A .bin whose meta.json (prepare.py's record) names another tokenizer is one sentence, as in distill.py; with
+    this model's record it is scored."""
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    meta = {"tokenizer": distill.data_script("text").tokenizer_meta(enc, ckpt)}
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": {**meta["tokenizer"], "n_vocab": 49152}}))
+    code, err = evaluate_exit(capsys, "--model", ckpt, "--ppl", tmp_path / "val.bin")
+    assert code == 2 and f"val.bin was tokenized with the tokenizer of {ckpt} (49152 tokens), not {ckpt}'s" in err
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    evaluate_cli("--model", ckpt, "--ppl", tmp_path / "val.bin")
+    assert "ppl teacher: loss" in capsys.readouterr().out
+
+
 def test_ppl_text_keeps_special_tokens(enc, tmp_path):
     """--ppl encodes a text file as the tasks' text is: a special token's text becomes the special token."""
     text = tmp_path / "t.txt"
@@ -3291,6 +3324,7 @@ BAD_OPTIONS = [  # flags (after --model --data-dir --tasks piqa --output), and t
     (["--output", "no/such/r.json"], r"cannot write \S+no/such/r.json: it is in \S+no/such, which does not exist; "
                                      r"pass a file path in a writable folder"),
     (["--output", "folder"], r"cannot write \S+folder: it is a directory; pass a file path in a writable folder"),
+    (["--fla"], r"--fla runs a student's scan on CUDA: it needs --ckpt, a CUDA --device and flash-linear-attention"),
 ]
 
 
@@ -3424,7 +3458,7 @@ def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadlin
     import gpu_check  # experiments/gpu_check.py
     out = tmp_path / "check.json"
     run = subprocess.run([sys.executable, "experiments/gpu_check.py", "--device", "cpu", "--tiny", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, env=script_env())
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| section | case | measurement |" in run.stdout
     res = json.loads(out.read_text())

@@ -55,7 +55,7 @@ class HeadsConfig:
     calib_seqs: int = opt(4, "calibration sequences (DoF, key means, leverage, training)")
     eval_seqs: int = opt(4, "held-out sequences the error is measured on")
     J: int = opt(1024, "points per head for the DoF and the leverage scores")
-    lam: float = opt(1e-3, "lambda, relative to tr(S) (as the SmolLM2 experiments)")
+    lam: float = opt(1e-3, "lambda, relative to tr(G / J) (as the SmolLM2 experiments)")
     budget: int = opt(32, "mean M of the equal-error comparison")
     steps: int = opt(100, "Adam steps of the trained maps")
     seeds: int = opt(3, "draws averaged for the untrained maps")
