@@ -3470,6 +3470,7 @@ def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadlin
     assert all(r["ops"] > 0 and number(r["ms"]) for r in res["ops"])
     for r in res["distill"]:
         assert r["status"] == "ok" and all(number(r[k]) for k in ("ms_per_step", "ms_per_sample", "peak_mib")), r
+        assert r["command"].count(" <work>/") == 3 and "/tmp" not in r["command"]       # no machine's paths
     assert [r["T"] for r in res["scan"]] == gpu_check.TINY["scan_T"]
     assert all(number(r[f"{a}_{m}_ms"]) for r in res["scan"] for a in ("linear", "sdpa") for m in ("fwd", "fwd_bwd"))
     assert [r["ctx"] for r in res["decode"]] == gpu_check.TINY["decode_ctx"]
@@ -3526,6 +3527,14 @@ def test_figures_script_writes_valid_pngs_and_needs_matplotlib(tmp_path, monkeyp
 
 # ----------------------------------------------------------------------------------------------------------------
 # docs/experiments.py: one JSON per run, tables generated from them
+
+def test_spearman_gives_tied_values_their_mean_rank():
+    """experiments/allocation.py's rank correlation: ties (dims of 32 recur) share a rank, so the order in which tied
+    layers come plays no part."""
+    import allocation as A
+    assert A.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == A.spearman([1, 2, 2, 3], [1, 3, 2, 4])
+    assert A.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(np.corrcoef([0, 1.5, 1.5, 3], [0, 1, 2, 3])[0, 1])
+
 
 def test_allocation_table_pairs_seeds_and_gives_shares_only_of_a_clear_gain():
     """Each rule minus Fix seed by seed, with its share of the measured rule's gain in KL; no share when that gain is

@@ -265,9 +265,10 @@ def summary_table(records):
         rows.append(f"| {budget} | {alloc} | {len(rs)} | {dims.mean():.1f} ({dims.min()}–{dims.max()}) | "
                     f"{loss[0]:.3f} ± {loss[1]:.3f} | {gap[0]:.3f} ± {gap[1]:.3f} | {kl[0]:.3f} ± {kl[1]:.3f} | "
                     f"{np.mean([r['seconds'] for r in rs]) / 60:.1f} |")
-    teacher = [final(r)[2] for r in records]
-    rows.append(f"\nThe teacher's next-token loss on each seed's held-out windows: "
-                f"{', '.join(f'{t:.3f}' for t in sorted(set(teacher)))}; the gap is paired with it seed by seed.")
+    teacher = {r["seed"]: final(r)[2] for r in records}
+    rows.append(f"\nMean ± sd (n − 1) over the seeds. The teacher's next-token loss on each seed's held-out windows: "
+                f"{', '.join(f'seed {s} {t:.3f}' for s, t in sorted(teacher.items()))}; the gap is paired with it seed "
+                "by seed.")
     return "\n".join(rows)
 
 
@@ -296,7 +297,7 @@ def paired_table(records, base="Fix"):
         se = standard_error(d)
         rows.append(f"| {budget} | {alloc} − {base} | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | "
                     f"{d[:, 1].mean():+.3f} ± {se[1]:.3f} |")
-    return "\n".join(rows)
+    return "\n".join(rows) + "\n\nMean ± standard error over the pairs."
 
 
 def layer_table(records, budget="32", allocs=("Fix", "DoF")):
@@ -476,6 +477,7 @@ def allocation_table(records, base="Fix", best="Measured"):
         name = next(r["allocation"] for r in records if r["group"].endswith("/" + alloc))
         rows.append(f"| {alloc} (`{name}`) | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | {d[:, 1].mean():+.4f} ± "
                     f"{se[1]:.4f} | {f'{-d[:, 1].mean() / gain:+.0%}' if clear else '–'} |")
+    rows.append("\nMean ± standard error over the pairs.")
     if not clear:
         rows.append(f"\nThe measured allocation's gain in attention KL over {base}, {gain:+.4f} ± {gain_se:.4f}, is "
                     "within two standard errors of zero, so no share of it is given.")

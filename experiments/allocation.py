@@ -104,7 +104,11 @@ def predictors(cfg, teacher, calib):
 
 
 def spearman(a, b):
-    rank = lambda x: np.argsort(np.argsort(np.asarray(x, float)))
+    """Spearman's rank correlation, tied values sharing their mean rank."""
+    def rank(x):
+        x = np.asarray(x, float)
+        r = np.argsort(np.argsort(x)).astype(float)
+        return np.array([r[x == v].mean() for v in x])
     return float(np.corrcoef(rank(a), rank(b))[0, 1])
 
 

@@ -192,7 +192,8 @@ def distill_run(cfg, work, kind, loss, batch, device, left):
              "--log-interval", str(max(1, cfg.steps // 6)), "--eval-iters", "1", "--calib-batches", "1",
              "--device", device, "--dtype", "bfloat16"]
     rec = {"model": kind, "loss": loss, "batch": batch, "block": cfg.block_size, "steps": cfg.steps,
-           "command": f"python {'experiments/per_head.py' if per_head else 'distill.py'} " + " ".join(flags)}
+           "command": f"python {'experiments/per_head.py' if per_head else 'distill.py'} " +
+                      " ".join(flags).replace(str(work), "<work>")}          # the check's scratch folder
     forks = multiprocessing.get_context("forkserver")    # a fresh process each run, without re-importing torch
     forks.set_forkserver_preload(["distill", "torch._dynamo"])   # GPT() on the meta device imports torch._dynamo
     t0 = time.perf_counter()
