@@ -43,7 +43,7 @@ def main():
     res["summary"] = {f"{x['loss']}, stack {x['stack']}": {k: {"ops": res[k][0][i]["ops"], **{t: statistics.median(
         rr[i][t] for rr in res[k]) for t in ("ms", "cpu_ms")}} for k in ("before", "after")}
         for i, x in enumerate(res["after"][0])}
-    res["command"] = "python docs/results/fast-loss/step.py --before ../before-fast --after ."
+    res["command"] = "python docs/results/fast-loss/step.py " + " ".join(sys.argv[1:])
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res["summary"], indent=1))
 

@@ -81,7 +81,7 @@ def main():
     keys = res["after"][0].keys()
     res["ratio_after_over_before"] = {k: statistics.median(x[k] for x in res["after"]) /
                                       statistics.median(x[k] for x in res["before"]) for k in keys}
-    res["command"] = "python docs/results/restructure/speed.py --before ../before --after ."
+    res["command"] = "python docs/results/restructure/speed.py " + " ".join(sys.argv[1:])
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res["ratio_after_over_before"], indent=1))
 
