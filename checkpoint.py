@@ -106,7 +106,10 @@ def open_gguf(path):
     def meta(key, default=None):
         if key not in reader.fields and default is None:
             raise ModelError(f"{path} lacks the GGUF metadata key {key}; re-download it or pass a complete .gguf file")
-        return reader.fields[key].contents() if key in reader.fields else default
+        try:
+            return reader.fields[key].contents() if key in reader.fields else default
+        except (UnicodeDecodeError, ValueError, IndexError) as e:               # a damaged value
+            raise ModelError(f"{path}'s GGUF metadata {key} is damaged ({type(e).__name__}); re-download it") from None
     return reader, meta
 
 
@@ -123,10 +126,12 @@ def read_gguf(path):
     H, C, F = (int(meta(f"llama.{k}")) for k in ("attention.head_count", "embedding_length", "feed_forward_length"))
     KV, D = int(meta("llama.attention.head_count_kv", H)), int(meta("llama.attention.key_length", C // H))
     V = int(meta("llama.vocab_size", tensors["token_embd.weight"].shape[-1] if "token_embd.weight" in tensors else 0))
-    tied = "output.weight" not in tensors
+    tied, n_layer = "output.weight" not in tensors, int(meta("llama.block_count"))
+    if not 0 < n_layer <= sum(t.startswith("blk.") for t in tensors) // 9:          # nine tensors a layer
+        raise ModelError(f"{path} says it has {n_layer} layers but holds the tensors of fewer; re-download it")
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
                mlp_bias=False, vocab_size=V, hidden_size=C, intermediate_size=F, num_attention_heads=H, head_dim=D,
-               num_key_value_heads=KV, num_hidden_layers=int(meta("llama.block_count")), tie_word_embeddings=tied,
+               num_key_value_heads=KV, num_hidden_layers=n_layer, tie_word_embeddings=tied,
                max_position_embeddings=int(meta("llama.context_length")), rope_theta=f32("llama.rope.freq_base", 1e4),
                rms_norm_eps=f32("llama.attention.layer_norm_rms_epsilon"),
                **{f"{t}_token_id": int(meta(f"tokenizer.ggml.{t}_token_id", n)) for t, n in (("bos", 1), ("eos", 2))})

@@ -318,7 +318,7 @@ def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None,
         raise ModelError(f"{p} is not a .bin token file; tokenize it with data/text/prepare.py")
     else:
         try:
-            text = p.read_text(encoding="utf-8")
+            text = p.read_bytes().decode("utf-8")                   # as it is: \r\n stays \r\n
         except UnicodeDecodeError:
             raise ModelError(f"{p} is neither a .bin token file nor UTF-8 text") from None
         encode = (lambda t: enc.encode(t, allowed_special="all")) if special else enc.encode_ordinary

@@ -6,6 +6,7 @@ Run: python -m pytest -q test_dof.py    (the SmolLM2 tests skip, saying how to i
 from pathlib import Path
 import copy
 import dataclasses
+import filecmp
 import importlib.util
 import json
 import math
@@ -670,6 +671,20 @@ def test_bad_gguf_files(tmp_path):
     writer.close()
     with pytest.raises(ModelError, match="spm.gguf holds a 'llama' tokenizer; only byte-level BPE"):
         load_tokenizer(tmp_path / "spm.gguf")
+    data = bytearray((tmp_path / "spm.gguf").read_bytes())        # a byte of a string value damaged: not UTF-8
+    data[data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8] = 0xFF
+    (tmp_path / "bad-value.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelError, match=r"bad-value.gguf's GGUF metadata general.architecture is damaged"):
+        read_gguf(str(tmp_path / "bad-value.gguf"))
+    writer = gguf.GGUFWriter(str(tmp_path / "layers.gguf"), "llama")   # a layer count its tensors do not back
+    for add, v in (("block_count", 10 ** 6), ("head_count", 2), ("embedding_length", 8), ("feed_forward_length", 16),
+                   ("context_length", 32), ("layer_norm_rms_eps", 1e-5)):
+        getattr(writer, f"add_{add}")(v)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match=r"layers.gguf says it has 1000000 layers but holds the tensors of fewer"):
+        read_gguf(str(tmp_path / "layers.gguf"))
 
 
 # ==================================================================================================================
@@ -1784,6 +1799,34 @@ def features(out):
     return load_file(str(out / "features.safetensors"))
 
 
+def test_prepare_text_keeps_the_files_line_endings(setup, tmp_path):
+    """\r\n and a lone \r reach the tokenizer as they are in the file, not as Python's universal newlines."""
+    from tokenizer import load_tokenizer
+    d, ckpt, _ = setup
+    raw = b"line one\r\nline two\r\nprogress 10%\rprogress 20%\r\n" * 40
+    (tmp_path / "crlf.txt").write_bytes(raw)
+    r = cli("data/text/prepare.py", "--model", ckpt, "--out", tmp_path / "out", "--val-fraction", "0.1",
+            tmp_path / "crlf.txt")
+    assert r.returncode == 0, r.stderr[-2000:]
+    enc = load_tokenizer(ckpt)
+    ids = np.concatenate([np.fromfile(tmp_path / "out" / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
+    assert ids.tolist() == enc.encode_ordinary(raw.decode()) + [enc.eot_token]
+    assert E.read_tokens(tmp_path / "crlf.txt", enc).tolist() == enc.encode_ordinary(raw.decode())
+
+
+def test_prepare_refuses_a_second_writer_of_one_directory(setup, tmp_path):
+    """Two runs preparing one directory at once (two distill.py runs on a fresh --data): the second is one sentence
+    and writes nothing, where it would have renamed the first run's half-written files into place."""
+    import fcntl
+    d, ckpt, _ = setup
+    (tmp_path / "out").mkdir()
+    with open(tmp_path / "out" / "prepare.lock", "w") as lock:        # the first run, still writing
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ModelError, match=r"another run is writing token files into .*out; wait for it to finish"):
+            distill.data_script("text").main(["--model", str(ckpt), "--out", str(tmp_path / "out"), str(TEXT)])
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["prepare.lock"]
+
+
 def test_prepare_text_writes_uint16_tokens_and_meta(setup):
     from tokenizer import load_tokenizer
     d, ckpt, data = setup
@@ -1801,7 +1844,8 @@ def test_prepare_text_writes_uint16_tokens_and_meta(setup):
 
 def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch):
     """The Wikipedia script's loop on a stand-in stream (no internet here): a seeded random fraction of the
-    articles, each followed by end-of-text, split between train and val, stopped by --max-tokens."""
+    articles, each followed by end-of-text, split between train and val (alike for any --batch-docs), stopped by
+    --max-tokens; a stream that breaks midway is one sentence and leaves the previous files as they were."""
     import importlib.util
     from tokenizer import load_tokenizer
     spec = importlib.util.spec_from_file_location("wiki_prepare", ROOT / "data" / "wikipedia" / "prepare.py")
@@ -1809,6 +1853,7 @@ def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch
     spec.loader.exec_module(wiki)
     d, ckpt, _ = setup
     paragraphs = [p for p in TEXT.read_text(encoding="utf-8").split("\n \n") if len(p) > 200][:300]
+    stream_articles = wiki.stream_articles
     monkeypatch.setattr(wiki, "stream_articles", lambda name, config: (iter(paragraphs), len(paragraphs)))
     args = ["--model", str(ckpt), "--fraction", "0.5", "--val-fraction", "0.2", "--batch-docs", "16"]
     wiki.main(args + ["--out", str(tmp_path / "all")])
@@ -1820,6 +1865,22 @@ def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch
     assert (train == enc.eot_token).sum() + (val == enc.eot_token).sum() == meta["articles_kept"]
     assert meta["tokens"] == {"train": len(train), "val": len(val)} and 0 < len(val) < len(train)
     assert train[-1] == enc.eot_token and enc.decode(train[:50].tolist()) in "\n \n".join(paragraphs)
+    monkeypatch.setattr(wiki, "stream_articles", lambda name, config: (iter(paragraphs), len(paragraphs)))
+    wiki.main(args[:-1] + ["5", "--out", str(tmp_path / "small-batches")])       # the same selection and split
+    for split in ("train", "val"):
+        assert filecmp.cmp(tmp_path / "all" / f"{split}.bin", tmp_path / "small-batches" / f"{split}.bin", False)
+
+    class Broken:                                                    # datasets' stream, cut after 50 articles
+        def __iter__(self):
+            yield from ({"text": p} for p in paragraphs[:50])
+            raise ConnectionError("Read timed out")
+    import datasets
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: Broken())
+    monkeypatch.setattr(wiki, "hub_reachable", lambda: True)
+    monkeypatch.setattr(wiki, "stream_articles", stream_articles)
+    with pytest.raises(ModelError, match=r"the stream of .* broke \(ConnectionError: Read timed out\); run it again"):
+        wiki.main(args + ["--out", str(tmp_path / "all")])
+    assert json.loads((tmp_path / "all" / "meta.json").read_text()) == meta       # the previous files as they were
     monkeypatch.setattr(wiki, "stream_articles", lambda name, config: (iter(paragraphs), len(paragraphs)))
     wiki.main(args + ["--out", str(tmp_path / "cap"), "--max-tokens", "5000"])
     capped = json.loads((tmp_path / "cap" / "meta.json").read_text())
@@ -2452,7 +2513,16 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
               r"--num-threads must be a number of at least 1, got 0"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--val-fraction", "0.001",
                                        tmp_path / "a.txt"], r"the val split came out empty"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "file", tmp_path / "a.txt"],
+              r"--out .*file is a file; pass a directory"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "file" / "sub", tmp_path / "a.txt"],
+              r"--out .*sub is inside the file .*file; pass a directory"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", "/proc/no/out", tmp_path / "a.txt"],
+              r"cannot write --out /proc/no/out: /proc is not writable"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", tmp_path / "a.txt",
+                                       tmp_path / ".." / tmp_path.name / "a.txt"], r"a.txt is listed twice"),
              ("data/wikipedia/prepare.py", ["--num-threads", "0"], r"--num-threads must be a number of at least 1"),
+             ("data/wikipedia/prepare.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory")]
     for script, args, match in cases:
         before = snapshot(tmp_path)

@@ -35,7 +35,7 @@ def _alternation(tokens: frozenset) -> re.Pattern:
 
 class HFEncoding(tiktoken.Encoding):
     """A tiktoken Encoding plus an HF tokenizer's steps before its BPE: cut out allowed special tokens, normalise the
-    rest, cut out added tokens, drop bytes the vocabulary cannot spell (6 in SmolLM2). Not in encode_to_numpy."""
+    rest, cut out added tokens, drop bytes the vocabulary cannot spell (8 in SmolLM2's). Not in encode_to_numpy."""
 
     def __init__(self, name, *, pat_str, mergeable_ranks, special_tokens, added_tokens=None, normalizer=None):
         self.specials, self.added_tokens, self.normalizer = special_tokens, added_tokens or {}, normalizer
@@ -151,8 +151,8 @@ def load_tokenizer(name_or_path) -> tiktoken.Encoding:
     p = locate(name_or_path, ["tokenizer.json", "vocab.json", "merges.txt"])
     if p.is_dir() and (p / "tokenizer.json").is_file():
         p = p / "tokenizer.json"
-    if p.is_file() and p.suffix in (".gguf", ".json"):
-        return _gguf_tokenizer(str(p)) if p.suffix == ".gguf" else _tokenizer_json(p)
+    if p.is_file():                                         # a file: tokenizer.json, else GGUF (as read_checkpoint)
+        return _tokenizer_json(p) if p.suffix.lower() == ".json" else _gguf_tokenizer(str(p))
     for vocab, merges_txt in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
         if (p / vocab).is_file() and (p / merges_txt).is_file():  # GPT-2's files; '#version' starts merges.txt
             lines = (p / merges_txt).read_text(encoding="utf-8", errors="replace").splitlines()

@@ -11,11 +11,13 @@ The writer below (token_files) is shared with data/wikipedia/prepare.py: the tok
 <name>.tmp and renamed into place, and meta.json is written last, so a directory with a meta.json is complete.
 """
 
+import fcntl
 import json
 import os
 import re
 import shutil
 import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,34 +66,54 @@ class TokenFile:
         self.f.close()
 
 
+def check_out(out):
+    """A ModelError, before any work, where --out cannot be a directory to write token files into."""
+    p = Path(out)
+    folder = next(a for a in (p, *p.parents) if a.exists())               # the nearest folder that exists
+    if not folder.is_dir():
+        raise ModelError(f"--out {out} is {'a file' if folder == p else f'inside the file {folder}'}; pass a directory")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()                        # a real write: root passes os.access
+    except OSError as e:
+        raise ModelError(f"cannot write --out {out}: {folder} is not writable ({e.strerror}); pass another --out") \
+            from None
+
+
 @contextmanager
 def token_files(out_dir, meta):
     """Yield {"train": TokenFile, "val": TokenFile} writing into out_dir. On success they replace train.bin and
     val.bin (an existing dataset stays intact until then) and meta.json, with the token counts, is written last;
     meta.json is removed before the renames, so a directory caught between them reads as incomplete. On failure,
-    or when a split is empty, nothing is left behind."""
+    or when a split is empty, nothing is left behind; a second run writing into out_dir meanwhile is refused."""
     out = Path(out_dir)
     made = not out.exists()                                   # a directory made here goes again on failure
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        with atomic_path(out / "train.bin") as train, atomic_path(out / "val.bin") as val:
-            files = {"train": TokenFile(train), "val": TokenFile(val)}
-            try:
-                yield files
-            finally:
-                for f in files.values():
-                    f.close()
-            empty = [s for s, f in files.items() if f.n == 0]
-            if empty:
-                raise ModelError(f"the {' and '.join(empty)} split came out empty; give more text or change "
-                                 "--val-fraction")
-            (out / "meta.json").unlink(missing_ok=True)
-    except BaseException:
-        if made:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    meta.update(dtype="uint16", tokens={s: f.n for s, f in files.items()})
-    write_text_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    with open(out / "prepare.lock", "w") as lock:            # one writer at a time; the OS frees it on a crash
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ModelError(f"another run is writing token files into {out_dir}; wait for it to finish") from None
+        try:
+            with atomic_path(out / "train.bin") as train, atomic_path(out / "val.bin") as val:
+                files = {"train": TokenFile(train), "val": TokenFile(val)}
+                try:
+                    yield files
+                finally:
+                    for f in files.values():
+                        f.close()
+                empty = [s for s, f in files.items() if f.n == 0]
+                if empty:
+                    raise ModelError(f"the {' and '.join(empty)} split came out empty; give more text or change "
+                                     "--val-fraction")
+                (out / "meta.json").unlink(missing_ok=True)
+            meta.update(dtype="uint16", tokens={s: f.n for s, f in files.items()})
+            write_text_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+        except BaseException:
+            if made:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        finally:
+            (out / "prepare.lock").unlink(missing_ok=True)
 
 
 def tokenize_text(enc, text, num_threads):
@@ -113,7 +135,7 @@ def read_text(fn):
     if not path.is_file():
         raise ModelError(f"{fn} is not a file; pass UTF-8 text files")
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_bytes().decode("utf-8")                   # as it is: \r\n stays \r\n
     except UnicodeDecodeError as e:
         raise ModelError(f"{fn} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from None
 
@@ -131,6 +153,12 @@ class TextConfig:
         check_positive(self, ("num_threads",))
         if not 0 < self.val_fraction < 1:
             raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+        seen = set()
+        for f in self.files:                       # a file twice would put a copy of training text into val.bin
+            if Path(f).resolve() in seen:
+                raise ModelError(f"{f} is listed twice; list each file once")
+            seen.add(Path(f).resolve())
+        check_out(self.out)
 
 
 def prepare(cfg, enc):

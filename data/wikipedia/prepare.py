@@ -8,7 +8,7 @@ fraction of its articles (the paper used 10%) tokenized with the teacher's token
 writes train.bin / val.bin (uint16 token ids) and meta.json next to this script (or --out). Articles are kept
 with probability --fraction (seeded, so the selection is reproducible), each followed by the end-of-text token;
 a kept article goes to val.bin with probability --val-fraction. Tokenization runs in --num-threads threads
-(tiktoken releases the GIL) while the next batch streams in. Needs internet; offline, use data/text/prepare.py.
+(tiktoken releases the GIL), a batch of articles at a time. Needs internet; offline, use data/text/prepare.py.
 """
 
 import os
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, 
 from checkpoint import HubUnreachable, hub_reachable  # noqa: E402
 from common import ModelError, check_positive, opt, parse_config, run_main  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
-from data.text.prepare import eot_id, token_files, tokenizer_meta  # noqa: E402
+from data.text.prepare import check_out, eot_id, token_files, tokenizer_meta  # noqa: E402
 
 OFFLINE_HINT = "run it on a machine with internet access, or tokenize local text with data/text/prepare.py"
 
@@ -39,7 +39,7 @@ def stream_articles(name, config):
         it = iter(ds)
         first = next(it)
     except Exception as e:
-        raise ModelError(f"could not stream {what} from the Hugging Face hub ({type(e).__name__}); "
+        raise ModelError(f"could not stream {what} from the Hugging Face hub ({type(e).__name__}: {str(e)[:80]}); "
                          f"{OFFLINE_HINT}") from None
     if "text" not in first:
         raise ModelError(f"{what} has no 'text' column (columns: {', '.join(first)}); pass a Wikipedia-style dataset")
@@ -51,8 +51,12 @@ def stream_articles(name, config):
 
     def texts():
         yield first["text"]
-        for row in it:
-            yield row["text"]
+        try:
+            for row in it:
+                yield row["text"]
+        except Exception as e:                                   # the connection broke mid-stream
+            raise ModelError(f"the stream of {what} broke ({type(e).__name__}: {str(e)[:80]}); run it again, the "
+                             "previous token files are as they were") from None
     return texts(), total
 
 
@@ -74,10 +78,10 @@ def write_articles(cfg, enc, texts, files, bar):
     """Tokenize the kept articles, each followed by end-of-text, into files["train"] or, with probability
     cfg.val_fraction, files["val"]; stop once cfg.max_tokens are written. The bar counts tokens towards
     cfg.max_tokens, or articles without it. -> (articles seen, articles kept)."""
-    rng, eot = np.random.default_rng(cfg.seed), eot_id(enc)
-    n_seen = n_kept = n_tok = 0
-    for batch, n_seen in kept_batches(texts, rng, cfg.fraction, cfg.batch_docs):
-        to_val = rng.random(len(batch)) < cfg.val_fraction
+    keep_rng, val_rng = np.random.default_rng(cfg.seed).spawn(2)      # alike whatever --batch-docs is
+    eot, n_seen, n_kept, n_tok = eot_id(enc), 0, 0, 0
+    for batch, n_seen in kept_batches(texts, keep_rng, cfg.fraction, cfg.batch_docs):
+        to_val = val_rng.random(len(batch)) < cfg.val_fraction
         for ids, v in zip(enc.encode_ordinary_batch(batch, num_threads=cfg.num_threads), to_val):
             files["val" if v else "train"].write(ids + [eot])
             n_tok, n_kept = n_tok + len(ids) + 1, n_kept + 1
@@ -112,6 +116,7 @@ class WikipediaConfig:
             raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         if self.max_tokens < 0:
             raise ModelError(f"--max-tokens must be 0 (no cap) or positive, got {self.max_tokens}")
+        check_out(self.out)
 
 
 def prepare(cfg, enc):
@@ -121,7 +126,9 @@ def prepare(cfg, enc):
     meta = {"source": "wikipedia", "dataset": cfg.dataset, "config": cfg.config, "fraction": cfg.fraction,
             "max_tokens": cfg.max_tokens, "val_fraction": cfg.val_fraction, "seed": cfg.seed,
             "tokenizer": tokenizer_meta(enc, cfg.model)}
-    with token_files(cfg.out, meta) as files, tqdm(total=total, unit="doc", desc="wikipedia", smoothing=0.05) as bar:
+    bar = tqdm(total=cfg.max_tokens or total, unit="token" if cfg.max_tokens else "doc", desc="wikipedia",
+               smoothing=0.05)                                       # towards --max-tokens, or over the articles
+    with token_files(cfg.out, meta) as files, bar:
         n_seen, n_kept = write_articles(cfg, enc, texts, files, bar)
         meta.update(articles_seen=n_seen, articles_kept=n_kept)
     print(f"wrote {cfg.out}: {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens from "
