@@ -31,12 +31,15 @@ def locate(name, patterns):
     online = hub_reachable()
     try:
         from huggingface_hub import snapshot_download
-        return Path(snapshot_download(str(name), allow_patterns=patterns, local_files_only=not online))
+        path = Path(snapshot_download(str(name), allow_patterns=patterns, local_files_only=not online))
     except Exception as e:                                  # huggingface_hub's many error types all end here
         if not online:
             raise HubUnreachable(repr(str(name))) from None
         raise ModelError(f"could not fetch {str(name)!r} from the Hugging Face hub ({type(e).__name__}); check the id "
                          "and your internet connection, or pass a local directory") from None
+    if not online and not any(next(path.glob(p), None) for p in patterns):   # cached, but other files of it
+        raise HubUnreachable(repr(str(name)))
+    return path
 
 
 def read_checkpoint(name):

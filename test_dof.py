@@ -347,6 +347,23 @@ def test_hub_id_the_hub_does_not_have(hub_without_repos):
     assert not [f for f in hub_without_repos.rglob("*") if f.is_file()]
 
 
+def test_hub_id_offline_with_only_its_tokenizer_cached(monkeypatch, tmp_path):
+    """Offline, a hub id whose cache holds only the tokenizer files (a data/*/prepare.py run made them): the
+    teacher's weights are "could not fetch ... the hub cannot be reached", not a missing config.json."""
+    from huggingface_hub import constants
+    snapshot = tmp_path / "models--gpt2" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--gpt2" / "refs").mkdir()
+    (tmp_path / "models--gpt2" / "refs" / "main").write_text("abc123")
+    for f in ("vocab.json", "merges.txt"):
+        shutil.copy(GPT2_DIR / ("encoder.json" if f == "vocab.json" else "vocab.bpe"), snapshot / f)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert load_tokenizer("gpt2").n_vocab == 50257                    # what is cached is used
+    with pytest.raises(ModelError, match=r"^could not fetch 'gpt2': the Hugging Face hub cannot be reached"):
+        M.GPT.from_pretrained("gpt2")
+
+
 # ==================================================================================================================
 # tokenizer.py: tokenizers against the Hugging Face references
 
