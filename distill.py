@@ -303,9 +303,10 @@ def check_resumed(cfg, args, ckpt):
 
 def check_memory(cfg, mc, device):
     """Refuse a step that cannot fit before anything large is allocated, by a rough count of 4-byte floats: every
-    layer's q and k, six blocks of attention rows, features at 4x the budget (where DoF dims reach) and their
-    gradients, the hidden states (the direct loss keeps every layer's, and the logits)."""
-    B, T, H, M, L, C = cfg.batch_size, cfg.block_size, mc.n_head, 4 * cfg.budget, mc.n_layer, mc.n_embd
+    layer's q and k, six blocks of attention rows, features at --dims' largest or 4x the budget (where DoF dims
+    reach) and their gradients, the hidden states (the direct loss keeps every layer's, and the logits)."""
+    B, T, H, L, C = cfg.batch_size, cfg.block_size, mc.n_head, mc.n_layer, mc.n_embd
+    M = max(dof.parse_dims(cfg.dims, L)) if cfg.dims else 4 * cfg.budget
     cuda, direct = device.startswith("cuda"), cfg.loss == "direct" or cfg.direct_steps
     rows = min(L * B * H * T * T, 2 ** 26) if cuda and cfg.stack != "no" else B * H * min(cfg.query_block or 128, T) * T
     floats = (L * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * B * H * T * M + 3 * L * H * M * mc.head_dim
@@ -458,11 +459,13 @@ def check_finite(cfg, step, values, name):
                          "was not updated; lower --lr-z/--lr-alpha or use --dtype float32")
 
 
-def fmt(losses):
+def fmt(losses, next_token=False):
     """Up to three groups of consecutive layers for a log line: e.g. L0-3 0.51 L4-7 0.62 L8-11 0.70."""
+    if next_token:
+        return f"{losses[0]:.4f} (next-token)"
     g = math.ceil(len(losses) / 3)
-    return " ".join(f"L{s}-{min(len(losses), s + g) - 1} {np.mean(losses[s:s + g]):.4f}" for s in
-                    range(0, len(losses), g)) if len(losses) > 1 else f"{losses[0]:.4f} (next-token)"
+    return " ".join(f"L{s}-{min(len(losses), s + g) - 1} {np.mean(losses[s:s + g]):.4f}"
+                    for s in range(0, len(losses), g))
 
 
 def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, config, loss_fn=layer_loss):
@@ -492,11 +495,12 @@ def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, conf
         if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.max_steps:
             all_mean([losses])
             losses, ms, lr = losses.tolist(), (time.perf_counter() - t0) * 1e3 / n, optim.param_groups[0]["lr"]
-            check_finite(cfg, step, losses, lambda l: f"layer {l}'s {cfg.loss} loss" if len(losses) > 1 else
-                         "the next-token loss")
+            direct = cfg.loss == "direct" or step > cfg.max_steps - cfg.direct_steps     # the step just taken
+            check_finite(cfg, step, losses, lambda l: "the next-token loss" if direct else
+                         f"layer {l}'s {cfg.loss} loss")
             metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
             metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + time.perf_counter() - t0
-            tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses)} | lr_z {lr:.4g} | {ms:.0f} ms/step | "
+            tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses, direct)} | lr_z {lr:.4g} | {ms:.0f} ms/step | "
                        f"{tokens * 1e3 / ms:,.0f} tok/s")
             n, t0 = 0, time.perf_counter()
         if step % cfg.eval_interval == 0 or step == cfg.max_steps:
@@ -516,8 +520,10 @@ def print_summary(cfg, teacher, student, metrics, step, enc, device):
           f"{v0['student_loss']:.4f} ({'from ' + cfg.init_from if cfg.init_from else 'untrained'}) -> "
           f"{v1['student_loss']:.4f}")
     if cfg.prompt and is_main():
-        ids = enc.encode_ordinary(cfg.prompt)[-(teacher.config.block_size - 30):]
-        print(f"\ngreedy continuations of {cfg.prompt!r}:")
+        ids, keep = enc.encode_ordinary(cfg.prompt), teacher.config.block_size - 30
+        cut = f" (its last {keep} tokens)" if len(ids) > keep else ""
+        print(f"\ngreedy continuations of {cfg.prompt!r}{cut}:")
+        ids = ids[-keep:]
         for name, m in (("teacher", teacher), ("student", student)):
             out = m.generate(torch.tensor([ids], device=device), 30)
             print(f"  {name}: {enc.decode(out[0, len(ids):].tolist())!r}")

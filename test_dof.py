@@ -2446,6 +2446,20 @@ def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkey
     assert [h["ms"] for h in m["history"]] == [1000.0] * 6 and m["train_seconds"] == 6.0, m["history"]
 
 
+def test_log_line_labels_the_next_token_loss_by_the_step_not_by_the_count():
+    """A one-layer teacher's layerwise loss is one number too: only a direct step's is labelled next-token."""
+    assert distill.fmt([0.5]) == "L0-0 0.5000" and distill.fmt([2.0], True) == "2.0000 (next-token)"
+    assert distill.fmt([1.0, 2.0, 3.0, 4.0]) == "L0-1 1.5000 L2-3 3.5000"
+
+
+def test_summary_says_when_the_prompt_was_cut_to_the_context(setup, capsys):
+    d, ckpt, _ = setup
+    teacher, v = GPT.from_pretrained(ckpt), {"attn_kl": [0.1] * 4, "student_loss": 1.0}
+    cfg = distill.DistillConfig(prompt="word " * 500, out_dir="x")
+    distill.print_summary(cfg, teacher, teacher, {"val": [v], "teacher_loss": 1.0}, 0, load_tokenizer(ckpt), "cpu")
+    assert f"(its last {teacher.config.block_size - 30} tokens):" in capsys.readouterr().out
+
+
 def test_preset_prints_its_flags_and_flags_given_win(capsys, monkeypatch):
     cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
     assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)
@@ -2499,6 +2513,7 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, x, "--lam", "inf"), r"--lam must be a number above 0, got inf"),
         (distill_args(ckpt, data, x, "--lr-z", "nan"), r"--lr-z must be a number of at least 0, got nan"),
         (distill_args(ckpt, data, x, "--budget", "100000000"), r"needs about [\d,.]+ GiB, more than the [\d.]+ GiB free"),
+        (distill_args(ckpt, data, x, "--dims", "100000000,4,4,4"), r"needs about [\d,.]+ GiB, more than the"),
         (distill_args(ckpt, data, x, "--batch-size", "100000000"), r"--batch-size 100000000 x --block-size 64 .* needs"),
         (distill_args(ckpt, data, x, "--device", "tpu"), r"--device tpu is not a device of this machine; use one of"),
         (distill_args(ckpt, data, x, "--max-steps", "-1"), r"--max-steps must be a number of at least 0"),
