@@ -256,22 +256,30 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
         yield
         return
     lock = out.with_name(out.name + ".lock")
+    with exclusive(lock, f"another run is writing {out_dir} (it holds {lock}); wait for it or pass another --out-dir",
+                   lambda why: f"cannot write beside --out-dir {out_dir} ({why}); pass another --out-dir"):
+        CLAIMED[:] = [out_dir]
+        yield
+
+
+@contextmanager
+def exclusive(lock, busy, cannot):
+    """Hold an flock on the file `lock` for the block (the OS frees it even on a crash), then remove the file: a
+    ModelError(busy) while another process holds it, ModelError(cannot(why)) where it cannot be made."""
     try:                                                          # a real write: root passes os.access anywhere
-        out.parent.mkdir(parents=True, exist_ok=True)
+        Path(lock).parent.mkdir(parents=True, exist_ok=True)
         fd = open(lock, "w")
     except OSError as e:
-        raise ModelError(f"cannot write beside --out-dir {out_dir} ({e.strerror}); pass another --out-dir") from None
+        raise ModelError(cannot(e.strerror)) from None
     with fd:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ModelError(f"another run is writing {out_dir} (it holds {lock}); wait for it or pass another "
-                             "--out-dir") from None
-        CLAIMED[:] = [out_dir]
+            raise ModelError(busy) from None
         try:
             yield
         finally:
-            lock.unlink(missing_ok=True)
+            Path(lock).unlink(missing_ok=True)
 
 
 def read_file(path, todo, reader):

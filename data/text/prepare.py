@@ -11,7 +11,6 @@ The writer below (token_files) is shared with data/wikipedia/prepare.py: the tok
 <name>.tmp and renamed into place, and meta.json is written last, so a directory with a meta.json is complete.
 """
 
-import fcntl
 import json
 import os
 import re
@@ -25,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for common.py and tokenizer.py
-from common import (REQUIRED, ModelError, atomic_path, check_positive, opt, parse_config, run_main,  # noqa: E402
-                    write_text_atomic)
+from common import (REQUIRED, ModelError, atomic_path, check_positive, exclusive, opt, parse_config,  # noqa: E402
+                    run_main, write_text_atomic)
 from tokenizer import load_tokenizer  # noqa: E402
 
 # A fixed text whose ids identify a tokenizer: distill.py re-encodes it with the teacher's tokenizer and compares.
@@ -88,11 +87,8 @@ def token_files(out_dir, meta):
     out = Path(out_dir)
     made = not out.exists()                                   # a directory made here goes again on failure
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "prepare.lock", "w") as lock:            # one writer at a time; the OS frees it on a crash
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ModelError(f"another run is writing token files into {out_dir}; wait for it to finish") from None
+    with exclusive(out / "prepare.lock", f"another run is writing token files into {out_dir}; wait for it to finish",
+                   lambda why: f"cannot write into --out {out_dir} ({why}); pass another --out"):   # one writer
         try:
             with atomic_path(out / "train.bin") as train, atomic_path(out / "val.bin") as val:
                 files = {"train": TokenFile(train), "val": TokenFile(val)}
@@ -112,8 +108,6 @@ def token_files(out_dir, meta):
             if made:
                 shutil.rmtree(out, ignore_errors=True)
             raise
-        finally:
-            (out / "prepare.lock").unlink(missing_ok=True)
 
 
 def tokenize_text(enc, text, num_threads):
