@@ -410,6 +410,11 @@ def lr_factor(step, cfg):
     return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t))
 
 
+def step_loss(cfg, step):
+    """The loss optimizer step step + 1 trains: the direct loss for the last --direct-steps, else --loss."""
+    return "direct" if step >= cfg.max_steps - cfg.direct_steps else cfg.loss
+
+
 def student_losses(cfg, teacher, student, x, amp, loss_fn, kind, scale=None):
     """One teacher pass over x, then every layer's loss on its own queries and keys -> (L,), float64: all layers
     at once (layer_losses) with the core's loss, one by one with a fork's loss_fn."""
@@ -426,7 +431,7 @@ def train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn=laye
     next-token (direct), float64, left on the device (they reach the host at log lines only)."""
     for g in optim.param_groups:
         g["lr"] = g["peak"] * lr_factor(step, cfg)
-    losses, kind = 0.0, "direct" if step >= cfg.max_steps - cfg.direct_steps else cfg.loss
+    losses, kind = 0.0, step_loss(cfg, step)
     for _ in range(cfg.grad_accum):
         x, y = next_batch()
         if kind == "direct":
@@ -495,7 +500,7 @@ def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, conf
         if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.max_steps:
             all_mean([losses])
             losses, ms, lr = losses.tolist(), (time.perf_counter() - t0) * 1e3 / n, optim.param_groups[0]["lr"]
-            direct = cfg.loss == "direct" or step > cfg.max_steps - cfg.direct_steps     # the step just taken
+            direct = step_loss(cfg, step - 1) == "direct"                          # the step just taken
             check_finite(cfg, step, losses, lambda l: "the next-token loss" if direct else
                          f"layer {l}'s {cfg.loss} loss")
             metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
