@@ -3640,7 +3640,7 @@ def test_spearman_gives_tied_values_their_mean_rank():
 
 def test_allocation_table_pairs_seeds_and_gives_shares_only_of_a_clear_gain():
     """Each rule minus Fix seed by seed, with its share of the measured rule's gain in KL; no share when that gain is
-    within two standard errors of zero."""
+    within two standard errors of zero; the Δ KL the curves predict for the runs' own dims."""
     spec = importlib.util.spec_from_file_location("experiments", ROOT / "docs" / "experiments.py")
     X = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(X)
@@ -3655,6 +3655,14 @@ def test_allocation_table_pairs_seeds_and_gives_shares_only_of_a_clear_gain():
     noisy = X.allocation_table(fix + dof + [rec("Measured", s, 5.0 + s, 0.80 + s / 100 + e)
                                             for s, e in ((1, 0.01), (2, -0.02), (3, 0.005))])
     assert "| -0.0200 ± 0.0058 | – |" in noisy and "is within two standard errors of zero" in noisy
+    import allocation as A                                           # the curves' prediction for each run's dims
+    curves = ROOT / "docs" / "results" / "curves"
+    Ms, KL = A.load_curves(curves)
+    dims = {"Fix": [32] * KL.shape[1], "Measured": A.measured_dims(Ms, KL, 32)}
+    table = X.allocation_table([{**rec(r, s, 5.0, 0.8), "dims": dims[r]} for r in dims for s in (1, 2)],
+                               curves_dir=curves)
+    want = A.expected_kl(Ms, KL, dims["Measured"]) - A.expected_kl(Ms, KL, dims["Fix"])
+    assert want < 0 and table.splitlines()[2].endswith(f"| {want:+.4f} |"), table
 
 
 def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, tmp_path):

@@ -463,20 +463,26 @@ def predictor_table(results):
     return "\n".join(rows) + f"\n\nDifficulty and gain themselves: Spearman {A.spearman(diff, gain):+.2f}."
 
 
-def allocation_table(records, base="Fix", best="Measured"):
-    """Paired differences of each rule against Fix, seed by seed (mean ± standard error), and its share of the
-    measured allocation's gain in held-out attention KL."""
+def allocation_table(records, base="Fix", best="Measured", curves_dir=None):
+    """Paired differences of each rule against Fix, seed by seed (mean ± standard error), its share of the measured
+    allocation's gain in held-out attention KL, and (given the curves' directory) the Δ KL the curves predict for
+    each run's own dims, averaged over the runs."""
     diffs = {g.split("/")[1]: d for g, d in paired_diffs(records, base).items()}
     g = -diffs[best][:, 1] if best in diffs else np.full(2, np.nan)
     gain, gain_se = g.mean(), standard_error(g)
     clear = gain > 2 * gain_se                               # a share of a gain lost in its noise means nothing
+    import allocation as A
+    curves = A.load_curves(Path(curves_dir)) if curves_dir else None
+    predict = lambda rs: np.mean([A.expected_kl(*curves, r["dims"]) for r in rs]) if curves else float("nan")
+    fix = predict([r for r in records if r["group"].endswith("/" + base)])
     rows = [f"| rule (allocation field) | pairs | Δ next-token loss vs {base} | Δ attention KL vs {base} | share of the "
-            f"measured gain in KL |", "|---|---:|---|---|---:|"]
+            f"measured gain in KL | Δ KL the curves predict for these dims |", "|---|---:|---|---|---:|---:|"]
     for alloc, d in diffs.items():
         se = standard_error(d)
-        name = next(r["allocation"] for r in records if r["group"].endswith("/" + alloc))
-        rows.append(f"| {alloc} (`{name}`) | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | {d[:, 1].mean():+.4f} ± "
-                    f"{se[1]:.4f} | {f'{-d[:, 1].mean() / gain:+.0%}' if clear else '–'} |")
+        rs = [r for r in records if r["group"].endswith("/" + alloc)]
+        rows.append(f"| {alloc} (`{rs[0]['allocation']}`) | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | "
+                    f"{d[:, 1].mean():+.4f} ± {se[1]:.4f} | {f'{-d[:, 1].mean() / gain:+.0%}' if clear else '–'} | "
+                    f"{predict(rs) - fix:+.4f} |")
     rows.append("\nMean ± standard error over the pairs.")
     if not clear:
         rows.append(f"\nThe measured allocation's gain in attention KL over {base}, {gain:+.4f} ± {gain_se:.4f}, is "
@@ -546,7 +552,7 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
         records = load(grid, results)
         if grid == "allocation":
             made["allocation:predictors"] = predictor_table(results)
-            made["allocation:paired"] = allocation_table(records)
+            made["allocation:paired"] = allocation_table(records, curves_dir=Path(results) / "curves")
             made["allocation:summary"] = summary_table(records)
             curves(records, Path(figures) / f"curves-{grid}.png")
             continue
