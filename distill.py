@@ -288,9 +288,14 @@ RESUMED = ("loss", "lr_z", "lr_alpha", "block_size", "data", "init_from", "batch
            "warmup_steps", "min_lr_frac", "eval_iters", "seed")         # the data, batches, losses and schedule
 
 
-def check_resumed(cfg, args, ckpt):
-    """A ModelError where --resume would continue the run in `args` (its config.json's) with other data, batches,
-    losses or learning-rate schedule: resumed, it must end as the uninterrupted run would."""
+def check_resumed(cfg, prev, ckpt):
+    """A ModelError where --resume would continue the run of config.json `prev` with another number of processes,
+    other data, batches, losses or learning-rate schedule: resumed, it must end as the uninterrupted run would."""
+    if (n := prev.get("world_size", 1)) != get_world_size():
+        how = "plain python distill.py" if n == 1 else f"torchrun --nproc_per_node {n} distill.py"
+        raise ModelError(f"{ckpt} was trained by {n} process(es) and this run has {get_world_size()}; resume it "
+                         f"with {how}, as the global batch and each process's share of the data depend on it")
+    args = prev.get("args", {})
     for name in RESUMED:
         if name in args and args[name] != getattr(cfg, name):
             raise ModelError(f"{ckpt} was started with --{name.replace('_', '-')} {args[name]!r}, not "
@@ -301,12 +306,12 @@ def check_resumed(cfg, args, ckpt):
                          f"--decay-steps {schedule[0]} to keep it")
 
 
-def check_memory(cfg, mc, device):
+def check_memory(cfg, mc, device, dims=None):
     """Refuse a step that cannot fit before anything large is allocated, by a rough count of 4-byte floats: every
-    layer's q and k, six blocks of attention rows, features at --dims' largest or 4x the budget (where DoF dims
-    reach) and their gradients, the hidden states (the direct loss keeps every layer's, and the logits)."""
+    layer's q and k, six blocks of attention rows, features at the largest of `dims` (a checkpoint's), --dims or 4x
+    the budget (where DoF dims reach) and their gradients, the hidden states (the direct loss keeps every layer's)."""
     B, T, H, L, C = cfg.batch_size, cfg.block_size, mc.n_head, mc.n_layer, mc.n_embd
-    M = max(dof.parse_dims(cfg.dims, L)) if cfg.dims else 4 * cfg.budget
+    M = int(np.max(dims or (dof.parse_dims(cfg.dims, L) if cfg.dims else 4 * cfg.budget)))
     cuda, direct = device.startswith("cuda"), cfg.loss == "direct" or cfg.direct_steps
     rows = min(L * B * H * T * T, 2 ** 26) if cuda and cfg.stack != "no" else B * H * min(cfg.query_block or 128, T) * T
     floats = (L * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * B * H * T * M + 3 * L * H * M * mc.head_dim
@@ -320,27 +325,31 @@ def check_memory(cfg, mc, device):
                          "lower --batch-size, --block-size or --budget (or use --grad-accum)")
 
 
-def make_student(cfg, teacher, calib):
-    """-> (student, dims, layer DoF or None): the teacher linearised with --dims or dof.choose_dims's (rank 0's, on
-    keys centred with --center-keys), features from --seed; or, with --resume / --init-from, that checkpoint's."""
+def from_checkpoint(cfg):
+    """--resume / --init-from: that checkpoint's (config.json dict, features), refused before any work where it does
+    not fit this run (teacher, processes, --dims, a resume's flags); its dims, map and the FROM_CHECKPOINT become cfg's."""
     ckpt = cfg.out_dir if cfg.resume else cfg.init_from
-    if ckpt:
-        prev, sd = read_student(ckpt)
-        if prev["teacher"] != cfg.model:
-            raise ModelError(f"{'--resume' if cfg.resume else '--init-from'} {ckpt} distils {prev['teacher']}, not "
-                             f"{cfg.model}; pass --model {prev['teacher']}")
-        if cfg.resume and (n := prev.get("world_size", 1)) != get_world_size():
-            how = "plain python distill.py" if n == 1 else f"torchrun --nproc_per_node {n} distill.py"
-            raise ModelError(f"{ckpt} was trained by {n} process(es) and this run has {get_world_size()}; resume it "
-                             f"with {how}, as the global batch and each process's share of the data depend on it")
-        if cfg.dims and dof.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
-            raise ModelError(f"{ckpt} was trained with dims {prev['dims']}, not --dims {cfg.dims}; drop --dims")
-        for name in FROM_CHECKPOINT:                                           # so that config.json records them
-            setattr(cfg, name, prev.get(name, getattr(cfg, name)))
-        print(f"note: {', '.join(FROM_CHECKPOINT)} and the features come from {ckpt}")
-        student = teacher.linearize(prev["dims"], cfg.feature_map, cfg.chunk_size)
-        load_feature_state(student, sd, ckpt)
-        return student, prev["dims"], prev.get("dof")
+    prev, sd = read_student(ckpt)
+    if prev["teacher"] != cfg.model:
+        raise ModelError(f"{'--resume' if cfg.resume else '--init-from'} {ckpt} distils {prev['teacher']}, not "
+                         f"{cfg.model}; pass --model {prev['teacher']}")
+    if cfg.resume:
+        check_resumed(cfg, prev, ckpt)
+    if cfg.dims and dof.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
+        raise ModelError(f"{ckpt} was trained with dims {prev['dims']}, not --dims {cfg.dims}; drop --dims")
+    for name in FROM_CHECKPOINT:                                               # so that config.json records them
+        setattr(cfg, name, prev.get(name, getattr(cfg, name)))
+    print(f"note: {', '.join(FROM_CHECKPOINT)} and the features come from {ckpt}")
+    return prev, sd
+
+
+def make_student(cfg, teacher, calib, prev=None):
+    """-> (student, dims, layer DoF or None): the teacher linearised with --dims or dof.choose_dims's (rank 0's, on
+    keys centred with --center-keys), features from --seed; or from_checkpoint's `prev` (config dict, features)."""
+    if prev:
+        student = teacher.linearize(prev[0]["dims"], cfg.feature_map, cfg.chunk_size)
+        load_feature_state(student, prev[1], cfg.out_dir if cfg.resume else cfg.init_from)
+        return student, prev[0]["dims"], prev[0].get("dof")
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None             # (L, H, D)
     if cfg.dims:
         dims, layer_dof = dof.parse_dims(cfg.dims, teacher.config.n_layer), None
@@ -553,16 +562,15 @@ def run(cfg, make, loss_fn):
     device, N = init_distributed(device), get_world_size()        # torchrun: a process per device, rank 0 prints
     teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     cfg.block_size = min(cfg.block_size, teacher.config.block_size)
-    if cfg.resume:                                                # before any work: it must continue that run
-        check_resumed(cfg, read_student(cfg.out_dir)[0].get("args", {}), cfg.out_dir)
-    check_memory(cfg, teacher.config, device)
+    prev = from_checkpoint(cfg) if cfg.resume or cfg.init_from else None     # checked before any work
+    check_memory(cfg, teacher.config, device, prev[0]["dims"] if prev else None)
     enc = load_tokenizer(cfg.model)
     data, meta = open_data(cfg, enc, teacher.config.vocab_size)
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size, cfg.block_size, cfg.seed, device)
     val_gen = torch.Generator().manual_seed(cfg.seed + 1)
     val = [get_batch(data["val"], cfg.batch_size, cfg.block_size, val_gen, device, (get_rank(), N))
            for _ in range(cfg.eval_iters)]
-    student, dims, layer_dof = make(cfg, teacher, calib)
+    student, dims, layer_dof = make(cfg, teacher, calib, prev)
     optim, gen = make_optimizer(student, cfg), torch.Generator().manual_seed(cfg.seed)
     step, metrics = restore(cfg, optim, gen) if cfg.resume else (0, {"history": [], "val": []})
     metrics["teacher_loss"] = lm_loss(teacher, val, amp)          # on this run's device, as the student's

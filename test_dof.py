@@ -2514,6 +2514,9 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, x, "--lr-z", "nan"), r"--lr-z must be a number of at least 0, got nan"),
         (distill_args(ckpt, data, x, "--budget", "100000000"), r"needs about [\d,.]+ GiB, more than the [\d.]+ GiB free"),
         (distill_args(ckpt, data, x, "--dims", "100000000,4,4,4"), r"needs about [\d,.]+ GiB, more than the"),
+        (distill_args(ckpt, data, x, "--init-from", copy(base, "config.json", "set", json.dumps(  # its dims count
+            json.loads((base / "config.json").read_text()) | {"dims": [100000000, 4, 4, 4]}).encode())),
+         r"needs about [\d,.]+ GiB, more than the"),
         (distill_args(ckpt, data, x, "--batch-size", "100000000"), r"--batch-size 100000000 x --block-size 64 .* needs"),
         (distill_args(ckpt, data, x, "--device", "tpu"), r"--device tpu is not a device of this machine; use one of"),
         (distill_args(ckpt, data, x, "--max-steps", "-1"), r"--max-steps must be a number of at least 0"),
@@ -2880,6 +2883,10 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
     assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-3000:]
+    shutil.copytree(ckpt, tmp_path / "other")                         # the fork's resume makes the core's checks
+    r = cli("experiments/per_head.py", "--model", tmp_path / "other", "--data", data, "--budget", 6, "--max-steps", 6,
+            "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
+    assert r.returncode == 2 and "distils" in r.stderr and "pass --model" in r.stderr, r.stderr[-3000:]
     r = cli("experiments/leverage.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 0,
             "--center-keys", "--out-dir", tmp_path / "lev", *FAST)            # untrained: the initial features
     assert r.returncode == 0, r.stderr[-3000:]

@@ -144,10 +144,10 @@ def rule_dims(cfg, teacher, calib):
     return dof.allocate(values[name], cfg.budget), values[name]
 
 
-def make_student(cfg, teacher, calib):
+def make_student(cfg, teacher, calib, prev=None):
     """distill.make_student with --dims from the rule (a fresh run), recording the rule as the checkpoint's alloc."""
-    if cfg.resume or cfg.init_from:
-        return distill.make_student(cfg, teacher, calib)
+    if prev:
+        return distill.make_student(cfg, teacher, calib, prev)
     if cfg.predict:
         res = {"settings": {k: v for k, v in asdict(cfg).items() if k not in ("predict", "out_dir")},   # not written
                "predictors": predictors(cfg, teacher, calib)}

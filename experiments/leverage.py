@@ -87,10 +87,10 @@ def init_leverage(core, x, lam, relative=False, pool=16, generator=None):
         f.z[h], f.log_alpha[h] = leverage_features(x[h].double(), f.M, lam, relative, pool, generator)
 
 
-def make_student(cfg, teacher, calib):
+def make_student(cfg, teacher, calib, prev=None):
     """distill.make_student, then (for a fresh student) every layer's features redrawn by init_leverage."""
-    student, dims, N = distill.make_student(cfg, teacher, calib)
-    if not (cfg.resume or cfg.init_from):
+    student, dims, N = distill.make_student(cfg, teacher, calib, prev)
+    if prev is None:
         mu = torch.stack([c.key_mean for c in student.cores()])                     # (L, H, D): as the student
         x = dof.collect_qk(teacher, calib, cfg.J, cfg.seed, mu)                      # (L, H, J, D)
         gen = torch.Generator().manual_seed(cfg.seed)

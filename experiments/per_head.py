@@ -67,14 +67,12 @@ def per_head_dims(cfg, teacher, calib, mu):
     return dims.tolist(), N.tolist()
 
 
-def make_student(cfg, teacher, calib):
-    """distill.make_student with per-head dims: fresh ones from the per-head DoF, or a checkpoint's."""
-    ckpt = cfg.out_dir if cfg.resume else cfg.init_from
-    if ckpt:
-        prev, sd = read_student(ckpt)
-        student = teacher.linearize(prev["dims"], prev["feature_map"], prev["chunk_size"], GroupedLinearAttention)
-        load_feature_state(student, sd, ckpt)
-        return student, prev["dims"], prev.get("dof")
+def make_student(cfg, teacher, calib, prev=None):
+    """distill.make_student with per-head dims: fresh ones from the per-head DoF, or distill.from_checkpoint's."""
+    if prev:
+        student = teacher.linearize(prev[0]["dims"], cfg.feature_map, cfg.chunk_size, GroupedLinearAttention)
+        load_feature_state(student, prev[1], cfg.out_dir if cfg.resume else cfg.init_from)
+        return student, prev[0]["dims"], prev[0].get("dof")
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None                # (L, H, D)
     dims, N = per_head_dims(cfg, teacher, calib, mu)
     torch.manual_seed(cfg.seed)
