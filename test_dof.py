@@ -300,10 +300,25 @@ def test_hub_id_without_internet(tmp_path):
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
+TORCHRUN_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                      "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def outside_the_callers_torchrun():
+    """Tests start their torchrun jobs themselves: a caller's WORLD_SIZE, RANK, ... (pytest run inside a torchrun or
+    cluster job) would make every in-process run wait to join that job's process group."""
+    with pytest.MonkeyPatch.context() as mp:
+        for v in TORCHRUN_VARIABLES:
+            mp.delenv(v, raising=False)
+        yield
+
+
 def script_env(**extra):
     """The environment of a script the tests start: the caller's, less its HF_* and proxy variables (the hub client
-    reads them, and may warn about them on stderr), with one torch thread and `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k not in PROXY_VARIABLES}
+    reads them, and may warn about them on stderr) and torchrun's, with one torch thread and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TORCHELASTIC_"))
+           and k not in PROXY_VARIABLES + TORCHRUN_VARIABLES}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
