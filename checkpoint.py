@@ -51,7 +51,7 @@ def read_checkpoint(name):
     if (p / "model.safetensors").is_file() or not index.is_file():
         return hf_cfg, read_safetensors(p / "model.safetensors", REFETCH)
     shards = read_json(index, REFETCH, dict).get("weight_map")
-    if not isinstance(shards, dict) or not all(isinstance(s, str) for s in shards.values()):
+    if not shards or not isinstance(shards, dict) or not all(isinstance(s, str) for s in shards.values()):
         raise ModelError(f"{index} lacks its \"weight_map\" of tensor names to shard files; {REFETCH}")
     todo = f"download every shard that {index.name} lists"
     return hf_cfg, {k: v for s in sorted(set(shards.values())) for k, v in read_safetensors(p / s, todo).items()}

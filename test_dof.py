@@ -262,6 +262,8 @@ DAMAGED_TEACHERS = {   # name -> (teacher, what is done to its folder, the sente
                                  r"model\.safetensors\.index\.json lacks its \"weight_map\" of tensor names to shard"),
     "index weight_map a list": ("neox", lambda d: edit_json(d / "model.safetensors.index.json", weight_map=["a"]),
                                 r"lacks its \"weight_map\""),
+    "index weight_map empty": ("neox", lambda d: edit_json(d / "model.safetensors.index.json", weight_map={}),
+                               r"lacks its \"weight_map\""),
     "shard missing": ("neox", lambda d: first_shard(d).unlink(),
                       r"model-00001-of-\d+\.safetensors does not exist; download every shard that "
                       r"model\.safetensors\.index\.json lists"),
@@ -3357,6 +3359,7 @@ def test_perplexity_equals_transformers(model, enc, hf_model, context):
             y = torch.tensor(tokens[s + 1:min(s + L, 299) + 1].astype("int64"))
             nll += float(F.cross_entropy(hf_model(x).logits[0], y, reduction="sum"))
     assert r["tokens"] == 299 and r["context"] == L and r["loss"] == pytest.approx(nll / 299, abs=1e-4)
+    assert E.perplexity(model, tokens[:60], context)["context"] == min(L, 59)   # a file shorter than a window
     assert r["ppl"] == pytest.approx(math.exp(r["loss"]))
 
 
