@@ -2563,8 +2563,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
               r"in .*such, which does not exist"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--num-threads", "0", tmp_path / "a.txt"],
               r"--num-threads must be a number of at least 1, got 0"),
-             ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--val-fraction", "0.001",
-                                       tmp_path / "a.txt"], r"the val split came out empty"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out" / "made" / "here", "--val-fraction",
+                                       "0.001", tmp_path / "a.txt"], r"the val split came out empty"),   # all 3 go
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "file", tmp_path / "a.txt"],
               r"--out .*file is a file; pass a directory"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "file" / "sub", tmp_path / "a.txt"],

@@ -85,7 +85,7 @@ def token_files(out_dir, meta):
     meta.json is removed before the renames, so a directory caught between them reads as incomplete. On failure,
     or when a split is empty, nothing is left behind; a second run writing into out_dir meanwhile is refused."""
     out = Path(out_dir)
-    made = not out.exists()                                   # a directory made here goes again on failure
+    made = [a for a in (out, *out.parents) if not a.exists()]  # the folders made here go again on failure
     out.mkdir(parents=True, exist_ok=True)
     with exclusive(out / "prepare.lock", f"another run is writing token files into {out_dir}; wait for it to finish",
                    lambda why: f"cannot write into --out {out_dir} ({why}); pass another --out"):   # one writer
@@ -106,7 +106,7 @@ def token_files(out_dir, meta):
             write_text_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
         except BaseException:
             if made:
-                shutil.rmtree(out, ignore_errors=True)
+                shutil.rmtree(made[-1], ignore_errors=True)
             raise
 
 
