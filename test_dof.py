@@ -3655,6 +3655,24 @@ def test_figures_script_writes_valid_pngs_and_needs_matplotlib(tmp_path, monkeyp
 # ----------------------------------------------------------------------------------------------------------------
 # docs/experiments.py: one JSON per run, tables generated from them
 
+def docs_experiments():
+    """docs/experiments.py as a module (its name clashes with the experiments/ folder's)."""
+    spec = importlib.util.spec_from_file_location("docs_experiments", ROOT / "docs" / "experiments.py")
+    X = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(X)
+    return X
+
+
+def test_published_tables_are_the_ones_the_committed_result_files_make(tmp_path):
+    """Every generated block of docs/results.md and the README is what `python docs/experiments.py --report`
+    rebuilds from docs/results/: a table edited by hand, or a result file changed without its table, fails here."""
+    docs = [ROOT / "docs" / "results.md", ROOT / "README.md"]
+    for doc in docs:
+        shutil.copy(doc, tmp_path / doc.name)
+    docs_experiments().report(docs=[tmp_path / doc.name for doc in docs], figures=tmp_path)
+    for doc in docs:
+        assert (tmp_path / doc.name).read_text() == doc.read_text(), f"{doc.name}: python docs/experiments.py --report"
+
 def test_spearman_gives_tied_values_their_mean_rank():
     """experiments/allocation.py's rank correlation: ties (dims of 32 recur) share a rank, so the order in which tied
     layers come plays no part."""
@@ -3666,9 +3684,7 @@ def test_spearman_gives_tied_values_their_mean_rank():
 def test_allocation_table_pairs_seeds_and_gives_shares_only_of_a_clear_gain():
     """Each rule minus Fix seed by seed, with its share of the measured rule's gain in KL; no share when that gain is
     within two standard errors of zero; the Δ KL the curves predict for the runs' own dims."""
-    spec = importlib.util.spec_from_file_location("experiments", ROOT / "docs" / "experiments.py")
-    X = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(X)
+    X = docs_experiments()
     rec = lambda rule, s, loss, kl: {"group": f"32/{rule}", "seed": s, "allocation": rule.lower(),
                                      "val": [{"student_loss": loss, "attn_kl": [kl, kl], "teacher_loss": 3.0}]}
     fix = [rec("Fix", s, 5.0 + s, 0.80 + s / 100) for s in (1, 2, 3)]
@@ -3694,9 +3710,7 @@ def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, t
     """Two configurations x two seeds on the tiny model: each run's JSON holds its args, dims, validation history and
     time; a second call runs nothing; the tables rebuilt from the JSON files are the same every time."""
     d, ckpt, data = setup
-    spec = importlib.util.spec_from_file_location("experiments", ROOT / "docs" / "experiments.py")
-    X = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(X)
+    X = docs_experiments()
     runs = X.tiny_grid(str(ckpt), str(data))
     res, scratch = tmp_path / "results", tmp_path / "scratch"
     X.run_grid(runs, jobs=2, results=res, scratch=scratch)
