@@ -320,14 +320,14 @@ def check_memory(cfg, mc, device, dims=None):
     free = torch.cuda.mem_get_info(device)[0] if cuda else \
         1024 * int((re.findall(r"MemAvailable:\s+(\d+)", info) or [2 ** 40])[0])
     if 4 * floats > free:
-        raise ModelError(f"a step of --batch-size {B} x --block-size {T} at --budget {cfg.budget} needs about "
+        raise ModelError(f"a step of --batch-size {B} x --block-size {T} with up to {M:,} features a head needs about "
                          f"{4 * floats / 2 ** 30:,.1f} GiB, more than the {free / 2 ** 30:.1f} GiB free on {device}; "
-                         "lower --batch-size, --block-size or --budget (or use --grad-accum)")
+                         "lower --batch-size, --block-size or the dims (--budget, --dims) or use --grad-accum")
 
 
 def from_checkpoint(cfg):
     """--resume / --init-from: that checkpoint's (config.json dict, features), refused before any work where it does
-    not fit this run (teacher, processes, --dims, a resume's flags); its dims, map and the FROM_CHECKPOINT become cfg's."""
+    not fit this run (teacher, processes, --dims, a resume's flags); its FROM_CHECKPOINT settings become cfg's."""
     ckpt = cfg.out_dir if cfg.resume else cfg.init_from
     prev, sd = read_student(ckpt)
     if prev["teacher"] != cfg.model:
