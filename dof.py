@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (ModelError, check_positive, check_writable, get_batch, opt, parse_config, pick_device, read_tokens,
-                    run_main, write_text_atomic)
+from common import (ModelError, check_positive, check_tokenizer, check_writable, get_batch, opt, parse_config,
+                    pick_device, read_json, read_tokens, run_main, write_text_atomic)
 from model import GPT, repeat_kv
+from tokenizer import load_tokenizer
 
 RULES = ("dof", "fix", "clip", "reverse")  # Fix: C everywhere; DoF+Clip: capped at the head size; Reverse: a control
 
@@ -220,6 +221,9 @@ def main(argv=None):
     model = GPT.from_pretrained(cfg.model, device=device)
     mc = model.config
     cfg.block_size = T = min(cfg.block_size, mc.block_size)                 # dof.json records the length used
+    if (meta := Path(cfg.data) / "meta.json").is_file():                    # prepare.py's: as distill.py checks it
+        check_tokenizer(read_json(meta, "prepare the token files again", dict), load_tokenizer(cfg.model), cfg.data,
+                        cfg.model, "prepare them with this model's tokenizer (data/*/prepare.py)")
     tokens = read_tokens(Path(cfg.data) / "train.bin", vocab_size=mc.vocab_size, min_tokens=T + 1)
     t0 = time.time()
     batches = calibration_batches(tokens, cfg.calib_batches, cfg.batch_size, T, cfg.seed, device)

@@ -1737,6 +1737,12 @@ def test_command_bad_input(tmp_path):
         with pytest.raises(ModelError) as e:
             dof.main(common + extra)
         assert str(e.value).startswith(msg) and "\n" not in str(e.value), (extra, str(e.value))
+    for name in ("encoder.json", "vocab.bpe"):
+        shutil.copy(TOKENIZER / name, ckpt / name)
+    (data / "meta.json").write_text(json.dumps({"tokenizer": {"model": "smollm2-135m", "n_vocab": 49152}}))
+    with pytest.raises(ModelError, match=r"was tokenized with the tokenizer of smollm2-135m \(49152 tokens\), not "):
+        dof.main(common)                                    # prepare.py's record of another tokenizer
+    (data / "meta.json").unlink()
     (data / "train.bin").write_bytes(b"abc")
     with pytest.raises(ModelError, match="odd number of bytes"):
         dof.main(common)
