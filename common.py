@@ -48,7 +48,8 @@ def run_main(main):
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except (KeyboardInterrupt, Stopped) as e:
-        where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if CLAIMED else ""
+        saved = CLAIMED and (Path(CLAIMED[0]) / "features.safetensors").is_file()
+        where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if saved else ""
         print(f"\nstopped by {'SIGTERM' if isinstance(e, Stopped) else 'Ctrl-C'}{where}", file=sys.stderr)
         sys.exit(143 if isinstance(e, Stopped) else 130)
     finally:
@@ -192,7 +193,7 @@ def barrier():
 def atomic_path(path, directory=False):
     """Yield <path>.tmp (an empty directory if asked) to write; on success it replaces `path` (a directory by two
     renames: <path> or <path>.old is whole at every instant), on failure it is removed and `path` stays."""
-    path = Path(path)
+    path = Path(path).resolve()                                  # a link stays, and its target is replaced
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     remove(tmp)
     try:
@@ -225,8 +226,9 @@ def check_writable(path):
     """A ModelError, before any work, when no file can be written at `path` (tried for real: root passes os.access)."""
     p = Path(path)
     try:
-        why = "is a directory" if p.is_dir() else f"is in {p.parent}, which does not exist" if not p.parent.is_dir() \
-            else tempfile.TemporaryFile(dir=p.parent).close()                         # None: writable
+        why = "is a directory" if p.is_dir() else "is not a regular file" if p.exists() and not p.is_file() else \
+            f"is in {p.parent}, which does not exist" if not p.parent.is_dir() else \
+            tempfile.TemporaryFile(dir=p.parent).close()                              # None: writable
     except OSError as e:
         why = f"is in {p.parent}, which is not writable ({e.strerror})"
     if why:
@@ -237,7 +239,10 @@ def check_writable(path):
 def claim_out_dir(out_dir, resume=False, overwrite=False):
     """Check --out-dir before any work (a file, a non-empty directory that --resume or --overwrite does not fit, an
     unwritable place) and hold it for the run: an flock on <out_dir>.lock, which the OS releases even on a crash."""
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()
+    if not str(out_dir) or out in (Path.cwd(), *Path.cwd().parents):
+        raise ModelError(f"--out-dir {out_dir!r} is the working directory or holds it, and every save replaces the "
+                         "out-dir whole; pass a folder of its own, e.g. --out-dir out")
     ckpt = (out / "config.json").is_file() and (out / "features.safetensors").is_file()
     if out.is_dir():
         if any(out.iterdir()) and not resume and not (overwrite and ckpt):

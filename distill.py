@@ -387,11 +387,15 @@ def checkpoint_config(cfg, dims, layer_dof, meta):
 def save_checkpoint(cfg, student, optim, gen, config, metrics):
     state = {"optimizer": optim.state_dict() if optim else None, "step": config["step"],
              "train_rng": gen.get_state(), "torch_rng": torch.get_rng_state()}
-    with atomic_path(cfg.out_dir, directory=True) as tmp:
-        save_file(feature_state(student), str(tmp / "features.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "metrics.json").write_text(json.dumps(metrics) + "\n")
-        torch.save(state, tmp / "optim.pt")
+    try:
+        with atomic_path(cfg.out_dir, directory=True) as tmp:
+            save_file(feature_state(student), str(tmp / "features.safetensors"))
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            (tmp / "metrics.json").write_text(json.dumps(metrics) + "\n")
+            torch.save(state, tmp / "optim.pt")
+    except (OSError, RuntimeError) as e:                          # a full disk; torch.save's is a RuntimeError
+        raise ModelError(f"saving into {cfg.out_dir} failed ({str(e).strip()[:80]}); the checkpoint saved before "
+                         "is whole: make room, then add --resume to continue from it") from None
 
 
 def restore(cfg, optim, gen):

@@ -2532,6 +2532,8 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, copy(data, "meta.json", "gone"), x), r"holds token files but no meta.json"),
         (distill_args(ckpt, data, "/proc/no/out"), r"cannot write beside --out-dir /proc/no/out"),
         (distill_args(ckpt, data, data / "meta.json"), r"--out-dir .*meta.json is a file; pass a directory"),
+        (distill_args(ckpt, data, ""), r"--out-dir '' is the working directory or holds it, and every save"),
+        (distill_args(ckpt, data, ".."), r"--out-dir '..' is the working directory or holds it"),
         (distill_args(ckpt, data, x, "--min-lr-frac", "-1"), r"--min-lr-frac must be a number of at least 0, got -1"),
         (distill_args(ckpt, data, x, "--lam", "inf"), r"--lam must be a number above 0, got inf"),
         (distill_args(ckpt, data, x, "--lr-z", "nan"), r"--lr-z must be a number of at least 0, got nan"),
@@ -2573,6 +2575,7 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
                                        "0.001", tmp_path / "a.txt"], r"the val split came out empty"),   # all 3 go
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "file", tmp_path / "a.txt"],
               r"--out .*file is a file; pass a directory"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", "", tmp_path / "a.txt"], r"--out is empty; pass a "),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "file" / "sub", tmp_path / "a.txt"],
               r"--out .*sub is inside the file .*file; pass a directory"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", "/proc/no/out", tmp_path / "a.txt"],
@@ -2613,6 +2616,66 @@ def test_one_run_per_out_dir_and_a_crashed_runs_lock_is_not_stuck(setup, tmp_pat
     (tmp_path / "run.lock").write_text("")                           # left by a crashed run: not locked
     distill.main(distill_args(ckpt, data, out, "--alloc", "fix", "--budget", "4", "--max-steps", "1"))
     assert json.loads((out / "config.json").read_text())["step"] == 1 and not (tmp_path / "run.lock").exists()
+
+
+def test_out_dir_that_is_a_link_and_a_full_disk(setup, tmp_path, monkeypatch):
+    """A link to a directory as --out-dir stays a link to it, save after save (each save replaces the directory
+    whole, so the working directory is refused); a save that fails (a full disk) is one sentence, and the checkpoint
+    before it stays whole."""
+    d, ckpt, data = setup
+    (here := tmp_path / "here").mkdir()
+    monkeypatch.chdir(here)
+    with pytest.raises(ModelError, match=r"--out-dir '.' is the working directory or holds it, and every save"):
+        distill.main(distill_args(ckpt, data, ".", "--alloc", "fix", "--budget", "4", "--max-steps", "1"))
+    (real := tmp_path / "real").mkdir()
+    (link := tmp_path / "link").symlink_to(real)
+    run = distill_args(ckpt, data, link, "--alloc", "fix", "--budget", "4", "--decay-steps", "4")
+    distill.main(run + ["--max-steps", "1"])
+    distill.main(run + ["--max-steps", "2", "--resume"])
+    assert link.is_symlink() and json.loads((real / "config.json").read_text())["step"] == 2
+    before = snapshot(real)
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(ModelError, match=r"saving into .*link failed \(\[enforce fail.*\); the checkpoint saved "
+                                         r"before is whole: make room, then add --resume"):
+        distill.main(run + ["--max-steps", "3", "--resume"])
+    assert snapshot(real) == before and sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "real"]
+    assert not any(here.iterdir())
+    prepare = distill.data_script("text")
+    with pytest.raises(ModelError, match=r"writing the token files into .*b failed \(\[Errno 28\] No space left"):
+        with prepare.token_files(tmp_path / "a" / "b", {}):
+            raise OSError(28, "No space left on device")
+    assert not (tmp_path / "a").exists()
+
+
+def test_output_through_a_link_replaces_its_target_and_a_pipe_is_refused(tmp_path):
+    """--output (check_writable, then write_text_atomic) through a symlink writes its target and keeps the link;
+    a pipe or device is no file to write whole, and is refused."""
+    (target := tmp_path / "target.json").write_text("old")
+    (link := tmp_path / "link.json").symlink_to(target)
+    common.check_writable(link)
+    common.write_text_atomic(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ModelError, match=r"cannot write .*fifo: it is not a regular file"):
+        common.check_writable(tmp_path / "fifo")
+
+
+def test_a_run_stopped_before_its_first_checkpoint_names_none(tmp_path, capsys):
+    """Ctrl-C before the first save: exit 130 and no claim of a checkpoint that is not there."""
+    def main():
+        with common.claim_out_dir(tmp_path / "run"):
+            raise KeyboardInterrupt
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as e:
+            common.run_main(main)
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+    assert e.value.code == 130 and capsys.readouterr().err == "\nstopped by Ctrl-C\n"
 
 
 @pytest.mark.parametrize("sig, code, name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])

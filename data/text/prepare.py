@@ -68,6 +68,8 @@ class TokenFile:
 def check_out(out):
     """A ModelError, before any work, where --out cannot be a directory to write token files into."""
     p = Path(out)
+    if not str(out):
+        raise ModelError("--out is empty; pass a directory")
     folder = next(a for a in (p, *p.parents) if a.exists())               # the nearest folder that exists
     if not folder.is_dir():
         raise ModelError(f"--out {out} is {'a file' if folder == p else f'inside the file {folder}'}; pass a directory")
@@ -104,9 +106,12 @@ def token_files(out_dir, meta):
                 (out / "meta.json").unlink(missing_ok=True)
             meta.update(dtype="uint16", tokens={s: f.n for s, f in files.items()})
             write_text_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
-        except BaseException:
+        except BaseException as e:
             if made:
                 shutil.rmtree(made[-1], ignore_errors=True)
+            if isinstance(e, OSError):                                    # a full disk
+                raise ModelError(f"writing the token files into {out_dir} failed ({e}); make room or pass another "
+                                 "--out") from None
             raise
 
 
