@@ -47,6 +47,9 @@ def read_checkpoint(name):
     p = locate(name, ["config.json", "*.safetensors", "*.safetensors.index.json"])
     if p.is_file():                                        # a .gguf file; any other file fails there as not GGUF
         return read_gguf(str(p))
+    if (p / "features.safetensors").is_file():
+        raise ModelError(f"{name} is a distill.py checkpoint, not a teacher; pass its teacher as --model and it as "
+                         "--ckpt (evaluate.py) or --init-from (distill.py)")
     hf_cfg, index = read_json(p / "config.json", REFETCH, dict), p / "model.safetensors.index.json"
     if (p / "model.safetensors").is_file() or not index.is_file():
         return hf_cfg, read_safetensors(p / "model.safetensors", REFETCH)
@@ -91,8 +94,10 @@ def read_student(ckpt_dir):
         raise ModelError(f"{ckpt_dir} is not a directory; pass the --out-dir of a distill.py run")
     todo = f"{ckpt_dir} is not a whole distill.py checkpoint; pass the --out-dir of a finished or saved run"
     cfg = read_json(d / "config.json", todo, dict)
-    if not {"teacher", "dims", "feature_map", "chunk_size"} <= cfg.keys():
-        raise ModelError(f"{d / 'config.json'} lacks the teacher, dims, feature map or chunk size; {todo}")
+    if not ({"teacher", "dims", "feature_map", "chunk_size"} <= cfg.keys() and isinstance(cfg["dims"], list)
+            and type(cfg["chunk_size"]) is int and isinstance(cfg.get("args", {}), dict)):
+        raise ModelError(f"{d / 'config.json'} lacks the teacher, dims (a list), feature map or chunk size (an "
+                         f"integer), or its args are no object; {todo}")
     return cfg, read_safetensors(d / "features.safetensors", todo)
 
 

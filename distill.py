@@ -297,7 +297,10 @@ def check_resumed(cfg, prev, ckpt):
                          f"with {how}, as the global batch and each process's share of the data depend on it")
     args = prev.get("args", {})
     for name in RESUMED:
-        if name in args and args[name] != getattr(cfg, name):
+        was, now = args.get(name), getattr(cfg, name)
+        if name in ("data", "init_from") and was and now:                  # one directory, however spelled
+            was, now = Path(was).resolve(), Path(now).resolve()
+        if name in args and was != now:
             raise ModelError(f"{ckpt} was started with --{name.replace('_', '-')} {args[name]!r}, not "
                              f"{getattr(cfg, name)!r}; resume it with the flags it was started with")
     schedule = (args.get("decay_steps") or args.get("max_steps"), cfg.decay_steps or cfg.max_steps)
@@ -401,13 +404,18 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
 def restore(cfg, optim, gen):
     """--resume: the optimizer, data position and torch RNG of --out-dir's checkpoint -> (step, metrics)."""
     out, todo = Path(cfg.out_dir), "the checkpoint is damaged; pass --overwrite to start again"
-    state = torch_load(out / "optim.pt", todo)
-    if optim is not None:
-        optim.load_state_dict(state["optimizer"])
-    gen.set_state(state["train_rng"])
-    torch.set_rng_state(state["torch_rng"])
-    print(f"resuming {cfg.out_dir} at step {state['step']}")
-    return state["step"], read_json(out / "metrics.json", todo)
+    state, metrics = torch_load(out / "optim.pt", todo), read_json(out / "metrics.json", todo, dict)
+    try:
+        if optim is not None:
+            optim.load_state_dict(state["optimizer"])
+        gen.set_state(state["train_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        step, _ = int(state["step"]), metrics["val"] + metrics["history"]
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:           # another run's files, or edited ones
+        raise ModelError(f"{out}'s optim.pt or metrics.json does not fit it ({type(e).__name__}: {str(e)[:60]}); "
+                         f"{todo}") from None
+    print(f"resuming {cfg.out_dir} at step {step}")
+    return step, metrics
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -538,12 +546,13 @@ def print_summary(cfg, teacher, student, metrics, step, enc, device):
           f"{v0['student_loss']:.4f} ({'from ' + cfg.init_from if cfg.init_from else 'untrained'}) -> "
           f"{v1['student_loss']:.4f}")
     if cfg.prompt and is_main():
-        ids, keep = enc.encode_ordinary(cfg.prompt), teacher.config.block_size - 30
+        new = min(30, teacher.config.block_size // 2)                  # tokens generated, within the context
+        ids, keep = enc.encode_ordinary(cfg.prompt), teacher.config.block_size - new
         cut = f" (its last {keep} tokens)" if len(ids) > keep else ""
         print(f"\ngreedy continuations of {cfg.prompt!r}{cut}:")
         ids = ids[-keep:]
         for name, m in (("teacher", teacher), ("student", student)):
-            out = m.generate(torch.tensor([ids], device=device), 30)
+            out = m.generate(torch.tensor([ids], device=device), new)
             print(f"  {name}: {enc.decode(out[0, len(ids):].tolist())!r}")
 
 
@@ -576,6 +585,8 @@ def run(cfg, make, loss_fn):
            for _ in range(cfg.eval_iters)]
     student, dims, layer_dof = make(cfg, teacher, calib, prev)
     optim, gen = make_optimizer(student, cfg), torch.Generator().manual_seed(cfg.seed)
+    if optim is None:
+        print(f"note: {cfg.feature_map} features are fixed, so nothing trains: the checkpoint is the initial student")
     step, metrics = restore(cfg, optim, gen) if cfg.resume else (0, {"history": [], "val": []})
     metrics["teacher_loss"] = lm_loss(teacher, val, amp)          # on this run's device, as the student's
     print(f"teacher {cfg.model}: {teacher.config.n_layer} layers; data {cfg.data} ({len(data['train']):,} train "

@@ -182,7 +182,7 @@ def load_task(name: str, data_dir: str | None = None, limit: int | None = None) 
         for i, line in enumerate(source.read_bytes().split(b"\n"), 1):
             try:
                 docs += [(f"line {i}", json.loads(line))] if line.strip() else []
-            except ValueError as e:  # not JSON, or not UTF-8
+            except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past Python's stack
                 raise ModelError(f"{source} line {i} is not valid JSON ({getattr(e, 'msg', e)}); fix it") from None
     if not docs:
         raise ModelError(f"{source} holds no documents")

@@ -365,8 +365,9 @@ class GPT(nn.Module):
     def linearize(self, dims, feature_map="prf", chunk_size=64, core=None):
         """The student: all weights shared, layer l's core a LinearAttention (or `core`) of dims[l] features a head."""
         c = self.config
-        if len(dims) != c.n_layer:
-            raise ModelError(f"linearize needs {c.n_layer} feature dimensions (one per layer), got {list(dims)}")
+        if len(dims) != c.n_layer or core is None and any(isinstance(m, (list, tuple)) for m in dims):
+            raise ModelError(f"linearize needs {c.n_layer} feature dimensions, one per layer, got {str(dims)[:60]}; a "
+                             "checkpoint with a dimension per head: load it with experiments/per_head.py")
         student = copy.deepcopy(self, {id(t): t for t in (*self.parameters(), *self.buffers())})   # shared
         for block, m in zip(student.h, dims):
             block.attn.core = (core or LinearAttention)(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)
@@ -410,8 +411,6 @@ def load_feature_state(student, sd, where):
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32):
     """A distill.py checkpoint directory -> (the teacher in `dtype` with its trained fp32 cores, config.json's dict)."""
     cfg, sd = read_student(ckpt_dir)
-    if any(isinstance(m, list) for m in cfg["dims"]):
-        raise ModelError(f"{ckpt_dir} has a feature dimension per head; load it with experiments/per_head.py")
     student = GPT.from_pretrained(cfg["teacher"], device, dtype).linearize(cfg["dims"], cfg["feature_map"],
                                                                            cfg["chunk_size"])
     load_feature_state(student, sd, ckpt_dir)

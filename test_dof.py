@@ -2524,6 +2524,12 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, copy(base, "optim.pt", "cut"), *again), r"optim.pt is damaged or truncated"),
         (distill_args(ckpt, data, copy(base, "optim.pt", "gone"), *again), r"optim.pt does not exist"),
         (distill_args(ckpt, data, copy(base, "metrics.json", "set", b"[1, 2"), *again), r"metrics.json is damaged"),
+        (distill_args(ckpt, data, copy(base, "metrics.json", "set", b"{}"), *again),
+         r"optim.pt or metrics.json does not fit it \(KeyError: 'val'\); the checkpoint is damaged"),
+        (distill_args(ckpt, data, copy(base, "config.json", "set", json.dumps(
+            json.loads((base / "config.json").read_text()) | {"dims": "abc"}).encode()), *again),
+         r"config.json lacks the teacher, dims \(a list\), feature map or chunk size \(an integer\)"),
+        (distill_args(base, data, x), r"is a distill.py checkpoint, not a teacher; pass its teacher as --model"),
         (distill_args(ckpt, data, x, "--init-from", copy(base, "features.safetensors", "cut")), r"is damaged or truncated"),
         (distill_args(ckpt, data, x, "--init-from", copy(base, "config.json", "set", b"[]")), r"holds a JSON list"),
         (distill_args(ckpt, copy(data, "meta.json", "cut"), x), r"meta.json is damaged or truncated.*prepare them again"),
@@ -2631,7 +2637,7 @@ def test_out_dir_that_is_a_link_and_a_full_disk(setup, tmp_path, monkeypatch):
     (link := tmp_path / "link").symlink_to(real)
     run = distill_args(ckpt, data, link, "--alloc", "fix", "--budget", "4", "--decay-steps", "4")
     distill.main(run + ["--max-steps", "1"])
-    distill.main(run + ["--max-steps", "2", "--resume"])
+    distill.main([a + "/" if a == str(data) else a for a in run] + ["--max-steps", "2", "--resume"])  # data/ is data
     assert link.is_symlink() and json.loads((real / "config.json").read_text())["step"] == 2
     before = snapshot(real)
 
@@ -2648,6 +2654,23 @@ def test_out_dir_that_is_a_link_and_a_full_disk(setup, tmp_path, monkeypatch):
         with prepare.token_files(tmp_path / "a" / "b", {}):
             raise OSError(28, "No space left on device")
     assert not (tmp_path / "a").exists()
+
+
+def test_a_short_context_teacher_and_a_fixed_feature_map(setup, tmp_path, capsys):
+    """A teacher of 16 positions ends with continuations that fit its context (8 tokens), not a crash; a fixed
+    feature map (performer) has nothing to train, and says so."""
+    d, ckpt, data = setup
+    from transformers import GPT2Config, GPT2LMHeadModel
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16)).save_pretrained(tmp_path / "t16")
+    for name, to in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
+        shutil.copy(TOKENIZER / name, tmp_path / "t16" / to)
+    distill.main(distill_args(tmp_path / "t16", data, tmp_path / "run", "--max-steps", "1", "--J", "16", "--prompt",
+                              "one two three four five six seven eight nine ten"))          # the last flag wins
+    out = capsys.readouterr().out
+    assert "(its last 8 tokens):" in out and out.count("  teacher: ") == out.count("  student: ") == 1, out[-800:]
+    distill.main(distill_args(ckpt, data, tmp_path / "perf", "--feature-map", "performer", "--max-steps", "2"))
+    assert "performer features are fixed, so nothing trains" in capsys.readouterr().out
+    assert json.loads((tmp_path / "perf" / "config.json").read_text())["step"] == 0
 
 
 def test_output_through_a_link_replaces_its_target_and_a_pipe_is_refused(tmp_path):
@@ -2969,6 +2992,12 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
     assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-3000:]
+    with pytest.raises(ModelError, match=r"a checkpoint with a dimension per head: load it with experiments/per_"):
+        distill.main(distill_args(ckpt, data, tmp_path / "plain", "--init-from", out))     # the core refuses it
+    distill.main(distill_args(ckpt, data, tmp_path / "plain", "--budget", "6", "--max-steps", "0"))
+    r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--out-dir", tmp_path / "ph", "--init-from",
+            tmp_path / "plain", *FAST)
+    assert r.returncode == 2 and "one dimension per layer: continue it with distill.py" in r.stderr, r.stderr[-3000:]
     shutil.copytree(ckpt, tmp_path / "other")                         # the fork's resume makes the core's checks
     r = cli("experiments/per_head.py", "--model", tmp_path / "other", "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
@@ -3630,6 +3659,9 @@ def test_bad_documents_name_their_file_and_line(tmp_path):
     (bad / "arc_easy.jsonl").write_bytes(b"\xff\xfe{}\n")
     with pytest.raises(ModelError, match=r"arc_easy.jsonl line 1 is not valid JSON"):
         E.load_task("arc_easy", bad)
+    (bad / "piqa.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ModelError, match=r"piqa.jsonl line 1 is not valid JSON \(maximum recursion depth"):
+        E.load_task("piqa", bad)                                      # nested past Python's stack
     (bad / "arc_challenge.jsonl").write_text("[1, 2]\n")
     with pytest.raises(ModelError, match=r"arc_challenge.jsonl line 1: malformed arc_challenge document"):
         E.load_task("arc_challenge", bad)
