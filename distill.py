@@ -408,6 +408,8 @@ def restore(cfg, optim, gen):
     try:
         if optim is not None:
             optim.load_state_dict(state["optimizer"])
+            if any(s["exp_avg"].shape != p.shape for p, s in optim.state.items()):
+                raise ValueError("its Adam moments are of other dims")
         gen.set_state(state["train_rng"])
         torch.set_rng_state(state["torch_rng"])
         step, _ = int(state["step"]), metrics["val"] + metrics["history"]

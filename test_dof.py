@@ -2226,6 +2226,18 @@ def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys
         bench.main(["--T", "--decode-ctx", "--heads", str(run)])
     with pytest.raises(ModelError, match="--query-block must be a number of at least 1, got 0"):
         bench.main(["--T", "--heads", str(run), "--query-block", "0"])
+    run.write_text(json.dumps({"args": {"budget": 4, "dof": [[1.0, 2.0, 9.0, 2.0]] * 2}}))   # 4 heads: no GQA
+    bench.main(["--T", "--decode-ctx", "--heads", str(run), "--heads-T", "16", "--repeats", "1", "--threads", "1"])
+    assert "| 16 | per head / per layer |" in capsys.readouterr().out
+
+
+def test_bench_measurement_that_fails_is_one_sentence(monkeypatch):
+    """A scan measurement's process failing (out of memory, say) ends bench.py with its last line, not its traceback."""
+    import bench
+    died = subprocess.CompletedProcess([], 1, "", "Traceback (most recent call last):\n  ...\nRuntimeError: out of mem")
+    monkeypatch.setattr(bench.subprocess, "run", lambda *args, **kwargs: died)
+    with pytest.raises(ModelError, match=r"the sdpa measurement at T=64 failed \(RuntimeError: out of mem\); lower"):
+        bench.measure(bench.parse_config(bench.BenchConfig, []), "sdpa", 64, 16)
 
 
 def run_bad(argv, match):
@@ -2514,6 +2526,10 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         {"cut": lambda p: p.write_bytes(cut(p)), "gone": lambda p: p.unlink(),
          "set": lambda p: p.write_bytes(content)}[edit](c / name)
         return c
+    other = torch.load(base / "optim.pt", weights_only=False)             # the optimizer of other dims
+    moments = next(iter(other["optimizer"]["state"].values()))
+    moments["exp_avg"] = moments["exp_avg"][..., :1].clone()
+    torch.save(other, tmp_path / "other-optim.pt")
     big = np.fromfile(data / "train.bin", dtype=np.uint16)
     big[7] = 60000
     x, again = tmp_path / "never", ("--max-steps", "2", "--resume")
@@ -2524,6 +2540,8 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, copy(base, "optim.pt", "cut"), *again), r"optim.pt is damaged or truncated"),
         (distill_args(ckpt, data, copy(base, "optim.pt", "gone"), *again), r"optim.pt does not exist"),
         (distill_args(ckpt, data, copy(base, "metrics.json", "set", b"[1, 2"), *again), r"metrics.json is damaged"),
+        (distill_args(ckpt, data, copy(base, "optim.pt", "set", (tmp_path / "other-optim.pt").read_bytes()), *again),
+         r"optim.pt or metrics.json does not fit it \(ValueError: its Adam moments are of other dims\)"),
         (distill_args(ckpt, data, copy(base, "metrics.json", "set", b"{}"), *again),
          r"optim.pt or metrics.json does not fit it \(KeyError: 'val'\); the checkpoint is damaged"),
         (distill_args(ckpt, data, copy(base, "config.json", "set", json.dumps(
@@ -2564,14 +2582,25 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
 
 def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_path):
     """The other entry scripts' bad input: one sentence, exit 2, nothing written."""
-    d, ckpt, _ = setup
+    d, ckpt, data = setup
     (tmp_path / "bad.json").write_text('{"args": {"dof": [[1,')
+    (tmp_path / "ragged.json").write_text('{"args": {"dof": [[1, 2], [3]]}}')
     (tmp_path / "a.txt").write_text("short text")
     (tmp_path / "file").write_text("")
     cases = [("experiments/bench.py", ["--T", "0"], r"--T must list numbers of at least 1, got \[0\]"),
              ("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "bad.json"],
               r"bad.json is damaged or truncated .*; pass the JSON of an experiments/per_head.py run"),
              ("experiments/bench.py", ["--threads", "0"], r"--threads must be a number of at least 1, got 0"),
+             ("experiments/bench.py", ["--step", "mse"], r"--step mse: the losses are softmax, l2 and direct"),
+             ("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "ragged.json"],
+              r"ragged.json lacks a per-head DoF table or its budget \(ValueError\)"),
+             ("experiments/allocation.py", ["--model", ckpt, "--predict", tmp_path / "no" / "p.json"],
+              r"cannot write .*p.json: it is in .*no, which does not exist"),
+             ("experiments/allocation.py", ["--predict", tmp_path / "p.json", "--resume"],
+              r"--predict computes the predictors of a fresh run; drop --resume and --init-from"),
+             ("experiments/allocation.py", ["--model", ckpt, "--data", data, "--rule", "measured", "--out-dir",
+                                            tmp_path / "al", *FAST], r"curves in docs/results/curves are of a model "
+              r"of 30 layers, and .* has 4; pass --curves of runs on this model"),
              ("experiments/gpu_check.py", ["--budget-seconds", "-5"], r"--budget-seconds must be a number above 0"),
              ("experiments/gpu_check.py", ["--out", tmp_path / "no" / "such" / "c.json"], r"cannot write .*c.json: it is "
               r"in .*such, which does not exist"),
@@ -3780,6 +3809,21 @@ def test_spearman_gives_tied_values_their_mean_rank():
     import allocation as A
     assert A.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == A.spearman([1, 2, 2, 3], [1, 3, 2, 4])
     assert A.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(np.corrcoef([0, 1.5, 1.5, 3], [0, 1, 2, 3])[0, 1])
+
+
+def test_allocation_curves_damaged_or_not_positive_are_one_sentence(tmp_path):
+    """experiments/allocation.py --rule measured reads the curve runs through the checked reader."""
+    import allocation as A
+    (tmp_path / "fix-m4-s0.json").write_text('{"args": {"budget": 4')
+    with pytest.raises(ModelError, match=r"fix-m4-s0.json is damaged or truncated"):
+        A.load_curves(tmp_path)
+    for m, kl in ((4, [0.0, 0.1]), (8, [0.1, 0.1])):
+        (tmp_path / f"fix-m{m}-s0.json").write_text(json.dumps({"args": {"budget": m}, "val": [{"attn_kl": kl}]}))
+    with pytest.raises(ModelError, match=r"or a KL that is not positive"):          # log KL: no zeros
+        A.load_curves(tmp_path)
+    (tmp_path / "fix-m4-s0.json").write_text(json.dumps({"val": []}))
+    with pytest.raises(ModelError, match=r"lacks its budget or held-out KL \(KeyError\)"):
+        A.load_curves(tmp_path)
 
 
 def test_allocation_table_pairs_seeds_and_gives_shares_only_of_a_clear_gain():

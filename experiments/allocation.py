@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
-from common import ModelError, opt, run_main, write_text_atomic  # noqa: E402
+from common import ModelError, check_writable, opt, read_json, run_main, write_text_atomic  # noqa: E402
 from model import repeat_kv  # noqa: E402
 
 
@@ -38,11 +38,18 @@ from model import repeat_kv  # noqa: E402
 
 def load_curves(curves, prefix="fix"):
     """docs/results/curves/<prefix>-m<M>-s*.json -> (Ms (n,), KL (n, L)): each layer's final held-out KL at M."""
-    runs = sorted((json.loads(p.read_text()) for p in Path(curves).glob(f"{prefix}-m*.json")),
-                  key=lambda r: r["args"]["budget"])
-    if len(runs) < 2:
-        raise ModelError(f"{curves} holds fewer than two {prefix}-m*.json curve runs; run the curves grid first")
-    return np.array([r["args"]["budget"] for r in runs], float), np.array([r["val"][-1]["attn_kl"] for r in runs])
+    todo = "pass the --curves of docs/experiments.py --run curves"
+    runs = [read_json(p, todo, dict) for p in sorted(Path(curves).glob(f"{prefix}-m*.json"))]
+    try:
+        runs = sorted(((r["args"]["budget"], r["val"][-1]["attn_kl"]) for r in runs), key=lambda r: r[0])
+        Ms, KL = np.array([m for m, _ in runs], float), np.array([kl for _, kl in runs], float)   # (n,), (n, L)
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise ModelError(f"a curve run in {curves} lacks its budget or held-out KL ({type(e).__name__}); {todo}") \
+            from None
+    if len(runs) < 2 or not (KL > 0).all():
+        raise ModelError(f"{curves} holds fewer than two {prefix}-m*.json curve runs, or a KL that is not positive; "
+                         f"{todo}")
+    return Ms, KL
 
 
 def interpolate(Ms, kl, M):
@@ -131,11 +138,22 @@ class AllocationConfig(distill.DistillConfig):
     predict: str = opt("", "compute the per-layer predictors on the calibration windows, write them to this JSON "
                        "file and stop (no training; --out-dir stays empty)")
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.predict and (self.resume or self.init_from):
+            raise ModelError("--predict computes the predictors of a fresh run; drop --resume and --init-from")
+        if self.predict:
+            check_writable(self.predict)
+
 
 def rule_dims(cfg, teacher, calib):
     """-> (dims, the per-layer values they are in proportion to, or None) for --rule."""
     if cfg.rule == "measured":
-        return measured_dims(*load_curves(cfg.curves, cfg.curve_prefix), cfg.budget), None
+        Ms, KL = load_curves(cfg.curves, cfg.curve_prefix)
+        if KL.shape[1] != teacher.config.n_layer:
+            raise ModelError(f"the curves in {cfg.curves} are of a model of {KL.shape[1]} layers, and {cfg.model} has "
+                             f"{teacher.config.n_layer}; pass --curves of runs on this model")
+        return measured_dims(Ms, KL, cfg.budget), None
     values = predictors(cfg, teacher, calib) if cfg.rule != "dof-raw" else {"dof-raw-max": dof.choose_dims(
         teacher, calib, cfg.budget, "dof", cfg.lam, cfg.lam_relative, cfg.J, cfg.seed)[1]}
     name = "dof-raw-max" if cfg.rule == "dof-raw" else cfg.rule

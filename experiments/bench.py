@@ -79,6 +79,8 @@ class BenchConfig:
     def __post_init__(self):
         check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block",
                               "step_tokens"))
+        if bad := sorted(set(self.step) - {"softmax", "l2", "direct"}):
+            raise ModelError(f"--step {' '.join(bad)}: the losses are softmax, l2 and direct")
         for name in ("T", "chunks", "decode_ctx", "heads_T"):
             if any(v < 1 for v in getattr(self, name)):
                 raise ModelError(f"--{name.replace('_', '-')} must list numbers of at least 1, got "
@@ -146,8 +148,9 @@ def measure(cfg, method, T, chunk):
     for name in ("B", "H", "D", "M", "repeats", "threads", "device"):
         cmd += [f"--{name}", str(getattr(cfg, name))]
     out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"error: the {method} measurement at T={T} failed:\n{out.stderr.strip()}")
+    if out.returncode != 0:                                   # its last line says why (e.g. out of memory)
+        why = (out.stderr.strip().splitlines() or ["no message"])[-1][:200]
+        raise ModelError(f"the {method} measurement at T={T} failed ({why}); lower --B, --T or --H")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -259,11 +262,16 @@ def heads_table(cfg, device):
     import per_head
     from model import LinearAttention
     run = read_json(cfg.heads, "pass the JSON of an experiments/per_head.py run (docs/results/heads/*.json)", dict)
-    N = torch.tensor(run.get("args", {}).get("dof") or [], dtype=torch.float64)     # (L, H) per-head DoF
+    try:
+        N = torch.tensor(run["args"].get("dof") or [], dtype=torch.float64)           # (L, H) per-head DoF
+        budget = int(run["args"]["budget"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ModelError(f"{cfg.heads} lacks a per-head DoF table or its budget ({type(e).__name__}); pass the JSON "
+                         "of an experiments/per_head.py run") from None
     if N.ndim != 2:
         raise ModelError(f"{cfg.heads} has per-layer DoF; pass the JSON of an experiments/per_head.py run")
     L, H = N.shape
-    Hkv, D, budget = 3, 64, run["args"]["budget"]
+    Hkv, D = 3 if H % 3 == 0 else H, 64                   # SmolLM2's 3 key/value heads (none shared otherwise)
     torch.manual_seed(0)
     cores = {"per layer": [LinearAttention(H, Hkv, D, m).to(device) for m in dof.allocate(N.amax(-1), budget)],
              "per head": [per_head.GroupedLinearAttention(H, Hkv, D, m).to(device)
