@@ -47,11 +47,9 @@ def teacher_qk(model, idx):
 
 def key_means(model, batches):
     """Each layer's mean key over the batches, repeated to the query heads -> (L, H, D), LinearAttention.key_mean."""
-    sums, n = None, 0
-    for idx in batches:
-        ks = [k.sum(dim=(0, 2)) for _, k in teacher_qk(model, idx)]          # (Hkv, D) per layer
-        sums, n = ks if sums is None else [a + b for a, b in zip(sums, ks)], n + idx.numel()
-    return torch.stack([repeat_kv((s / n)[None, :, None], model.config.n_head)[0, :, 0] for s in sums])
+    sums = sum(torch.stack([k.sum(dim=(0, 2)) for _, k in teacher_qk(model, idx)]) for idx in batches)   # (L, Hkv, D)
+    n = sum(idx.numel() for idx in batches)                                  # tokens
+    return repeat_kv((sums / n)[:, :, None], model.config.n_head)[:, :, 0]   # (L, H, D)
 
 
 @torch.no_grad()

@@ -45,7 +45,7 @@ class FigConfig:
     tokens: int = opt(4096, "tokens of --text used; the last --block-size of them are held out for the error figure")
     block_size: int = opt(512, "tokens per forward pass (capped at the model's context)")
     J: int = opt(1024, "queries+keys drawn per head for the J x J Gram matrix")
-    lam: float = opt(1e-3, "lambda, as a fraction of tr(S) unless --lam-absolute")
+    lam: float = opt(1e-3, "lambda, as a fraction of tr(G / J), the mean K(x, x), unless --lam-absolute")
     lam_absolute: bool = opt(False, "take --lam as it is (the paper's GPT-2 setting: --lam 0.0625 --lam-absolute)")
     budget: int = opt(32, "mean feature dimension C the dims bar is allocated for")
     draws: int = opt(8, "random-feature draws averaged for each M")
