@@ -239,8 +239,8 @@ def check_writable(path):
 def claim_out_dir(out_dir, resume=False, overwrite=False):
     """Check --out-dir before any work (a file, a non-empty directory that --resume or --overwrite does not fit, an
     unwritable place) and hold it for the run: an flock on <out_dir>.lock, which the OS releases even on a crash."""
-    out = Path(out_dir).resolve()
-    if not str(out_dir) or out in (Path.cwd(), *Path.cwd().parents):
+    out = Path(out_dir).resolve()                                # "" and "." are the working directory
+    if out in (Path.cwd(), *Path.cwd().parents):
         raise ModelError(f"--out-dir {out_dir!r} is the working directory or holds it, and every save replaces the "
                          "out-dir whole; pass a folder of its own, e.g. --out-dir out")
     ckpt = (out / "config.json").is_file() and (out / "features.safetensors").is_file()
