@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 
-from common import ModelError, read_json, read_safetensors
+from common import ModelError, is_checkpoint, read_json, read_safetensors
 
 REFETCH = "download the checkpoint again or save it anew with save_pretrained"
 SKIP_SUFFIXES = (".attn.bias", ".attention.bias", ".masked_bias", ".inv_freq")   # buffers, not weights, in some files
@@ -47,7 +47,7 @@ def read_checkpoint(name):
     p = locate(name, ["config.json", "*.safetensors", "*.safetensors.index.json"])
     if p.is_file():                                        # a .gguf file; any other file fails there as not GGUF
         return read_gguf(str(p))
-    if (p / "features.safetensors").is_file():
+    if is_checkpoint(p):
         raise ModelError(f"{name} is a distill.py checkpoint, not a teacher; pass its teacher as --model and it as "
                          "--ckpt (evaluate.py) or --init-from (distill.py)")
     hf_cfg, index = read_json(p / "config.json", REFETCH, dict), p / "model.safetensors.index.json"

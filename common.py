@@ -48,7 +48,7 @@ def run_main(main):
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except (KeyboardInterrupt, Stopped) as e:
-        saved = CLAIMED and (Path(CLAIMED[0]) / "features.safetensors").is_file()
+        saved = CLAIMED and is_checkpoint(CLAIMED[0])
         where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if saved else ""
         print(f"\nstopped by {'SIGTERM' if isinstance(e, Stopped) else 'Ctrl-C'}{where}", file=sys.stderr)
         sys.exit(143 if isinstance(e, Stopped) else 130)
@@ -235,6 +235,11 @@ def check_writable(path):
         raise ModelError(f"cannot write {path}: it {why}; pass a file path in a writable folder")
 
 
+def is_checkpoint(folder):
+    """Whether `folder` holds a distill.py checkpoint: its config.json and features.safetensors."""
+    return (Path(folder) / "config.json").is_file() and (Path(folder) / "features.safetensors").is_file()
+
+
 @contextmanager
 def claim_out_dir(out_dir, resume=False, overwrite=False):
     """Check --out-dir before any work (a file, a non-empty directory that --resume or --overwrite does not fit, an
@@ -243,7 +248,7 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
     if out in (Path.cwd(), *Path.cwd().parents):
         raise ModelError(f"--out-dir {out_dir!r} is the working directory or holds it, and every save replaces the "
                          "out-dir whole; pass a folder of its own, e.g. --out-dir out")
-    ckpt = (out / "config.json").is_file() and (out / "features.safetensors").is_file()
+    ckpt = is_checkpoint(out)
     if out.is_dir():
         if any(out.iterdir()) and not resume and not (overwrite and ckpt):
             raise ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not replace it; pass "
