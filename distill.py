@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import time
+from collections import namedtuple
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -284,6 +285,7 @@ def layer_loss(core, q, k, kind, query_block=0, scale=None):
 # The student: dims (dof.py) and features, fresh or from a checkpoint
 
 FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size", "center_keys")
+Checkpoint = namedtuple("Checkpoint", "path config features")      # from_checkpoint's: config.json's dict, tensors
 RESUMED = ("loss", "lr_z", "lr_alpha", "block_size", "data", "init_from", "batch_size", "grad_accum", "direct_steps",
            "warmup_steps", "min_lr_frac", "eval_iters", "seed")         # the data, batches, losses and schedule
 
@@ -329,8 +331,8 @@ def check_memory(cfg, mc, device, dims=None):
 
 
 def from_checkpoint(cfg):
-    """--resume / --init-from: that checkpoint's (config.json dict, features), refused before any work where it does
-    not fit this run (teacher, processes, --dims, a resume's flags); its FROM_CHECKPOINT settings become cfg's."""
+    """--resume / --init-from: that Checkpoint, refused before any work where it does not fit this run (teacher,
+    processes, --dims, a resume's flags); its FROM_CHECKPOINT settings become cfg's."""
     ckpt = cfg.out_dir if cfg.resume else cfg.init_from
     prev, sd = read_student(ckpt)
     if prev["teacher"] != cfg.model:
@@ -343,16 +345,16 @@ def from_checkpoint(cfg):
     for name in FROM_CHECKPOINT:                                               # so that config.json records them
         setattr(cfg, name, prev.get(name, getattr(cfg, name)))
     print(f"note: {', '.join(FROM_CHECKPOINT)} and the features come from {ckpt}")
-    return prev, sd
+    return Checkpoint(ckpt, prev, sd)
 
 
 def make_student(cfg, teacher, calib, prev=None):
     """-> (student, dims, layer DoF or None): the teacher linearised with --dims or dof.choose_dims's (rank 0's, on
-    keys centred with --center-keys), features from --seed; or from_checkpoint's `prev` (config dict, features)."""
+    keys centred with --center-keys), features from --seed; or from the Checkpoint `prev` (from_checkpoint's)."""
     if prev:
-        student = teacher.linearize(prev[0]["dims"], cfg.feature_map, cfg.chunk_size)
-        load_feature_state(student, prev[1], cfg.out_dir if cfg.resume else cfg.init_from)
-        return student, prev[0]["dims"], prev[0].get("dof")
+        student = teacher.linearize(prev.config["dims"], cfg.feature_map, cfg.chunk_size)
+        load_feature_state(student, prev.features, prev.path)
+        return student, prev.config["dims"], prev.config.get("dof")
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None             # (L, H, D)
     if cfg.dims:
         dims, layer_dof = dof.parse_dims(cfg.dims, teacher.config.n_layer), None
@@ -412,7 +414,7 @@ def restore(cfg, optim, gen):
                 raise ValueError("its Adam moments are of other dims")
         gen.set_state(state["train_rng"])
         torch.set_rng_state(state["torch_rng"])
-        step, _ = int(state["step"]), metrics["val"] + metrics["history"]
+        step, _ = int(state["step"]), metrics["val"] + metrics["history"]      # both lists, as saved
     except (KeyError, TypeError, ValueError, RuntimeError) as e:           # another run's files, or edited ones
         raise ModelError(f"{out}'s optim.pt or metrics.json does not fit it ({type(e).__name__}: {str(e)[:60]}); "
                          f"{todo}") from None
@@ -578,7 +580,7 @@ def run(cfg, make, loss_fn):
     teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     cfg.block_size = min(cfg.block_size, teacher.config.block_size)
     prev = from_checkpoint(cfg) if cfg.resume or cfg.init_from else None     # checked before any work
-    check_memory(cfg, teacher.config, device, prev[0]["dims"] if prev else None)
+    check_memory(cfg, teacher.config, device, prev.config["dims"] if prev else None)
     enc = load_tokenizer(cfg.model)
     data, meta = open_data(cfg, enc, teacher.config.vocab_size)
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size, cfg.block_size, cfg.seed, device)
