@@ -78,6 +78,7 @@ def parse_config(cls, argv=None, description=None):
         if get_origin(hint) in (Union, UnionType):
             hint = next(t for t in get_args(hint) if t is not type(None))
         many, typ, flag = get_origin(hint) is list, (get_args(hint) or [hint])[0], "--" + f.name.replace("_", "-")
+        typ = int64 if typ is int else typ
         if hint is bool:
             p.add_argument(flag, action="store_true", help=text)
         elif required and many:
@@ -86,6 +87,13 @@ def parse_config(cls, argv=None, description=None):
             p.add_argument(flag, type=typ, nargs="*" if many else None, default=default, required=required,
                            choices=f.metadata["choices"], help=text)
     return cls(**vars(p.parse_args(argv)))
+
+
+def int64(text):
+    """argparse's int, refused (as argparse refuses "x") beyond the 64 bits of torch's seeds and sizes."""
+    if abs(value := int(text)) < 2 ** 63:
+        return value
+    raise ValueError(text)
 
 
 def check_positive(cfg, names, minimum=1, above=False):

@@ -97,7 +97,7 @@ class DistillConfig:
         check_positive(self, ("budget", "J", "calib_batches", "chunk_size", "wiki_tokens", "block_size", "batch_size",
                               "grad_accum", "eval_interval", "eval_iters", "log_interval"), 1)
         check_positive(self, ("query_block", "direct_steps", "max_steps", "decay_steps", "warmup_steps", "lr_z",
-                              "lr_alpha", "min_lr_frac"), 0)
+                              "lr_alpha", "min_lr_frac", "seed"), 0)
         check_positive(self, ("lam",), 0, above=True)
         if not 0 < self.val_fraction < 1 or self.min_lr_frac > 1:
             raise ModelError(f"--val-fraction must lie between 0 and 1 (got {self.val_fraction}) and --min-lr-frac "

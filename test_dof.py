@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 import unicodedata
 
 from numpy.polynomial.hermite_e import hermegauss
@@ -2206,6 +2207,20 @@ def test_every_script_prints_its_help(script, capsys):
     assert e.value.code == 0 and out.startswith("usage:")
     for f in dataclasses.fields(config):
         assert f"--{f.name.replace('_', '-')}" in out or f" {f.name}" in out, f.name
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_refuses_an_integer_beyond_64_bits(script, capsys):
+    """An integer option of 2^63 or more (torch's seeds overflow there) is argparse's one-line refusal, exit 2."""
+    spec = importlib.util.spec_from_file_location(script.replace("/", "_")[:-3], ROOT / script)
+    spec.loader.exec_module(mod := importlib.util.module_from_spec(spec))
+    config = next(v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__)
+    hints = typing.get_type_hints(config)
+    name = next(f.name for f in dataclasses.fields(config) if hints[f.name] is int and f.default is not dataclasses.MISSING)
+    for value in (2 ** 63, -2 ** 63 - 1):
+        with pytest.raises(SystemExit) as e:
+            mod.main([f"--{name.replace('_', '-')}={value}"])
+        assert e.value.code == 2 and f"invalid int64 value: '{value}'" in capsys.readouterr().err
 
 
 def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys):

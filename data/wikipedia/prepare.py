@@ -110,6 +110,7 @@ class WikipediaConfig:
 
     def __post_init__(self):
         check_positive(self, ("num_threads", "batch_docs"))
+        check_positive(self, ("seed", "max_tokens"), 0)                  # numpy seeds are non-negative
         if not 0 < self.fraction <= 1:
             raise ModelError(f"--fraction must be in (0, 1], got {self.fraction}")
         if not 0 < self.val_fraction < 1:
