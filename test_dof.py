@@ -2602,6 +2602,9 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
     (tmp_path / "ragged.json").write_text('{"args": {"dof": [[1, 2], [3]]}}')
     (tmp_path / "a.txt").write_text("short text")
     (tmp_path / "file").write_text("")
+    (tmp_path / "short").mkdir()
+    for split in ("train", "val"):
+        np.arange(50, dtype=np.uint16).tofile(tmp_path / "short" / f"{split}.bin")
     cases = [("experiments/bench.py", ["--T", "0"], r"--T must list numbers of at least 1, got \[0\]"),
              ("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "bad.json"],
               r"bad.json is damaged or truncated .*; pass the JSON of an experiments/per_head.py run"),
@@ -2634,7 +2637,13 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
                                        tmp_path / ".." / tmp_path.name / "a.txt"], r"a.txt is listed twice"),
              ("data/wikipedia/prepare.py", ["--num-threads", "0"], r"--num-threads must be a number of at least 1"),
              ("data/wikipedia/prepare.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
-             ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory")]
+             ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
+             ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "9", "--out", tmp_path / "out"],
+              r"has layers 0-3 and a context of 128 tokens; pass --layers among them \(got \[9\]\)"),
+             ("experiments/heads.py", ["--model", ckpt, "--data", tmp_path / "short", "--layers", "0", "--block-size",
+                                       "100", "--out", tmp_path / "out"], r"train.bin holds 50 tokens, fewer than the 101"),
+             ("experiments/heads.py", ["--seeds", "0"], r"--seeds must be a number of at least 1, got 0"),
+             ("experiments/heads.py", ["--Ms", "--out", tmp_path / "out"], r"--Ms must be one or more feature counts")]
     for script, args, match in cases:
         before = snapshot(tmp_path)
         r = cli(script, *args)

@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
-from common import atomic_path, opt, parse_config, read_tokens, run_main, write_text_atomic  # noqa: E402
+from common import (ModelError, atomic_path, check_positive, opt, parse_config, read_tokens, run_main,  # noqa: E402
+                    write_text_atomic)
 from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
 from per_head import GroupedLinearAttention, loss  # noqa: E402
 
@@ -62,9 +63,17 @@ class HeadsConfig:
     synthetic: bool = opt(False, "only the synthetic Gaussian-kernel check (seconds)")
     out: str = opt("docs/results/heads-kl", "directory of the results: smollm2.json, synthetic.json")
 
+    def __post_init__(self):
+        check_positive(self, ("block_size", "calib_seqs", "eval_seqs", "J", "budget", "seeds"))
+        check_positive(self, ("steps",), 0)
+        check_positive(self, ("lam",), 0, above=True)
+        if not self.Ms or min(self.Ms) < 1 or not self.layers or min(self.layers) < 0:
+            raise ModelError(f"--Ms must be one or more feature counts of at least 1 (got {self.Ms}) and --layers one "
+                             f"or more layer numbers from 0 (got {self.layers})")
 
-def sequences(path, n, T, seed):
-    tokens = read_tokens(path)
+
+def sequences(path, n, T, seed, vocab_size):
+    tokens = read_tokens(path, vocab_size=vocab_size, min_tokens=T + 1)
     g = np.random.default_rng(seed)
     return torch.from_numpy(np.stack([tokens[i:i + T].astype(np.int64) for i in g.integers(0, len(tokens) - T, n)]))
 
@@ -124,8 +133,11 @@ def map_kl(cfg, mc, dims, kind, mu, x, calib, held):
 def measure(cfg):
     model = M.GPT.from_pretrained(cfg.model)
     mc = model.config
-    calib = sequences(Path(cfg.data) / "train.bin", cfg.calib_seqs, cfg.block_size, 0)
-    held = sequences(Path(cfg.data) / "val.bin", cfg.eval_seqs, cfg.block_size, 1)
+    if max(cfg.layers) >= mc.n_layer or cfg.block_size > mc.block_size:
+        raise ModelError(f"{cfg.model} has layers 0-{mc.n_layer - 1} and a context of {mc.block_size} tokens; pass "
+                         f"--layers among them (got {cfg.layers}) and a --block-size within it (got {cfg.block_size})")
+    calib = sequences(Path(cfg.data) / "train.bin", cfg.calib_seqs, cfg.block_size, 0, mc.vocab_size)
+    held = sequences(Path(cfg.data) / "val.bin", cfg.eval_seqs, cfg.block_size, 1, mc.vocab_size)
     qk_c, qk_h = dof.teacher_qk(model, calib), dof.teacher_qk(model, held)
     points = {l: calibration_points(*qk_c[l], mc.n_head, cfg.J) for l in cfg.layers}
     res = {"settings": asdict(cfg), "layers": []}
@@ -271,12 +283,12 @@ def main(argv=None):
     cfg = parse_config(HeadsConfig, argv)
     torch.set_grad_enabled(True)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     parts = {"synthetic": (synthetic, synthetic_table)}
     if not cfg.synthetic:
         parts = {"smollm2": (measure, table), **parts}
     for name, (run, show) in parts.items():
         res = run(cfg)
+        out.mkdir(parents=True, exist_ok=True)                  # after the checks and the work
         write_text_atomic(out / f"{name}.json", json.dumps(res, indent=1) + "\n")
         print(show(res))
         print(f"wrote {out / name}.json")
