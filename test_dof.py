@@ -3799,6 +3799,12 @@ def test_figures_script_writes_valid_pngs_and_needs_matplotlib(tmp_path, monkeyp
         path = tmp_path / "figs" / name
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plt.imread(path).ndim == 3
     assert "untrained student only" not in capsys.readouterr().out
+    with pytest.raises(ModelError, match=r"data/config.json does not exist; \S+ is not a whole distill.py checkpoint"):
+        figures.main(args + ["--ckpt", str(tmp_path / "data"), "--out", str(tmp_path / "bad")])
+    for flag in ("--J", "--draws", "--budget", "--window"):
+        with pytest.raises(ModelError, match=f"^{flag} must be a number of at least 1, got 0$"):
+            figures.main(args + [flag, "0", "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()                              # refused before any figure
     monkeypatch.setitem(sys.modules, "matplotlib", None)                # import matplotlib -> ImportError
     with pytest.raises(SystemExit) as e:
         run_main(lambda: figures.main(args + ["--out", str(tmp_path / "none")]))

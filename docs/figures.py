@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "docs")]
 import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
-from common import ModelError, atomic_path, opt, parse_config, read_tokens, run_main  # noqa: E402
+from common import ModelError, atomic_path, check_positive, opt, parse_config, read_tokens, run_main  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 COLORS = ("C0", "C3")                                   # the low-DoF head, the high-DoF head
@@ -51,6 +51,10 @@ class FigConfig:
     draws: int = opt(8, "random-feature draws averaged for each M")
     window: int = opt(64, "first tokens of --text shown in the attention maps")
     seed: int = opt(0, "seed of the query/key sample and of the random features")
+
+    def __post_init__(self):
+        check_positive(self, ("tokens", "block_size", "J", "budget", "draws", "window"))
+        check_positive(self, ("lam",), 0, above=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -87,14 +91,22 @@ def misplaced(q, k, Ms, draws, gen):
     return errors
 
 
+def load_ckpt(ckpt, model):
+    """--ckpt -> (the student, its config.json dict), checked to be --model's student; None without --ckpt."""
+    if not ckpt:
+        return None
+    student, cfg = M.load_student(ckpt)
+    if student.config != model.config:
+        raise ModelError(f"{ckpt} was distilled from {cfg['teacher']}, not from --model; pass its teacher")
+    return student, cfg
+
+
 def student_cores(ckpt, model, layer, budget):
     """-> {name: LinearAttention core of `layer`}: an untrained one (z ~ N(0, I), alpha = 1, with the dims and key
-    centring of the checkpoint, else `budget` features) and, given a distill.py checkpoint, its trained one."""
+    centring of the checkpoint, else `budget` features) and, given load_ckpt's (student, config), its trained one."""
     c, cores, dims, fmap = model.config, {}, [budget] * model.config.n_layer, "prf"
     if ckpt:
-        student, cfg = M.load_student(ckpt)
-        if student.config != c:
-            raise ModelError(f"{ckpt} was distilled from {cfg['teacher']}, not from --model; pass its teacher")
+        student, cfg = ckpt
         cores["trained"] = student.cores()[layer]
         dims, fmap = cfg["dims"], cfg["feature_map"]
     fresh = M.LinearAttention(c.n_head, c.n_kv_head, c.head_dim, dims[layer], fmap)
@@ -151,13 +163,13 @@ def fig_kernel_error(plt, path, qk, x, N, heads, cfg):
     save(plt, fig, path)
 
 
-def fig_attention(plt, path, model, tokens, head, cfg):
+def fig_attention(plt, path, model, ckpt, tokens, head, cfg):
     from matplotlib.colors import LogNorm
     (l, h), idx = head, tokens[:cfg.window]
     q, k = layer_qk(model, idx)[l]                                                       # (1, H, T, D)
     maps = {}
     with torch.no_grad():
-        for name, core in student_cores(cfg.ckpt, model, l, cfg.budget).items():
+        for name, core in student_cores(ckpt, model, l, cfg.budget).items():
             qi, ki = core.inputs(q, k)
             logp, log_phat = distill.attention_rows(qi, ki, *core.features(qi, ki))   # (1, H, T, T) each
             maps.setdefault("teacher (softmax)", logp[0, h].exp())
@@ -222,6 +234,7 @@ def main(argv=None):
     plt, out = pyplot(), Path(cfg.out)
     torch.manual_seed(cfg.seed)
     model = M.GPT.from_pretrained(cfg.model)
+    ckpt = load_ckpt(cfg.ckpt, model)                          # checked before any work
     tokens = torch.as_tensor(read_tokens(cfg.text, load_tokenizer(cfg.model), cfg.tokens), dtype=torch.long)
     T = min(cfg.block_size, model.config.block_size)
     if len(tokens) < 2 * T:
@@ -241,7 +254,7 @@ def main(argv=None):
     fig_kernel_error(plt, out / "fig-kernel-error.png", layer_qk(model, held_out), x, N, heads, cfg)
     if not cfg.ckpt:
         print("no --ckpt: the attention maps show the teacher and the untrained student only")
-    fig_attention(plt, out / "fig-attention.png", model, tokens, heads[1], cfg)
+    fig_attention(plt, out / "fig-attention.png", model, ckpt, tokens, heads[1], cfg)
     fig_dof(plt, out / "fig-dof.png", N, heads, cfg)
     if not fig_curves(out / "fig-curves.png", cfg.results):
         print(f"no results of both Fix and DoF under {cfg.results}: fig-curves.png not drawn")
