@@ -2643,6 +2643,7 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("experiments/heads.py", ["--model", ckpt, "--data", tmp_path / "short", "--layers", "0", "--block-size",
                                        "100", "--out", tmp_path / "out"], r"train.bin holds 50 tokens, fewer than the 101"),
              ("experiments/heads.py", ["--seeds", "0"], r"--seeds must be a number of at least 1, got 0"),
+             ("docs/experiments.py", ["--run", "claim", "--jobs", "0"], r"--jobs must be a number of at least 1, got 0"),
              ("experiments/heads.py", ["--Ms", "--out", tmp_path / "out"], r"--Ms must be one or more feature counts")]
     for script, args, match in cases:
         before = snapshot(tmp_path)

@@ -23,7 +23,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]                 # the core, and experiments/ (gpu_check, heads)
-from common import ModelError, atomic_path, opt, parse_config, run_main, write_text_atomic  # noqa: E402
+from common import ModelError, atomic_path, check_positive, opt, parse_config, run_main, write_text_atomic  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 SCRATCH = ROOT / "out-experiments"           # checkpoints and logs of the runs (not committed)
@@ -588,6 +588,9 @@ class ExperimentConfig:
     match: str = opt("", "run only the grid's runs whose name contains this")
     jobs: int = opt(2, "runs at a time, one torch thread each")
     report: bool = opt(False, "rebuild the generated blocks of docs/results.md and the learning-curve figures")
+
+    def __post_init__(self):
+        check_positive(self, ("jobs",))
 
 
 def main(argv=None):
