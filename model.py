@@ -183,7 +183,7 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=Non
         y_n = phi_q,n P_n + tril(phi_q,n phi_k,n^T) [v_n | 1],   P_n = sum_{n' < n} phi_k,n'^T [v_n' | 1]   (a cumsum),
     the ones giving the denominator. state = (S, s) continues earlier tokens; return_state=True also returns S, s."""
     B, H, T, M = phi_q.shape
-    D, C, N = v.size(-1), chunk_size, -(-T // chunk_size)                               # N chunks of C tokens
+    D, C, N = v.size(-1), min(chunk_size, T), -(-T // chunk_size)                       # N chunks of C tokens
     dt = torch.promote_types(v.dtype, torch.float32)
     pad = lambda x: F.pad(x.to(dt), (0, 0, 0, N * C - T)) if N * C > T else x.to(dt)   # T -> N * C tokens
     q, k, v1 = (pad(x).view(B, H, N, C, -1) for x in (phi_q, phi_k, torch.cat((v, v.new_ones(B, H, T, 1)), -1)))

@@ -1089,8 +1089,9 @@ def test_full_path_gradients(fmap, T):
         assert grad_close(p32.grad, p64.grad, T, gv), name
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 16, 100, 256, 1024])
+@pytest.mark.parametrize("chunk", [1, 7, 16, 100, 256, 1024, 2 ** 40])
 def test_chunk_size_not_dividing_T(chunk):
+    """Any chunk size, one longer than T too (it had padded T to 2^40 tokens: one chunk of T is the same sum)."""
     torch.manual_seed(2)
     fm = Performer(2, 16, 24)
     q, k, v = qkv(2, 2, 2, 250, 16, seed=2)
