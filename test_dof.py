@@ -2217,7 +2217,8 @@ def test_every_script_refuses_an_integer_beyond_64_bits(script, capsys):
     spec.loader.exec_module(mod := importlib.util.module_from_spec(spec))
     config = next(v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__)
     hints = typing.get_type_hints(config)
-    name = next(f.name for f in dataclasses.fields(config) if hints[f.name] is int and f.default is not dataclasses.MISSING)
+    name = next(f.name for f in dataclasses.fields(config)
+                if hints[f.name] is int and f.default is not dataclasses.MISSING)
     for value in (2 ** 63, -2 ** 63 - 1):
         with pytest.raises(SystemExit) as e:
             mod.main([f"--{name.replace('_', '-')}={value}"])
@@ -2642,9 +2643,9 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "9", "--out", tmp_path / "out"],
               r"has layers 0-3 and a context of 128 tokens; pass --layers among them \(got \[9\]\)"),
              ("experiments/heads.py", ["--model", ckpt, "--data", tmp_path / "short", "--layers", "0", "--block-size",
-                                       "100", "--out", tmp_path / "out"], r"train.bin holds 50 tokens, fewer than the 101"),
+                                       "100", "--out", tmp_path / "out"], r"holds 50 tokens, fewer than the 101"),
              ("experiments/heads.py", ["--seeds", "0"], r"--seeds must be a number of at least 1, got 0"),
-             ("docs/experiments.py", ["--run", "claim", "--jobs", "0"], r"--jobs must be a number of at least 1, got 0"),
+             ("docs/experiments.py", ["--run", "claim", "--jobs", "0"], r"--jobs must be a number of at least 1"),
              ("experiments/heads.py", ["--Ms", "--out", tmp_path / "out"], r"--Ms must be one or more feature counts")]
     for script, args, match in cases:
         before = snapshot(tmp_path)
