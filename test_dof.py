@@ -2186,6 +2186,8 @@ def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
         assert e.value.code == 2 and f"argument {flag}: invalid choice: {value!r}" in capsys.readouterr().err
     r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 0, "--out-dir", never)
     assert r.returncode == 2 and r.stderr.strip() == "error: --budget must be a number of at least 1, got 0"
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--seed", -1, "--out-dir", never)     # numpy's seeds
+    assert r.returncode == 2 and r.stderr.strip() == "error: --seed must be a number of at least 0, got -1"
     assert not never.exists()
 
 
@@ -2638,6 +2640,7 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", tmp_path / "a.txt",
                                        tmp_path / ".." / tmp_path.name / "a.txt"], r"a.txt is listed twice"),
              ("data/wikipedia/prepare.py", ["--num-threads", "0"], r"--num-threads must be a number of at least 1"),
+             ("data/wikipedia/prepare.py", ["--seed", "-1"], r"--seed must be a number of at least 0, got -1"),
              ("data/wikipedia/prepare.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "9", "--out", tmp_path / "out"],
