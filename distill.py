@@ -348,11 +348,11 @@ def from_checkpoint(cfg):
     return Checkpoint(ckpt, prev, sd)
 
 
-def make_student(cfg, teacher, calib, prev=None):
-    """-> (student, dims, layer DoF or None): the teacher linearised with --dims or dof.choose_dims's (rank 0's, on
-    keys centred with --center-keys), features from --seed; or from the Checkpoint `prev` (from_checkpoint's)."""
+def make_student(cfg, teacher, calib, prev=None, core=None):
+    """-> (student, dims, layer DoF or None): the teacher linearised (cores of class `core`: a fork's) with --dims or
+    dof.choose_dims's (rank 0's, on keys centred with --center-keys), features from --seed; or from Checkpoint prev."""
     if prev:
-        student = teacher.linearize(prev.config["dims"], cfg.feature_map, cfg.chunk_size)
+        student = teacher.linearize(prev.config["dims"], cfg.feature_map, cfg.chunk_size, core)
         load_feature_state(student, prev.features, prev.path)
         return student, prev.config["dims"], prev.config.get("dof")
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None             # (L, H, D)
@@ -362,9 +362,9 @@ def make_student(cfg, teacher, calib, prev=None):
         dims, layer_dof = broadcast(dof.choose_dims(teacher, calib, cfg.budget, cfg.alloc, cfg.lam, cfg.lam_relative,
                                                     cfg.J, cfg.seed, mu) if is_main() else None)
     torch.manual_seed(cfg.seed)
-    student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size)
-    for core, m in zip(student.cores(), [] if mu is None else mu):
-        core.key_mean.copy_(m)
+    student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size, core)
+    for c, m in zip(student.cores(), [] if mu is None else mu):
+        c.key_mean.copy_(m)
     broadcast(None, list(feature_state(student).values()))                    # every process starts from rank 0's
     return student, dims, layer_dof
 

@@ -71,9 +71,7 @@ def per_head_dims(cfg, teacher, calib, mu):
 def make_student(cfg, teacher, calib, prev=None):
     """distill.make_student with per-head dims: fresh ones from the per-head DoF, or distill.from_checkpoint's."""
     if prev:
-        student = teacher.linearize(prev.config["dims"], cfg.feature_map, cfg.chunk_size, GroupedLinearAttention)
-        load_feature_state(student, prev.features, prev.path)
-        return student, prev.config["dims"], prev.config.get("dof")
+        return distill.make_student(cfg, teacher, calib, prev, GroupedLinearAttention)
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None                # (L, H, D)
     dims, N = per_head_dims(cfg, teacher, calib, mu)
     torch.manual_seed(cfg.seed)
