@@ -2196,17 +2196,20 @@ SCRIPTS = ["distill.py", "dof.py", "evaluate.py", "docs/experiments.py", "docs/f
            "experiments/bench_scorer.py", "data/text/prepare.py", "data/wikipedia/prepare.py"]
 
 
+def script_config(script):
+    """An entry script, imported as its own module, and its config dataclass (the one it defines)."""
+    mod = load_script(script)
+    return mod, next(v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__)
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_prints_its_help(script, capsys):
     """--help prints every flag of the script's config and exits 0 (argparse %-formats help text: a stray % in one
     help string would make --help itself fail)."""
-    spec = importlib.util.spec_from_file_location(script.replace("/", "_")[:-3], ROOT / script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod, config = script_config(script)
     with pytest.raises(SystemExit) as e:
         mod.main(["--help"])
     out = capsys.readouterr().out
-    config = next(v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__)
     assert e.value.code == 0 and out.startswith("usage:")
     for f in dataclasses.fields(config):
         assert f"--{f.name.replace('_', '-')}" in out or f" {f.name}" in out, f.name
@@ -2215,9 +2218,7 @@ def test_every_script_prints_its_help(script, capsys):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_refuses_an_integer_beyond_64_bits(script, capsys):
     """An integer option of 2^63 or more (torch's seeds overflow there) is argparse's one-line refusal, exit 2."""
-    spec = importlib.util.spec_from_file_location(script.replace("/", "_")[:-3], ROOT / script)
-    spec.loader.exec_module(mod := importlib.util.module_from_spec(spec))
-    config = next(v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__)
+    mod, config = script_config(script)
     hints = typing.get_type_hints(config)
     name = next(f.name for f in dataclasses.fields(config)
                 if hints[f.name] is int and f.default is not dataclasses.MISSING)
