@@ -2625,6 +2625,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
                                             tmp_path / "al", *FAST], r"curves in docs/results/curves are of a model "
               r"of 30 layers, and .* has 4; pass --curves of runs on this model"),
              ("experiments/gpu_check.py", ["--budget-seconds", "-5"], r"--budget-seconds must be a number above 0"),
+             ("experiments/gpu_check.py", ["--scan-T", "0", "--out", tmp_path / "c.json"], r"--scan-T and --decode-ctx "
+              r"must list numbers of at least 1, got \[0\]"),
              ("experiments/gpu_check.py", ["--out", tmp_path / "no" / "such" / "c.json"], r"cannot write .*c.json: it is "
               r"in .*such, which does not exist"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--num-threads", "0", tmp_path / "a.txt"],

@@ -67,7 +67,7 @@ class BenchConfig:
     decode_ctx: list[int] = opt([256, 512, 1024, 2048], "context lengths for the decoding table (Pythia-160M shape, "
                                 "random weights); none to skip it")
     decode_steps: int = opt(32, "tokens decoded per context length (mean ms reported)")
-    heads: str = opt("", "a distill.py --alloc dof-head run's JSON (its per-head DoF, docs/results/heads/*.json): "
+    heads: str = opt("", "an experiments/per_head.py run's JSON (its per-head DoF, docs/results/heads/*.json): "
                      "time per-head against per-layer dims at the same total; empty to skip")
     heads_T: list[int] = opt([256, 1024], "tokens per sequence of the per-head table (distill.py's --block-size)")
     query_block: int = opt(128, "queries per block of the per-head table's loss (distill.py's --query-block)")
