@@ -27,7 +27,7 @@ from common import (ModelError, all_gather, check_positive, check_tokenizer, che
                     init_distributed, is_main, opt, parse_config, pick_device, read_json, read_tokens, run_main, shard,
                     sync, write_text_atomic)
 from fast_scorer import score_windows
-from model import GPT, fla_linear_attention, load_student
+from model import GPT, LinearAttention, fla_linear_attention, load_student
 from tokenizer import load_tokenizer
 
 
@@ -318,8 +318,8 @@ def speed(model, n_tokens: int = 1000, device="cpu") -> dict:
     return {"tokens": n, "prefill_s": seconds[1], "generate_s": seconds[2]}
 
 
-def load_models(cfg: EvalConfig, device) -> dict:
-    """{"teacher": --model, "student": --ckpt's student}; --ckpt's teacher is checked before any model loads."""
+def load_models(cfg: EvalConfig, device, load=load_student) -> dict:
+    """{"teacher": --model, "student": load(--ckpt)'s student}; --ckpt's teacher is checked before any model loads."""
     if cfg.ckpt is not None:
         t = read_json(Path(cfg.ckpt) / "config.json", "pass a complete distill.py checkpoint as --ckpt").get("teacher")
         if t is not None and Path(str(t)).resolve() != Path(cfg.model).resolve():
@@ -327,9 +327,10 @@ def load_models(cfg: EvalConfig, device) -> dict:
                              f"pass --model {t}")
     models = {"teacher": GPT.from_pretrained(cfg.model, device=device, dtype=getattr(torch, cfg.dtype))}
     if cfg.ckpt is not None:
-        models["student"] = load_student(cfg.ckpt, device=device, dtype=getattr(torch, cfg.dtype))[0]
-        for core in models["student"].cores() if cfg.fla else ():
-            core.scan = fla_linear_attention
+        models["student"] = load(cfg.ckpt, device=device, dtype=getattr(torch, cfg.dtype))[0]
+        for core in models["student"].modules() if cfg.fla else ():     # a fork's core may hold several
+            if isinstance(core, LinearAttention):
+                core.scan = fla_linear_attention
     return models
 
 
@@ -350,12 +351,13 @@ def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict[str, list[Prompt
     return report
 
 
-def main(argv=None):
+def main(argv=None, load=load_student):
+    """evaluate.py; a fork passes its own load (load_student's signature) for its students: per_head.py."""
     cfg = parse_config(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])  # every option checked
     names = [] if cfg.tasks is None and (cfg.ppl or cfg.speed) else parse_tasks(cfg.tasks)
     prompts = {name: load_task(name, cfg.data_dir, cfg.limit) for name in names}  # bad data fails here, fast
     device = init_distributed(pick_device(cfg.device, "float32")[0])  # the model is cast to --dtype: no autocast
-    models, enc = load_models(cfg, device), load_tokenizer(cfg.model)
+    models, enc = load_models(cfg, device, load), load_tokenizer(cfg.model)
     report = {}
     if cfg.ppl:                                        # first: a bad token file fails before the tasks' work
         if Path(cfg.ppl).suffix == ".bin" and (meta := Path(cfg.ppl).with_name("meta.json")).is_file():

@@ -3049,13 +3049,25 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     student, _ = per_head.load_student(out)
     assert [c.dims for c in student.cores()] == cfg["dims"]
     assert sum(g.feature_map.z.shape[0] * g.M for c in student.cores() for g in c.groups) == 6 * 4 * 4
-    with pytest.raises(ModelError, match="load it with experiments/per_head.py"):
+    with pytest.raises(ModelError, match="a per-head checkpoint: train, resume or evaluate it with experiments/per_"):
         M.load_student(out)
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
     assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-3000:]
-    with pytest.raises(ModelError, match=r"a checkpoint with a dimension per head: load it with experiments/per_"):
+    with pytest.raises(ModelError, match=r"a per-head checkpoint: train, resume or evaluate it with experiments/per_"):
         distill.main(distill_args(ckpt, data, tmp_path / "plain", "--init-from", out))     # the core refuses it
+    args = ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--ppl-max-tokens", 300, "--device", "cpu",
+            "--output", tmp_path / "ppl.json"]                        # `per_head.py evaluate`: evaluate.py's flags
+    per_head.main(["evaluate", *args])
+    ppl = json.loads((tmp_path / "ppl.json").read_text())["ppl"]
+    tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
+    assert ppl["student"] == E.perplexity(per_head.load_student(out)[0], tokens)
+    assert ppl["student"]["loss"] != ppl["teacher"]["loss"]
+    cfg = E.EvalConfig(model=str(ckpt), ckpt=str(out), device="cpu")
+    cfg.fla = True                                                    # past its CUDA check: the scans it would set
+    scans = {type(m).__name__: m.scan for m in E.load_models(cfg, "cpu", per_head.load_student)["student"].modules()
+             if hasattr(m, "scan")}
+    assert scans == {"LinearAttention": M.fla_linear_attention}      # each group's core, not the grouped wrapper
     distill.main(distill_args(ckpt, data, tmp_path / "plain", "--budget", "6", "--max-steps", "0"))
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--out-dir", tmp_path / "ph", "--init-from",
             tmp_path / "plain", *FAST)

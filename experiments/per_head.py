@@ -4,10 +4,12 @@ of a layer one dimension). A fork of distill.py: the same command line, with dim
 
     python experiments/per_head.py --model smollm2-135m --data data/wikitext-smollm2 --budget 32 --center-keys ...
     python experiments/per_head.py ... --alloc clip           # capped at the head size
+    python experiments/per_head.py evaluate --ckpt out-distill ...   # evaluate.py's command line, for such students
 
 How it forks the core: GroupedLinearAttention is a layer's core made of the core's own LinearAttention, one per
 group of heads with equal M (so a layer costs sum_h M_h features, no padding), and distill.main runs with this
-file's make_student (per-head DoF -> dims -> grouped cores) and loss (the core's layer_loss, group by group).
+file's make_student (per-head DoF -> dims -> grouped cores) and loss (the core's layer_loss, group by group);
+evaluate.main with this file's load_student.
 Measured at budget 32 on SmolLM2: worse than per-layer dims (docs/results.md).
 """
 
@@ -21,6 +23,7 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
+import evaluate  # noqa: E402
 from checkpoint import read_student  # noqa: E402
 from common import ModelError, opt, run_main  # noqa: E402
 from model import GPT, LinearAttention, load_feature_state, repeat_kv  # noqa: E402
@@ -93,12 +96,16 @@ def load_student(ckpt_dir, device="cpu", dtype=torch.float32):
 
 @dataclass
 class PerHeadConfig(distill.DistillConfig):
-    """distill.py with a feature dimension per head (experiments/per_head.py)."""
+    """distill.py with a feature dimension per head (experiments/per_head.py); `per_head.py evaluate` followed by
+    evaluate.py's flags evaluates such a student."""
     alloc: str = opt("dof", "per-head dims: dof (M_lh in proportion to N_lh, total C x heads x layers) or clip "
                      "(the same, capped at the head size)", choices=("dof", "clip"))
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    if argv[:1] == ["evaluate"]:                                  # evaluate.py's command line, per-head students
+        return evaluate.main(argv[1:], load=load_student)
     cfg = distill.parse_args(argv, PerHeadConfig)
     if cfg.dims:
         raise ModelError("--dims sets one dimension per layer; per-head dims come from the DoF here")
