@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -103,6 +104,16 @@ def check_positive(cfg, names, minimum=1, above=False):
         if v is not None and not (math.isfinite(v) and (v > minimum if above else v >= minimum)):
             raise ModelError(f"--{name.replace('_', '-')} must be a number {'above' if above else 'of at least'} "
                              f"{minimum}, got {v}")
+
+
+def check_free_memory(nbytes, device, what, todo):
+    """A ModelError, before anything large is allocated, where `what` needs more than the device's free memory."""
+    info = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").is_file() else ""
+    free = torch.cuda.mem_get_info(device)[0] if torch.device(device).type == "cuda" else \
+        1024 * int((re.findall(r"MemAvailable:\s+(\d+)", info) or [2 ** 40])[0])
+    if nbytes > free:
+        raise ModelError(f"{what} needs about {nbytes / 2 ** 30:,.1f} GiB, more than the {free / 2 ** 30:.1f} GiB free "
+                         f"on {device}; {todo}")
 
 
 # Devices, and torchrun: it starts N copies of a script (ranks 0 .. N-1) in one process group; python: 1 of 1

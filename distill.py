@@ -15,7 +15,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import sys
 import time
 from collections import namedtuple
@@ -29,9 +28,9 @@ from tqdm import tqdm
 
 import dof
 from checkpoint import HubUnreachable, read_student
-from common import (ModelError, all_mean, atomic_path, barrier, broadcast, check_positive, check_tokenizer,
-                    claim_out_dir, get_batch, get_rank, get_world_size, init_distributed, is_main, opt, parse_config,
-                    pick_device, read_json, read_tokens, run_main, torch_load)
+from common import (ModelError, all_mean, atomic_path, barrier, broadcast, check_free_memory, check_positive,
+                    check_tokenizer, claim_out_dir, get_batch, get_rank, get_world_size, init_distributed, is_main,
+                    opt, parse_config, pick_device, read_json, read_tokens, run_main, torch_load)
 from model import GPT, PRF, feature_state, load_feature_state, overflow_safe_prf, prf_log_features
 from tokenizer import load_tokenizer
 
@@ -321,13 +320,8 @@ def check_memory(cfg, mc, device, dims=None):
     rows = min(L * B * H * T * T, 2 ** 26) if cuda and cfg.stack != "no" else B * H * min(cfg.query_block or 128, T) * T
     floats = (L * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * B * H * T * M + 3 * L * H * M * mc.head_dim
               + 8 * B * T * C + (16 * L * B * T * C + 2 * B * T * mc.vocab_size if direct else 0))
-    info = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").is_file() else ""
-    free = torch.cuda.mem_get_info(device)[0] if cuda else \
-        1024 * int((re.findall(r"MemAvailable:\s+(\d+)", info) or [2 ** 40])[0])
-    if 4 * floats > free:
-        raise ModelError(f"a step of --batch-size {B} x --block-size {T} with up to {M:,} features a head needs about "
-                         f"{4 * floats / 2 ** 30:,.1f} GiB, more than the {free / 2 ** 30:.1f} GiB free on {device}; "
-                         "lower --batch-size, --block-size or the dims (--budget, --dims) or use --grad-accum")
+    check_free_memory(4 * floats, device, f"a step of --batch-size {B} x --block-size {T} with up to {M:,} features "
+                      "a head", "lower --batch-size, --block-size or the dims (--budget, --dims) or use --grad-accum")
 
 
 def from_checkpoint(cfg):

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (ModelError, check_positive, check_tokenizer, check_writable, get_batch, opt, parse_config,
-                    pick_device, read_json, read_tokens, run_main, write_text_atomic)
+from common import (ModelError, check_free_memory, check_positive, check_tokenizer, check_writable, get_batch, opt,
+                    parse_config, pick_device, read_json, read_tokens, run_main, write_text_atomic)
 from model import GPT, repeat_kv
 from tokenizer import load_tokenizer
 
@@ -219,6 +219,10 @@ def main(argv=None):
     model = GPT.from_pretrained(cfg.model, device=device)
     mc = model.config
     cfg.block_size = T = min(cfg.block_size, mc.block_size)                 # dof.json records the length used
+    B, H = cfg.batch_size, mc.n_head       # a batch's activations and attention, its q and k twice; all the tokens
+    check_free_memory(4 * B * T * (mc.n_layer * (3 * H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + H * T) + 8 *
+                      cfg.calib_batches * B * T, device, f"the calibration pass at --batch-size {B} x --block-size {T}",
+                      "lower --batch-size or --block-size")
     if (meta := Path(cfg.data) / "meta.json").is_file():                    # prepare.py's: as distill.py checks it
         check_tokenizer(read_json(meta, "prepare the token files again", dict), load_tokenizer(cfg.model), cfg.data,
                         cfg.model, "prepare them with this model's tokenizer (data/*/prepare.py)")
