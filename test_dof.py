@@ -2651,8 +2651,13 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "9", "--out", tmp_path / "out"],
               r"has layers 0-3 and a context of 128 tokens; pass --layers among them \(got \[9\]\)"),
              ("experiments/heads.py", ["--model", ckpt, "--data", tmp_path / "short", "--layers", "0", "--block-size",
-                                       "100", "--out", tmp_path / "out"], r"holds 50 tokens, fewer than the 101"),
+                                       "100", "--J", "64", "--out", tmp_path / "out"], r"holds 50 tokens, fewer than"),
              ("experiments/heads.py", ["--seeds", "0"], r"--seeds must be a number of at least 1, got 0"),
+             ("experiments/heads.py", ["--J", "2000", "--calib-seqs", "2", "--block-size", "64"], r"--J 2000 is more "
+              r"than the 256 queries and keys a head has in --calib-seqs x --block-size; lower --J or raise"),
+             ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "0", "--block-size", "64",
+                                       "--calib-seqs", 10 ** 8, "--out", tmp_path / "out"], r"100000004 sequences "
+              r"\(--calib-seqs \+ --eval-seqs\) of 64 tokens with up to 128 features a head needs about [\d,.]+ GiB"),
              ("docs/experiments.py", ["--run", "claim", "--jobs", "0"], r"--jobs must be a number of at least 1"),
              ("experiments/heads.py", ["--Ms", "--out", tmp_path / "out"], r"--Ms must be one or more feature counts")]
     for script, args, match in cases:
@@ -3543,6 +3548,29 @@ def load_script(path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_heads_measures_every_map_at_every_M_and_reports_at_the_M_nearest_the_budget(setup, tmp_path, capsys):
+    """experiments/heads.py on two layers of the tiny GPT-2 with --Ms 4 8: every map's held-out KL per head at each
+    M, each head at M = its rounded DoF, dims in proportion to the DoF summing to budget x heads, and the table and
+    figure at M = 4, the M of --Ms nearest --budget 5 (they had looked up M = 32 whatever --Ms held)."""
+    d, ckpt, data = setup
+    heads = load_script("experiments/heads.py")
+    heads.main(["--model", str(ckpt), "--data", str(data), "--layers", "0", "2", "--block-size", "64", "--J", "256",
+                "--Ms", "4", "8", "--budget", "5", "--steps", "2", "--seeds", "1", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "smollm2.json").read_text())
+    assert [r["layer"] for r in res["layers"]] == [0, 2]
+    for r in res["layers"]:
+        kl = np.array([r["kl"][kind][m] for kind in heads.METHODS for m in ("4", "8")])     # (maps x Ms, heads)
+        assert kl.shape == (10, 4) and np.isfinite(kl).all() and (kl > 0).all()
+        assert r["at_dof"]["M"] == [max(1, round(n)) for n in r["dof"]] and len(r["at_dof"]["leverage"]) == 4
+    prop = np.array(res["equal"]["proportional_M"])
+    assert prop.shape == (2, 4) and prop.sum() == 5 * 8 and prop.min() >= 1
+    assert heads.budget_M(res["settings"]) == 4
+    out = capsys.readouterr().out
+    assert "- gaussian, M = 4: Spearman" in out and "- trained, M = 4: Spearman" in out and "wrote" in out
+    heads.figure(res, tmp_path / "fig.png")
+    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, tmp_path, capsys):

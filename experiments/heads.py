@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
-from common import (ModelError, atomic_path, check_positive, opt, parse_config, read_tokens, run_main,  # noqa: E402
-                    write_text_atomic)
+from common import (ModelError, atomic_path, check_free_memory, check_positive, opt, parse_config, read_tokens,  # noqa
+                    run_main, write_text_atomic)
 from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
 from per_head import GroupedLinearAttention, loss  # noqa: E402
 
@@ -70,6 +70,9 @@ class HeadsConfig:
         if not self.Ms or min(self.Ms) < 1 or not self.layers or min(self.layers) < 0:
             raise ModelError(f"--Ms must be one or more feature counts of at least 1 (got {self.Ms}) and --layers one "
                              f"or more layer numbers from 0 (got {self.layers})")
+        if self.J > 2 * self.calib_seqs * self.block_size:
+            raise ModelError(f"--J {self.J} is more than the {2 * self.calib_seqs * self.block_size} queries and keys "
+                             "a head has in --calib-seqs x --block-size; lower --J or raise --calib-seqs")
 
 
 def sequences(path, n, T, seed, vocab_size):
@@ -136,6 +139,11 @@ def measure(cfg):
     if max(cfg.layers) >= mc.n_layer or cfg.block_size > mc.block_size:
         raise ModelError(f"{cfg.model} has layers 0-{mc.n_layer - 1} and a context of {mc.block_size} tokens; pass "
                          f"--layers among them (got {cfg.layers}) and a --block-size within it (got {cfg.block_size})")
+    n, T, H = cfg.calib_seqs + cfg.eval_seqs, cfg.block_size, mc.n_head
+    m = max(cfg.Ms + [cfg.budget * len(cfg.layers) * H])             # a head's M ~ N_lam is at most the whole budget
+    check_free_memory(4 * n * T * (mc.n_layer * (H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + 6 * H * (T + m))
+                      + 8 * 16 * m * (mc.head_dim + 3 * cfg.J), "cpu", f"{n} sequences (--calib-seqs + --eval-seqs) of "
+                      f"{T} tokens with up to {m:,} features a head", "lower them, --Ms or --budget")
     calib = sequences(Path(cfg.data) / "train.bin", cfg.calib_seqs, cfg.block_size, 0, mc.vocab_size)
     held = sequences(Path(cfg.data) / "val.bin", cfg.eval_seqs, cfg.block_size, 1, mc.vocab_size)
     qk_c, qk_h = dof.teacher_qk(model, calib), dof.teacher_qk(model, held)
@@ -221,6 +229,11 @@ def synthetic_table(res):
     return "\n".join(rows)
 
 
+def budget_M(settings):
+    """The M of --Ms nearest --budget: the per-head error's M in the tables and the figure (32)."""
+    return min(settings["Ms"], key=lambda m: abs(m - settings["budget"]))
+
+
 def cv(a):
     a = np.asarray(a, float).ravel()
     return a.std() / a.mean()
@@ -240,12 +253,13 @@ def table(res):
     rows += ["", f"At M = N_lam (each head its own, rounded; {len(at['gaussian'])} heads): mean KL gaussian "
              f"{at['gaussian'].mean():.3f}, leverage {at['leverage'].mean():.3f}; leverage lower on {wins} heads.", ""]
     N = np.concatenate([r["dof"] for r in res["layers"]])
-    rank = lambda a: np.argsort(np.argsort(a))
+    rank, m = lambda a: np.argsort(np.argsort(a)), budget_M(st)
+    mean = lambda a: f"{a.mean():.2f}" if a.size else "–"                            # –: no such heads
     for kind in ("gaussian", "trained"):
-        e = np.concatenate([r["kl"][kind]["32"] for r in res["layers"]])
-        rows.append(f"- {kind}, M = 32: Spearman correlation of a head's N_lam with its KL "
-                    f"{np.corrcoef(rank(N), rank(e))[0, 1]:+.2f}; mean KL {e[N < 3].mean():.2f} over the "
-                    f"{(N < 3).sum()} heads with N_lam < 3, {e[N >= 10].mean():.2f} over the {(N >= 10).sum()} with "
+        e = np.concatenate([r["kl"][kind][str(m)] for r in res["layers"]])
+        rows.append(f"- {kind}, M = {m}: Spearman correlation of a head's N_lam with its KL "
+                    f"{np.corrcoef(rank(N), rank(e))[0, 1]:+.2f}; mean KL {mean(e[N < 3])} over the "
+                    f"{(N < 3).sum()} heads with N_lam < 3, {mean(e[N >= 10])} over the {(N >= 10).sum()} with "
                     f"N_lam >= 10.")
     rows += ["", "| feature map | KL, M = budget for every head: mean (CV across heads) | KL, M ~ N_lam: mean (CV) |",
              "|---|---:|---:|"]
@@ -267,10 +281,10 @@ def figure(res, path):
     a0.set(xlabel="features per head M", ylabel="held-out attention KL (mean over heads)",
            title=f"{res['settings']['model']}, layers {', '.join(map(str, res['settings']['layers']))}")
     a0.legend()
-    N = np.concatenate([r["dof"] for r in res["layers"]])
+    N, m = np.concatenate([r["dof"] for r in res["layers"]]), budget_M(res["settings"])
     for kind, c in (("gaussian", "C0"), ("leverage", "C2")):
-        a1.loglog(N, np.concatenate([r["kl"][kind]["32"] for r in res["layers"]]), "o", color=c, alpha=0.7,
-                  label=f"{kind}, M = 32")
+        a1.loglog(N, np.concatenate([r["kl"][kind][str(m)] for r in res["layers"]]), "o", color=c, alpha=0.7,
+                  label=f"{kind}, M = {m}")
     a1.set(xlabel="head's DoF $N_\\lambda$", ylabel="held-out attention KL", title="per head: error against DoF")
     a1.legend()
     fig.tight_layout()
