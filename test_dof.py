@@ -2624,6 +2624,9 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("experiments/allocation.py", ["--model", ckpt, "--data", data, "--rule", "measured", "--out-dir",
                                             tmp_path / "al", *FAST], r"curves in docs/results/curves are of a model "
               r"of 30 layers, and .* has 4; pass --curves of runs on this model"),
+             ("experiments/leverage.py", ["--model", ckpt, "--data", data, "--pool", 10 ** 8, "--out-dir",
+                                          tmp_path / "out", *FAST], r"--pool 100000000 candidates for each of up to "
+              r"\d+ features a head needs about [\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; lower --pool"),
              ("experiments/gpu_check.py", ["--budget-seconds", "-5"], r"--budget-seconds must be a number above 0"),
              ("experiments/gpu_check.py", ["--scan-T", "0", "--out", tmp_path / "c.json"], r"--scan-T and --decode-ctx "
               r"must list numbers of at least 1, got \[0\]"),

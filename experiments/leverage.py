@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
-from common import ModelError, opt, run_main  # noqa: E402
+from common import ModelError, check_free_memory, opt, run_main  # noqa: E402
 
 
 def prf_log(x, z):
@@ -90,7 +90,9 @@ def init_leverage(core, x, lam, relative=False, pool=16, generator=None):
 def make_student(cfg, teacher, calib, prev=None):
     """distill.make_student, then (for a fresh student) every layer's features redrawn by init_leverage."""
     student, dims, N = distill.make_student(cfg, teacher, calib, prev)
-    if prev is None:
+    if prev is None:                                  # a head's pool of candidates, their features and leverage
+        check_free_memory(8 * cfg.pool * max(dims) * (teacher.config.head_dim + 3 * cfg.J), "cpu", f"--pool {cfg.pool} "
+                          f"candidates for each of up to {max(dims):,} features a head", "lower --pool")
         mu = torch.stack([c.key_mean for c in student.cores()])                     # (L, H, D): as the student
         x = dof.collect_qk(teacher, calib, cfg.J, cfg.seed, mu)                      # (L, H, J, D)
         gen = torch.Generator().manual_seed(cfg.seed)
