@@ -313,15 +313,19 @@ def check_resumed(cfg, prev, ckpt):
 def check_memory(cfg, mc, device, dims=None):
     """Refuse a step that cannot fit before anything large is allocated, by a rough count of 4-byte floats: every
     layer's q and k, six blocks of attention rows, features at the largest of `dims` (a checkpoint's), --dims or 4x
-    the budget (where DoF dims reach) and their gradients, the hidden states (the direct loss keeps every layer's)."""
+    the budget (where DoF dims reach) and their gradients, the hidden states (the direct loss keeps every layer's),
+    and the calibration and validation batches, kept as int64 tokens."""
     B, T, H, L, C = cfg.batch_size, cfg.block_size, mc.n_head, mc.n_layer, mc.n_embd
     M = int(np.max(dims or (dof.parse_dims(cfg.dims, L) if cfg.dims else 4 * cfg.budget)))
     cuda, direct = device.startswith("cuda"), cfg.loss == "direct" or cfg.direct_steps
     rows = min(L * B * H * T * T, 2 ** 26) if cuda and cfg.stack != "no" else B * H * min(cfg.query_block or 128, T) * T
     floats = (L * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * B * H * T * M + 3 * L * H * M * mc.head_dim
-              + 8 * B * T * C + (16 * L * B * T * C + 2 * B * T * mc.vocab_size if direct else 0))
-    check_free_memory(4 * floats, device, f"a step of --batch-size {B} x --block-size {T} with up to {M:,} features "
-                      "a head", "lower --batch-size, --block-size or the dims (--budget, --dims) or use --grad-accum")
+              + 8 * B * T * C + (16 * L * B * T * C + 2 * B * T * mc.vocab_size if direct else 0)
+              + 2 * (cfg.calib_batches + cfg.eval_iters) * B * (T + 1))
+    check_free_memory(4 * floats, device, f"a step of --batch-size {B} x --block-size {T} with up to {M:,} features a "
+                      f"head (and {cfg.calib_batches} calibration and {cfg.eval_iters} validation batches)", "lower "
+                      "--batch-size (--grad-accum keeps the batch), --block-size, the dims (--budget, --dims), "
+                      "--calib-batches or --eval-iters")
 
 
 def from_checkpoint(cfg):

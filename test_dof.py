@@ -2587,6 +2587,8 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
             json.loads((base / "config.json").read_text()) | {"dims": [100000000, 4, 4, 4]}).encode())),
          r"needs about [\d,.]+ GiB, more than the"),
         (distill_args(ckpt, data, x, "--batch-size", "100000000"), r"--batch-size 100000000 x --block-size 64 .* needs"),
+        (distill_args(ckpt, data, x, "--eval-iters", "100000000"), r"and 2 calibration and 100000000 validation "
+         r"batches\) needs about [\d,.]+ GiB"),                                           # they had hung being drawn
         (distill_args(ckpt, data, x, "--device", "tpu"), r"--device tpu is not a device of this machine; use one of"),
         (distill_args(ckpt, data, x, "--max-steps", "-1"), r"--max-steps must be a number of at least 0"),
     ]
