@@ -3083,7 +3083,11 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     distill.main(distill_args(ckpt, data, tmp_path / "plain", "--budget", "6", "--max-steps", "0"))
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--out-dir", tmp_path / "ph", "--init-from",
             tmp_path / "plain", *FAST)
-    assert r.returncode == 2 and "one dimension per layer: continue it with distill.py" in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 2 and "one dimension per layer: train, resume or evaluate it with distill.py and " \
+        "evaluate.py" in r.stderr, r.stderr[-3000:]
+    with pytest.raises(ModelError, match="one dimension per layer: train, resume or evaluate it with distill.py and"):
+        per_head.main(["evaluate", "--model", ckpt, "--ckpt", tmp_path / "plain", "--ppl", data / "val.bin", "--device",
+                       "cpu"])
     shutil.copytree(ckpt, tmp_path / "other")                         # the fork's resume makes the core's checks
     r = cli("experiments/per_head.py", "--model", tmp_path / "other", "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
