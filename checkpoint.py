@@ -94,10 +94,14 @@ def read_student(ckpt_dir):
         raise ModelError(f"{ckpt_dir} is not a directory; pass the --out-dir of a distill.py run")
     todo = f"{ckpt_dir} is not a whole distill.py checkpoint; pass the --out-dir of a finished or saved run"
     cfg = read_json(d / "config.json", todo, dict)
-    if not ({"teacher", "dims", "feature_map", "chunk_size"} <= cfg.keys() and isinstance(cfg["dims"], list)
-            and type(cfg["chunk_size"]) is int and isinstance(cfg.get("args", {}), dict)):
-        raise ModelError(f"{d / 'config.json'} lacks the teacher, dims (a list), feature map or chunk size (an "
-                         f"integer), or its args are no object; {todo}")
+    whole = lambda xs: isinstance(xs, list) and len(xs) > 0 and all(type(m) is int and m > 0 for m in xs)  # noqa: E731
+    dims = cfg.get("dims")
+    rows = dims if isinstance(dims, list) and dims and all(isinstance(r, list) for r in dims) else [dims]  # per head
+    if not ({"teacher", "feature_map"} <= cfg.keys() and whole([cfg.get("chunk_size")])
+            and all(whole(r) and len(r) == len(rows[0]) for r in rows) and isinstance(cfg.get("args", {}), dict)):
+        raise ModelError(f"{d / 'config.json'} lacks the teacher, dims (whole numbers of at least 1: one per layer, or "
+                         f"a list per layer), feature map or chunk size (such a number), or its args are no object; "
+                         f"{todo}")
     return cfg, read_safetensors(d / "features.safetensors", todo)
 
 

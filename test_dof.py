@@ -2564,9 +2564,12 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
          r"optim.pt or metrics.json does not fit it \(ValueError: its Adam moments are of other dims\)"),
         (distill_args(ckpt, data, copy(base, "metrics.json", "set", b"{}"), *again),
          r"optim.pt or metrics.json does not fit it \(KeyError: 'val'\); the checkpoint is damaged"),
-        (distill_args(ckpt, data, copy(base, "config.json", "set", json.dumps(
-            json.loads((base / "config.json").read_text()) | {"dims": "abc"}).encode()), *again),
-         r"config.json lacks the teacher, dims \(a list\), feature map or chunk size \(an integer\)"),
+        *[(distill_args(ckpt, data, copy(base, "config.json", "set", json.dumps(
+            json.loads((base / "config.json").read_text()) | edit).encode()), *again), r"config.json lacks the "
+           r"teacher, dims \(whole numbers of at least 1: one per layer, or a list per layer\), feature map or chunk "
+           r"size \(such a number\)") for edit in ({"dims": "abc"}, {"dims": [0, 4, 4, 4]}, {"dims": [4.5, 4, 4, 4]},
+                                                  {"dims": [[4], 4, 4, 4]}, {"dims": [[4] * 4, [4] * 3]},
+                                                  {"chunk_size": 0}, {"chunk_size": True})],   # were tracebacks
         (distill_args(base, data, x), r"is a distill.py checkpoint, not a teacher; pass its teacher as --model"),
         (distill_args(ckpt, data, x, "--init-from", copy(base, "features.safetensors", "cut")), r"is damaged or truncated"),
         (distill_args(ckpt, data, x, "--init-from", copy(base, "config.json", "set", b"[]")), r"holds a JSON list"),
