@@ -222,7 +222,7 @@ def main(argv=None):
     B, H = cfg.batch_size, mc.n_head       # a batch's activations and attention, its q and k twice; all the tokens
     check_free_memory(4 * B * T * (mc.n_layer * (3 * H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + H * T) + 8 *
                       cfg.calib_batches * B * T, device, f"the calibration pass at --batch-size {B} x --block-size {T}",
-                      "lower --batch-size or --block-size")
+                      "lower --batch-size, --block-size or --calib-batches")
     if (meta := Path(cfg.data) / "meta.json").is_file():                    # prepare.py's: as distill.py checks it
         check_tokenizer(read_json(meta, "prepare the token files again", dict), load_tokenizer(cfg.model), cfg.data,
                         cfg.model, "prepare them with this model's tokenizer (data/*/prepare.py)")
