@@ -254,6 +254,23 @@ def check_writable(path):
         raise ModelError(f"cannot write {path}: it {why}; pass a file path in a writable folder")
 
 
+def check_out(out, files=()):
+    """A ModelError, before any work, where --out cannot be a directory (made if missing) to write `files` into."""
+    p = Path(out)
+    if not str(out):
+        raise ModelError("--out is empty; pass a directory")
+    folder = next(a for a in (p, *p.parents) if a.exists())               # the nearest folder that exists
+    if not folder.is_dir():
+        raise ModelError(f"--out {out} is {'a file' if folder == p else f'inside the file {folder}'}; pass a directory")
+    for f in files if folder == p else ():
+        check_writable(p / f)                                              # none of them a directory or a fifo
+    try:
+        tempfile.TemporaryFile(dir=folder).close()                        # a real write: root passes os.access
+    except OSError as e:
+        raise ModelError(f"cannot write --out {out}: {folder} is not writable ({e.strerror}); pass another --out") \
+            from None
+
+
 def is_checkpoint(folder):
     """Whether `folder` holds a distill.py checkpoint: its config.json and features.safetensors."""
     return (Path(folder) / "config.json").is_file() and (Path(folder) / "features.safetensors").is_file()

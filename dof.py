@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from common import (ModelError, check_free_memory, check_positive, check_tokenizer, check_writable, get_batch, opt,
+from common import (ModelError, check_free_memory, check_out, check_positive, check_tokenizer, get_batch, opt,
                     parse_config, pick_device, read_json, read_tokens, run_main, write_text_atomic)
 from model import GPT, repeat_kv
 from tokenizer import load_tokenizer
@@ -208,9 +208,7 @@ class DofConfig:
     def __post_init__(self):
         check_positive(self, ("J", "budget", "calib_batches", "batch_size", "block_size"))
         check_positive(self, ("lam",), 0, above=True)
-        if Path(self.out).exists() and not Path(self.out).is_dir():
-            raise ModelError(f"--out {self.out} is a file; pass a directory")
-        check_writable(Path(self.out) / "dof.json" if Path(self.out).is_dir() else Path(self.out))
+        check_out(self.out, ("dof.json",))
 
 
 def main(argv=None):

@@ -1708,9 +1708,9 @@ def test_command_on_token_files(tmp_path, capsys):
     data = token_dir(tmp_path / "data")
     flags = ["--model", ckpt, "--data", data, "--J", 256, "--budget", 8, "--calib-batches", 2, "--block-size", 100,
              "--batch-size", 2, "--device", "cpu"]
-    r = run_dof(*flags, "--out", tmp_path / "o1")
+    r = run_dof(*flags, "--out", tmp_path / "made" / "o1")                # it makes the folders --out names
     assert r.returncode == 0, r.stderr
-    check_ok(tmp_path / "o1", r.stdout)
+    check_ok(tmp_path / "made" / "o1", r.stdout)
     dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o2"), "--lam", "1e-3", "--lam-relative",
                                         "--block-size", "1000"])
     res = check_ok(tmp_path / "o2", capsys.readouterr().out)
@@ -1718,7 +1718,8 @@ def test_command_on_token_files(tmp_path, capsys):
     assert res["settings"]["block_size"] == 128                     # the model's context, as used, not as asked
     dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o3"), "--center-keys"])
     centred = check_ok(tmp_path / "o3", capsys.readouterr().out)
-    assert centred["per_head_dof"] != json.loads((tmp_path / "o1" / "dof.json").read_text())["per_head_dof"]
+    assert centred["per_head_dof"] != json.loads((tmp_path / "made" / "o1" / "dof.json").read_text())[
+        "per_head_dof"]
 
 
 def test_command_bad_input(tmp_path):
@@ -2613,6 +2614,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
     (tmp_path / "a.txt").write_text("short text")
     (tmp_path / "file").write_text("")
     (tmp_path / "short").mkdir()
+    (tmp_path / "taken" / "dof.json").mkdir(parents=True)                  # a folder where a file is written
+    (tmp_path / "taken" / "val.bin").mkdir()
     for split in ("train", "val"):
         np.arange(50, dtype=np.uint16).tofile(tmp_path / "short" / f"{split}.bin")
     cases = [("experiments/bench.py", ["--T", "0"], r"--T must list numbers of at least 1, got \[0\]"),
@@ -2654,6 +2657,9 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("data/wikipedia/prepare.py", ["--seed", "-1"], r"--seed must be a number of at least 0, got -1"),
              ("data/wikipedia/prepare.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
+             ("dof.py", ["--model", ckpt, "--out", tmp_path / "taken"], r"cannot write .*dof.json: it is a directory"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "taken", tmp_path / "a.txt"],
+              r"cannot write .*taken/val.bin: it is a directory"),
              ("dof.py", ["--model", ckpt, "--data", data, "--batch-size", 10 ** 8, "--out", tmp_path / "out"], r"the "
               r"calibration pass at --batch-size 100000000 x --block-size 128 needs about [\d,.]+ GiB, more than the"),
              ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "9", "--out", tmp_path / "out"],

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for common.py and tokenizer.py
-from common import (REQUIRED, ModelError, atomic_path, check_positive, exclusive, opt, parse_config,  # noqa: E402
-                    run_main, write_text_atomic)
+from common import (REQUIRED, ModelError, atomic_path, check_out, check_positive, exclusive, opt,  # noqa: E402
+                    parse_config, run_main, write_text_atomic)
 from tokenizer import load_tokenizer  # noqa: E402
 
 # A fixed text whose ids identify a tokenizer: distill.py re-encodes it with the teacher's tokenizer and compares.
@@ -65,19 +64,7 @@ class TokenFile:
         self.f.close()
 
 
-def check_out(out):
-    """A ModelError, before any work, where --out cannot be a directory to write token files into."""
-    p = Path(out)
-    if not str(out):
-        raise ModelError("--out is empty; pass a directory")
-    folder = next(a for a in (p, *p.parents) if a.exists())               # the nearest folder that exists
-    if not folder.is_dir():
-        raise ModelError(f"--out {out} is {'a file' if folder == p else f'inside the file {folder}'}; pass a directory")
-    try:
-        tempfile.TemporaryFile(dir=folder).close()                        # a real write: root passes os.access
-    except OSError as e:
-        raise ModelError(f"cannot write --out {out}: {folder} is not writable ({e.strerror}); pass another --out") \
-            from None
+FILES = ("train.bin", "val.bin", "meta.json")      # what token_files writes into a directory, meta.json last
 
 
 @contextmanager
@@ -157,7 +144,7 @@ class TextConfig:
             if Path(f).resolve() in seen:
                 raise ModelError(f"{f} is listed twice; list each file once")
             seen.add(Path(f).resolve())
-        check_out(self.out)
+        check_out(self.out, FILES)
 
 
 def prepare(cfg, enc):

@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for common.py, tokenizer.py, data/
 from checkpoint import HubUnreachable, hub_reachable  # noqa: E402
-from common import ModelError, check_positive, opt, parse_config, run_main  # noqa: E402
+from common import ModelError, check_out, check_positive, opt, parse_config, run_main  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
-from data.text.prepare import check_out, eot_id, token_files, tokenizer_meta  # noqa: E402
+from data.text.prepare import FILES, eot_id, token_files, tokenizer_meta  # noqa: E402
 
 OFFLINE_HINT = "run it on a machine with internet access, or tokenize local text with data/text/prepare.py"
 
@@ -117,7 +117,7 @@ class WikipediaConfig:
             raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         if self.max_tokens < 0:
             raise ModelError(f"--max-tokens must be 0 (no cap) or positive, got {self.max_tokens}")
-        check_out(self.out)
+        check_out(self.out, FILES)
 
 
 def prepare(cfg, enc):
