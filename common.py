@@ -296,8 +296,9 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
         raise ModelError(f"a save into {out_dir} was interrupted and the last checkpoint is in {out.name}.old; "
                          f"rename it to {out.name} and pass --resume")
     if resume and not ckpt:
-        raise ModelError(f"{out_dir} holds no checkpoint to resume (no config.json and features.safetensors); "
-                         "drop --resume")
+        lacks = " and ".join(f for f in ("config.json", "features.safetensors") if not (out / f).is_file())
+        raise ModelError(f"{out_dir} holds no checkpoint to resume (it lacks {lacks}); " + ("pass --overwrite to start "
+                         "again, or another --out-dir" if out.is_dir() and any(out.iterdir()) else "drop --resume"))
     if os.environ.get("RANK", "0") != "0":                       # under torchrun rank 0 writes, and holds the lock
         yield
         return
@@ -331,7 +332,7 @@ def exclusive(lock, busy, cannot):
 def read_file(path, todo, reader):
     """reader(path); a missing or damaged file is one ModelError naming it and `todo` (what to do)."""
     if not Path(path).is_file():
-        raise ModelError(f"{path} does not exist; {todo}")
+        raise ModelError(f"{path} {'is not a file' if Path(path).exists() else 'does not exist'}; {todo}")
     try:
         return reader(path)
     except Exception as e:                                   # every reader fails in its own way on a damaged file

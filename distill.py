@@ -99,8 +99,8 @@ class DistillConfig:
                               "lr_alpha", "min_lr_frac", "seed"), 0)
         check_positive(self, ("lam",), 0, above=True)
         if not 0 < self.val_fraction < 1 or self.min_lr_frac > 1:
-            raise ModelError(f"--val-fraction must lie between 0 and 1 (got {self.val_fraction}) and --min-lr-frac "
-                             f"be at most 1 (got {self.min_lr_frac})")
+            raise ModelError(f"--min-lr-frac must be at most 1, got {self.min_lr_frac}" if self.min_lr_frac > 1 else
+                             f"--val-fraction must lie between 0 and 1, got {self.val_fraction}")
         if self.direct_steps > self.max_steps:
             raise ModelError(f"--direct-steps {self.direct_steps} is more than --max-steps {self.max_steps}")
         if self.resume and self.overwrite:
@@ -296,7 +296,9 @@ def check_resumed(cfg, prev, ckpt):
         how = "plain python distill.py" if n == 1 else f"torchrun --nproc_per_node {n} distill.py"
         raise ModelError(f"{ckpt} was trained by {n} process(es) and this run has {get_world_size()}; resume it "
                          f"with {how}, as the global batch and each process's share of the data depend on it")
-    args = prev.get("args", {})
+    if not isinstance(args := prev.get("args"), dict):
+        raise ModelError(f"{ckpt}'s config.json records no args, the flags to resume it with; pass --init-from {ckpt} "
+                         "and another --out-dir to train on from its features")
     for name in RESUMED:
         was, now = args.get(name), getattr(cfg, name)
         if name in ("data", "init_from") and was and now:                  # one directory, however spelled
@@ -413,7 +415,9 @@ def restore(cfg, optim, gen):
         gen.set_state(state["train_rng"])
         torch.set_rng_state(state["torch_rng"])
         step, _ = int(state["step"]), metrics["val"] + metrics["history"]      # both lists, as saved
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:           # another run's files, or edited ones
+        if step != metrics["val"][-1]["step"]:                              # saved right after a validation
+            raise ValueError(f"its step {step} is not its last validation's")
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:   # another run's files, or edited ones
         raise ModelError(f"{out}'s optim.pt or metrics.json does not fit it ({type(e).__name__}: {str(e)[:60]}); "
                          f"{todo}") from None
     print(f"resuming {cfg.out_dir} at step {step}")

@@ -402,9 +402,13 @@ def load_feature_state(student, sd, where):
     sd = {k.replace(".core.feature_maps.0.", ".core.feature_map."): v for k, v in sd.items()}   # older checkpoints
     mine = feature_state(student)
     missing, extra = sorted(mine.keys() - sd.keys()), sorted(sd.keys() - mine.keys())
-    if missing or extra or any(mine[k].shape != sd[k].shape for k in mine):
+    shape = [f"{k} {list(sd[k].shape)}, not {list(v.shape)}" for k, v in mine.items() if v.shape != sd.get(k, v).shape]
+    if missing or extra or shape:
         raise ModelError(f"{where} does not fit this student (missing: {missing[:4] or 'none'}, unexpected: "
-                         f"{extra[:4] or 'none'}); it was made with another teacher, dims or feature map")
+                         f"{extra[:4] or 'none'}, of another shape: {shape[:2] or 'none'}); it was made with another "
+                         "teacher, dims or feature map, or edited")
+    if bad := [k for k in mine if not sd[k].isfinite().all()]:
+        raise ModelError(f"{bad[0]} in {where} holds inf or nan: the checkpoint is damaged; train it again")
     student.load_state_dict(sd, strict=False)                    # exactly the cores' tensors, checked above
 
 

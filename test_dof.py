@@ -2551,6 +2551,15 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
     moments = next(iter(other["optimizer"]["state"].values()))
     moments["exp_avg"] = moments["exp_avg"][..., :1].clone()
     torch.save(other, tmp_path / "other-optim.pt")
+    torch.save(torch.load(base / "optim.pt", weights_only=False) | {"step": 100}, tmp_path / "step-optim.pt")
+    from safetensors.torch import load_file, save_file
+    feats = load_file(base / "features.safetensors")
+    k = next(iter(feats))
+    save_file(feats | {k: feats[k] * float("nan")}, tmp_path / "nan.safetensors")
+    save_file(feats | {k: feats[k][..., :1].contiguous()}, tmp_path / "shape.safetensors")
+    no_args = {k: v for k, v in json.loads((base / "config.json").read_text()).items() if k != "args"}
+    metrics_dir = copy(base, "metrics.json", "gone")
+    (metrics_dir / "metrics.json").mkdir()
     big = np.fromfile(data / "train.bin", dtype=np.uint16)
     big[7] = 60000
     x, again = tmp_path / "never", ("--max-steps", "2", "--resume")
@@ -2565,6 +2574,17 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
          r"optim.pt or metrics.json does not fit it \(ValueError: its Adam moments are of other dims\)"),
         (distill_args(ckpt, data, copy(base, "metrics.json", "set", b"{}"), *again),
          r"optim.pt or metrics.json does not fit it \(KeyError: 'val'\); the checkpoint is damaged"),
+        (distill_args(ckpt, data, copy(base, "optim.pt", "set", (tmp_path / "step-optim.pt").read_bytes()), *again),
+         r"does not fit it \(ValueError: its step 100 is not its last validation's\)"),         # had trained on
+        (distill_args(ckpt, data, copy(base, "config.json", "set", json.dumps(no_args).encode()), *again),
+         r"config.json records no args, the flags to resume it with; pass --init-from"),     # had skipped the checks
+        (distill_args(ckpt, data, copy(base, "features.safetensors", "gone"), *again), r"holds no checkpoint to "
+         r"resume \(it lacks features.safetensors\); pass --overwrite to start again, or another --out-dir"),
+        (distill_args(ckpt, data, copy(base, "features.safetensors", "set", (tmp_path / "nan.safetensors")
+                                       .read_bytes()), *again), r"log_alpha in \S+ holds inf or nan: the checkpoint is damaged"),
+        (distill_args(ckpt, data, copy(base, "features.safetensors", "set", (tmp_path / "shape.safetensors")
+                                       .read_bytes()), *again), r"of another shape: \['.* \[.*1\], not \[.*\]'\]"),
+        (distill_args(ckpt, data, metrics_dir, *again), r"metrics.json is not a file; the checkpoint is damaged"),
         *[(distill_args(ckpt, data, copy(base, "config.json", "set", json.dumps(
             json.loads((base / "config.json").read_text()) | edit).encode()), *again), r"config.json lacks the "
            r"teacher, dims \(whole numbers of at least 1: one per layer, or a list per layer\), feature map or chunk "
@@ -2583,6 +2603,7 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, ""), r"--out-dir '' is the working directory or holds it, and every save"),
         (distill_args(ckpt, data, ".."), r"--out-dir '..' is the working directory or holds it"),
         (distill_args(ckpt, data, x, "--min-lr-frac", "-1"), r"--min-lr-frac must be a number of at least 0, got -1"),
+        (distill_args(ckpt, data, x, "--min-lr-frac", "2"), r"^--min-lr-frac must be at most 1, got 2.0$"),
         (distill_args(ckpt, data, x, "--lam", "inf"), r"--lam must be a number above 0, got inf"),
         (distill_args(ckpt, data, x, "--lr-z", "nan"), r"--lr-z must be a number of at least 0, got nan"),
         (distill_args(ckpt, data, x, "--budget", "100000000"), r"needs about [\d,.]+ GiB, more than the [\d.]+ GiB free"),
