@@ -254,20 +254,21 @@ def check_writable(path):
         raise ModelError(f"cannot write {path}: it {why}; pass a file path in a writable folder")
 
 
-def check_out(out, files=()):
+def check_out(out, files=(), flag="--out"):
     """A ModelError, before any work, where --out cannot be a directory (made if missing) to write `files` into."""
     p = Path(out)
     if not str(out):
-        raise ModelError("--out is empty; pass a directory")
+        raise ModelError(f"{flag} is empty; pass a directory")
     folder = next(a for a in (p, *p.parents) if a.exists())               # the nearest folder that exists
     if not folder.is_dir():
-        raise ModelError(f"--out {out} is {'a file' if folder == p else f'inside the file {folder}'}; pass a directory")
+        where = "a file" if folder == p else f"inside the file {folder}"
+        raise ModelError(f"{flag} {out} is {where}; pass a directory")
     for f in files if folder == p else ():
         check_writable(p / f)                                              # none of them a directory or a fifo
     try:
         tempfile.TemporaryFile(dir=folder).close()                        # a real write: root passes os.access
     except OSError as e:
-        raise ModelError(f"cannot write --out {out}: {folder} is not writable ({e.strerror}); pass another --out") \
+        raise ModelError(f"cannot write {flag} {out}: {folder} is not writable ({e.strerror}); pass another {flag}") \
             from None
 
 

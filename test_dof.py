@@ -2688,6 +2688,10 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("experiments/heads.py", ["--model", ckpt, "--data", tmp_path / "short", "--layers", "0", "--block-size",
                                        "100", "--J", "64", "--out", tmp_path / "out"], r"holds 50 tokens, fewer than"),
              ("experiments/heads.py", ["--seeds", "0"], r"--seeds must be a number of at least 1, got 0"),
+             ("experiments/heads.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
+             ("experiments/heads.py", ["--out", tmp_path / "file" / "sub"], r"--out .*sub is inside the file .*file"),
+             ("experiments/gpu_check.py", ["--work-dir", tmp_path / "file", "--out", tmp_path / "c.json"],
+              r"--work-dir .*file is a file; pass a directory"),                     # these three came after the work
              ("experiments/heads.py", ["--J", "2000", "--calib-seqs", "2", "--block-size", "64"], r"--J 2000 is more "
               r"than the 256 queries and keys a head has in --calib-seqs x --block-size; lower --J or raise"),
              ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "0", "--block-size", "64",
@@ -3922,6 +3926,28 @@ def test_published_tables_are_the_ones_the_committed_result_files_make(tmp_path)
     docs_experiments().report(docs=[tmp_path / doc.name for doc in docs], figures=tmp_path)
     for doc in docs:
         assert (tmp_path / doc.name).read_text() == doc.read_text(), f"{doc.name}: python docs/experiments.py --report"
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda p: p.write_text(p.read_text()[:100]), r"b32-dof-s0.json is damaged or truncated \(JSONDecodeError"),
+    (lambda p: p.write_text("[]"), r"b32-dof-s0.json holds a JSON list, not an object"),          # had been dropped
+    (lambda p: p.write_text(json.dumps(json.loads(p.read_text()) | {"val": []})), r"claim holds a result file its "
+     r"script did not write \(IndexError"),
+    (lambda p: p.write_text(json.dumps((r := json.loads(p.read_text())) | {"val": r["val"][:-1] + [
+        r["val"][-1] | {"student_loss": float("nan")}]})), r"run b32-dof-s0 ended at a loss that is not finite"),
+    (lambda p: p.write_text(json.dumps(json.loads(p.read_text()) | {"group": "abc"})), r"claim holds a result "
+     r"file its script did not write \(ValueError: invalid literal"),
+    (lambda p: (p.parents[1] / "zeroshot").mkdir() or (p.parents[1] / "zeroshot" / "r.json").write_text('{"x": 1}'),
+     r"zeroshot holds a result file its script did not write \(KeyError: 'results'\)")])
+def test_report_refuses_a_damaged_result_file_in_one_sentence(tmp_path, damage, match):
+    """--report on a result file cut, of another type, or edited: one sentence naming it, and no doc rewritten."""
+    shutil.copytree(ROOT / "docs" / "results" / "claim", tmp_path / "results" / "claim")
+    doc = tmp_path / "results.md"
+    shutil.copy(ROOT / "docs" / "results.md", doc)
+    docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)   # the grid alone
+    damage(tmp_path / "results" / "claim" / "b32-dof-s0.json")
+    with pytest.raises(ModelError, match=match):
+        docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
+    assert doc.read_text() == (ROOT / "docs" / "results.md").read_text()
 
 def test_spearman_gives_tied_values_their_mean_rank():
     """experiments/allocation.py's rank correlation: ties (dims of 32 recur) share a rank, so the order in which tied

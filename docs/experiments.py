@@ -23,7 +23,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]                 # the core, and experiments/ (gpu_check, heads)
-from common import ModelError, atomic_path, check_positive, opt, parse_config, run_main, write_text_atomic  # noqa: E402
+from common import (ModelError, atomic_path, check_positive, opt, parse_config, read_json, run_main,  # noqa: E402
+                    write_text_atomic)
 
 RESULTS = ROOT / "docs" / "results"
 SCRATCH = ROOT / "out-experiments"           # checkpoints and logs of the runs (not committed)
@@ -228,13 +229,20 @@ def run_grid(runs, jobs=2, results=RESULTS, scratch=SCRATCH):
 # ----------------------------------------------------------------------------------------------------------------
 # Tables and figures, from the JSON files only
 
+def read(path):
+    """A result file's JSON object; a missing or damaged one is one sentence."""
+    return read_json(path, "restore it (git checkout -- docs/results) or run its grid again", dict)
+
+
 def load(grid, results=RESULTS):
     """The run records of a grid (JSONs with a group; others, like the predictors, are not runs)."""
-    return [r for r in (json.loads(p.read_text()) for p in sorted((Path(results) / grid).glob("*.json"))) if "group" in r]
+    return [r for r in map(read, sorted((Path(results) / grid).glob("*.json"))) if "group" in r]
 
 
 def final(r):
     v = r["val"][-1]
+    if not all(map(np.isfinite, [v["student_loss"], v["teacher_loss"], *v["attn_kl"]])):
+        raise ValueError(f"run {r['name']} ended at a loss that is not finite")
     return v["student_loss"], float(np.mean(v["attn_kl"])), v["teacher_loss"]
 
 
@@ -452,7 +460,7 @@ def predictor_table(results):
     import allocation as A
     import dof
     Ms, KL = A.load_curves(Path(results) / "curves", "fix")
-    P = json.loads((Path(results) / "allocation" / "predictors-s0.json").read_text())["predictors"]
+    P = read(Path(results) / "allocation" / "predictors-s0.json")["predictors"]
     diff, gain = KL[list(Ms).index(32)], -A.slopes(Ms, KL)
     rows = ["| predictor (per layer) | Spearman with difficulty | Spearman with gain | mean KL predicted for dims "
             "∝ it (Fix: %.4f) |" % A.expected_kl(Ms, KL, [32] * KL.shape[1]), "|---|---:|---:|---:|"]
@@ -497,7 +505,7 @@ def speed_table(results, grid="restructure"):
             "|---|---:|---:|---:|---:|"]
     apart = (Path(results) / grid / "speed-kernels.json").is_file()
     for name in ("speed-step", "speed-kernels") if apart else ("speed-step",):
-        r = json.loads((Path(results) / grid / f"{name}.json").read_text())
+        r = read(Path(results) / grid / f"{name}.json")
         for k in (k for k in r["after"][0] if not (name == "speed-step" and apart and k != "step_ms")):
             b, a = [x[k] for x in r["before"]], [x[k] for x in r["after"]]
             rows.append(f"| {k.replace('_', ' ')} | {np.median(b):.1f} ({min(b):.1f}) | {np.median(a):.1f} ({min(a):.1f}) "
@@ -507,7 +515,7 @@ def speed_table(results, grid="restructure"):
 
 def step_ops_table(results):
     """docs/results/fast-loss/step.json: aten ops and ms of one training step per loss and layout, two versions."""
-    r = json.loads((Path(results) / "fast-loss" / "step.json").read_text())
+    r = read(Path(results) / "fast-loss" / "step.json")
     rows = ["| loss, layout of the layerwise losses | aten ops before | after | CPU ms before: median of rounds | after "
             "| wall ms before | after |", "|---|---:|---:|---:|---:|---:|---:|"]
     for k, v in r["summary"].items():
@@ -519,59 +527,71 @@ def step_ops_table(results):
     return "\n".join(rows)
 
 
+def grid_blocks(grid, results, figures):
+    """The generated blocks of one folder of docs/results: name -> markdown (and its figures, drawn)."""
+    made = {}
+    if grid == "gpu":                            # gpu_check.py's JSON: its own table and targets
+        import gpu_check
+        for p in sorted((Path(results) / grid).glob("*.json")):
+            res = read(p)
+            made[f"gpu:{p.stem}"] = "\n".join([gpu_check.table(res), ""] + gpu_check.targets(res))
+        return made
+    if grid == "heads-kl":                       # experiments/heads.py: per-head error against M, synthetic check
+        import heads
+        for p in sorted((Path(results) / grid).glob("*.json")):
+            res = read(p)
+            if p.stem == "synthetic":
+                made[f"heads-kl:{p.stem}"] = heads.synthetic_table(res)
+            else:
+                made[f"heads-kl:{p.stem}"] = heads.table(res)
+                heads.figure(res, Path(figures) / "fig-heads.png")
+        return made
+    if grid == "zeroshot":                       # evaluate.py's results.json, not distill.py runs
+        for p in sorted((Path(results) / grid).glob("*.json")):
+            made[f"zeroshot:{p.stem}"] = zeroshot_table(read(p))
+        return made
+    if grid in ("restructure", "trim", "fast-loss"):   # speed side by side with the code before, from its scripts
+        made[f"{grid}:table"] = step_ops_table(results) if grid == "fast-loss" else speed_table(results, grid)
+        return made
+    if grid == "curves":                         # the per-layer error curves: tables and figure, not a grid table
+        made.update(curve_blocks(results, figures))
+        return made
+    records = load(grid, results)
+    if grid == "allocation":
+        made["allocation:predictors"] = predictor_table(results)
+        made["allocation:paired"] = allocation_table(records, curves_dir=Path(results) / "curves")
+        made["allocation:summary"] = summary_table(records)
+        curves(records, Path(figures) / f"curves-{grid}.png")
+        return made
+    if grid in FROM_GRID:                        # shown after the runs they continue, paired with their Fix
+        made[f"{grid}:continuations"] = continuations(records)
+        records = load(FROM_GRID[grid], results) + records
+        made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records)
+    elif grid in BASELINE:                       # shown against the claim grid's per-layer DoF runs
+        if grid == "recipe":
+            made[f"{grid}:continuations"] = continuations(records)
+        records = [r for r in load("claim", results) if r["group"] == BASELINE[grid]] + records
+        made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, "DoF")
+    elif grid == "preset":                       # recipes for --preset cpu against the old one
+        old = next(iter(PRESET_VARIANTS))
+        made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, old)
+    elif records:
+        made.update(blocks(grid, records))
+    if records:
+        curves(records, Path(figures) / f"curves-{grid}.png")
+    return made
+
+
 def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESULTS, figures=ROOT / "docs"):
     """Rebuild every generated block of `docs` (between their markers) and each grid's learning-curve figure."""
     made = {}
     for grid in sorted(p.name for p in Path(results).iterdir() if p.is_dir()):
-        if grid == "gpu":                            # gpu_check.py's JSON: its own table and targets
-            import gpu_check
-            for p in sorted((Path(results) / grid).glob("*.json")):
-                res = json.loads(p.read_text())
-                made[f"gpu:{p.stem}"] = "\n".join([gpu_check.table(res), ""] + gpu_check.targets(res))
-            continue
-        if grid == "heads-kl":                       # experiments/heads.py: per-head error against M, synthetic check
-            import heads
-            for p in sorted((Path(results) / grid).glob("*.json")):
-                res = json.loads(p.read_text())
-                if p.stem == "synthetic":
-                    made[f"heads-kl:{p.stem}"] = heads.synthetic_table(res)
-                else:
-                    made[f"heads-kl:{p.stem}"] = heads.table(res)
-                    heads.figure(res, Path(figures) / "fig-heads.png")
-            continue
-        if grid == "zeroshot":                       # evaluate.py's results.json, not distill.py runs
-            for p in sorted((Path(results) / grid).glob("*.json")):
-                made[f"zeroshot:{p.stem}"] = zeroshot_table(json.loads(p.read_text()))
-            continue
-        if grid in ("restructure", "trim", "fast-loss"):   # speed side by side with the code before, from its scripts
-            made[f"{grid}:table"] = step_ops_table(results) if grid == "fast-loss" else speed_table(results, grid)
-            continue
-        if grid == "curves":                         # the per-layer error curves: tables and figure, not a grid table
-            made.update(curve_blocks(results, figures))
-            continue
-        records = load(grid, results)
-        if grid == "allocation":
-            made["allocation:predictors"] = predictor_table(results)
-            made["allocation:paired"] = allocation_table(records, curves_dir=Path(results) / "curves")
-            made["allocation:summary"] = summary_table(records)
-            curves(records, Path(figures) / f"curves-{grid}.png")
-            continue
-        if grid in FROM_GRID:                        # shown after the runs they continue, paired with their Fix
-            made[f"{grid}:continuations"] = continuations(records)
-            records = load(FROM_GRID[grid], results) + records
-            made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records)
-        elif grid in BASELINE:                       # shown against the claim grid's per-layer DoF runs
-            if grid == "recipe":
-                made[f"{grid}:continuations"] = continuations(records)
-            records = [r for r in load("claim", results) if r["group"] == BASELINE[grid]] + records
-            made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, "DoF")
-        elif grid == "preset":                       # recipes for --preset cpu against the old one
-            old = next(iter(PRESET_VARIANTS))
-            made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, old)
-        elif records:
-            made.update(blocks(grid, records))
-        if records:
-            curves(records, Path(figures) / f"curves-{grid}.png")
+        try:
+            made.update(grid_blocks(grid, results, figures))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:   # a file of another form
+            raise ModelError(f"{Path(results) / grid} holds a result file its script did not write ({type(e).__name__}"
+                             f": {str(e)[:80]}); restore it (git checkout -- docs/results) or run its grid again") \
+                from None
     for doc in docs:
         text = Path(doc).read_text()
         for name, body in made.items():

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT))
 import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
-from common import (ModelError, atomic_path, check_free_memory, check_positive, opt, parse_config, read_tokens,  # noqa
-                    run_main, write_text_atomic)
+from common import (ModelError, atomic_path, check_free_memory, check_out, check_positive, opt, parse_config,  # noqa
+                    read_tokens, run_main, write_text_atomic)
 from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
 from per_head import GroupedLinearAttention, loss  # noqa: E402
 
@@ -73,6 +73,7 @@ class HeadsConfig:
         if self.J > 2 * self.calib_seqs * self.block_size:
             raise ModelError(f"--J {self.J} is more than the {2 * self.calib_seqs * self.block_size} queries and keys "
                              "a head has in --calib-seqs x --block-size; lower --J or raise --calib-seqs")
+        check_out(self.out, ("smollm2.json", "synthetic.json"))
 
 
 def sequences(path, n, T, seed, vocab_size):
