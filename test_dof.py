@@ -2648,6 +2648,9 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
               r"ragged.json lacks a per-head DoF table or its budget \(ValueError\)"),
              ("experiments/allocation.py", ["--model", ckpt, "--predict", tmp_path / "no" / "p.json"],
               r"cannot write .*p.json: it is in .*no, which does not exist"),
+             ("experiments/allocation.py", ["--rule", "entropy", "--dims", "4,1,1,1"], r"--rule chooses the dims here; "
+              r"drop --dims and --alloc, or run distill.py with them"),
+             ("experiments/allocation.py", ["--rule", "entropy", "--alloc", "clip"], r"--rule chooses the dims here"),
              ("experiments/allocation.py", ["--predict", tmp_path / "p.json", "--resume"],
               r"--predict computes the predictors of a fresh run; drop --resume and --init-from"),
              ("experiments/allocation.py", ["--model", ckpt, "--data", data, "--rule", "measured", "--out-dir",
@@ -3955,6 +3958,29 @@ def test_spearman_gives_tied_values_their_mean_rank():
     import allocation as A
     assert A.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == A.spearman([1, 2, 2, 3], [1, 3, 2, 4])
     assert A.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(np.corrcoef([0, 1.5, 1.5, 3], [0, 1, 2, 3])[0, 1])
+
+
+def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core(setup, tmp_path):
+    """experiments/allocation.py --rule dof-raw: dims allocated from the uncentred kernel's DoF although the keys are
+    centred (the checkpoint records the rule as its alloc), resumed with the same flags; --predict writes the
+    predictors and trains nothing."""
+    import allocation as A
+    d, ckpt, data = setup
+    flags = ["--rule", "dof-raw", "--center-keys", "--budget", "8", "--decay-steps", "4"]
+    A.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "2"))
+    teacher = GPT.from_pretrained(ckpt)
+    calib = dof.calibration_batches(common.read_tokens(data / "train.bin"), 2, 4, 64, 0, "cpu")
+    want, raw = dof.choose_dims(teacher, calib, 8, "dof", J=256)                     # no key means: uncentred
+    cfg = json.loads((tmp_path / "raw" / "config.json").read_text())
+    assert cfg["dims"] == want and cfg["alloc"] == "dof-raw" and cfg["dof"] == pytest.approx(raw)
+    assert want != dof.choose_dims(teacher, calib, 8, "dof", J=256, key_means=dof.key_means(teacher, calib))[0]
+    A.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "4", "--resume"))
+    assert json.loads((tmp_path / "raw" / "config.json").read_text())["step"] == 4
+    with pytest.raises(SystemExit) as e:                                               # stops before training
+        A.main(distill_args(ckpt, data, tmp_path / "none", "--predict", tmp_path / "p.json"))
+    assert e.value.code == 0
+    P = json.loads((tmp_path / "p.json").read_text())["predictors"]
+    assert "entropy" in P and all(len(v) == 4 for v in P.values()) and not (tmp_path / "none").exists()
 
 
 def test_allocation_curves_damaged_or_not_positive_are_one_sentence(tmp_path):

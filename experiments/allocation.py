@@ -140,6 +140,8 @@ class AllocationConfig(distill.DistillConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.dims or self.alloc != "dof":                       # both had been overwritten without a word
+            raise ModelError("--rule chooses the dims here; drop --dims and --alloc, or run distill.py with them")
         if self.predict and (self.resume or self.init_from):
             raise ModelError("--predict computes the predictors of a fresh run; drop --resume and --init-from")
         if self.predict:
