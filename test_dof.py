@@ -644,6 +644,21 @@ DAMAGED_TOKENIZERS = {   # name -> (files, what is done to their folder, the sen
     "tokenizer.json merging unknown tokens": (
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"merges": *\[', '"merges": ["qq zz", ', t, count=1)),
         r"tokenizer\.json is not a consistent byte-level BPE tokenizer \(KeyError\('qqzz'\)\)"),
+    "tokenizer.json with a negative token id": (      # these five had been tracebacks from tiktoken or a .get
+        "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'("vocab": *\{[^:]*:) *\d+', r"\1 -5", t,
+                                                                         count=1)),
+        r"tokenizer\.json's token ids are not distinct whole numbers of at least 0; re-download the tokenizer files"),
+    "tokenizer.json with two tokens of one id": (
+        "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'("vocab": *\{[^:]*:) *\d+', r"\1 7", t,
+                                                                         count=1)),
+        r"tokenizer\.json's token ids are not distinct whole numbers"),
+    "tokenizer.json with an added token's id a string": (
+        "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+', '"id": "z"', t, count=1)),
+        r"tokenizer\.json's token ids are not distinct whole numbers"),
+    "tokenizer.json with an empty vocabulary": ("neox", lambda d: edit_json(d / "tokenizer.json", model={
+        "type": "BPE", "vocab": {}, "merges": []}), r"tokenizer\.json's token ids are not distinct whole numbers"),
+    "tokenizer.json with its pre-tokenizer a string": ("neox", lambda d: edit_json(d / "tokenizer.json", pre_tokenizer=
+        "ByteLevel"), r"tokenizer\.json's normalizer or pre_tokenizer is not a JSON object; re-download the"),
     "tokenizer.json added token without its id": (
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+, *', "", t, count=1)),
         r"tokenizer\.json's added_tokens are malformed \(KeyError\('id'\)\); re-download the tokenizer files"),

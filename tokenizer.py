@@ -85,6 +85,9 @@ class HFEncoding(tiktoken.Encoding):
 def _byte_level_bpe(name, vocab, merges, pat_str, where, *, specials=None, added=None, normalizer=None):
     """A tiktoken Encoding of a byte-level BPE {token: id} and merges ["left right" or (left, right)]; tiktoken's ranks
     are ids, so ids must rise in merge order. specials=None: every token neither a byte nor merged (<|endoftext|>)."""
+    ids = [*vocab.values(), *(specials or {}).values(), *(added or {}).values()]
+    if not vocab or not all(type(i) is int and i >= 0 for i in ids) or len(set(vocab.values())) < len(vocab):
+        raise ModelError(f"{where}'s token ids are not distinct whole numbers of at least 0; {REFETCH}")
     try:
         ranks = {bytes([U2B[t]]): i for t, i in vocab.items() if len(t) == 1 and t in U2B}
         pairs = [m.split(" ") if isinstance(m, str) else m for m in merges]
@@ -108,6 +111,8 @@ def _tokenizer_json(path: Path) -> tiktoken.Encoding:
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ModelError(f"{path} is not a byte-level BPE tokenizer.json (its model type is {model.get('type')!r}); "
                          "only BPE tokenizers such as GPT-2's or Pythia's are supported")
+    if any(not isinstance(spec.get(k) or {}, dict) for k in ("normalizer", "pre_tokenizer")):
+        raise ModelError(f"{path}'s normalizer or pre_tokenizer is not a JSON object; {REFETCH}")
     norm = (spec.get("normalizer") or {}).get("type")
     opts = [k for k in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback") if model.get(k)]
     if opts or norm not in (None, "NFC", "NFD", "NFKC", "NFKD"):
