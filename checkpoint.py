@@ -97,7 +97,7 @@ def read_student(ckpt_dir):
     whole = lambda xs: isinstance(xs, list) and len(xs) > 0 and all(type(m) is int and m > 0 for m in xs)  # noqa: E731
     dims = cfg.get("dims")
     rows = dims if isinstance(dims, list) and dims and all(isinstance(r, list) for r in dims) else [dims]  # per head
-    if not ({"teacher", "feature_map"} <= cfg.keys() and whole([cfg.get("chunk_size")])
+    if not (isinstance(cfg.get("teacher"), str) and "feature_map" in cfg and whole([cfg.get("chunk_size")])
             and all(whole(r) and len(r) == len(rows[0]) for r in rows) and isinstance(cfg.get("args", {}), dict)):
         raise ModelError(f"{d / 'config.json'} lacks the teacher, dims (whole numbers of at least 1: one per layer, or "
                          f"a list per layer), feature map or chunk size (such a number), or its args are no object; "

@@ -237,13 +237,17 @@ def remove(path):
 
 
 def write_text_atomic(path, text):
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+    """text -> path, whole or not at all; a lone surrogate (a JSON input's "\\ud800") is written as that escape."""
+    try:
+        with atomic_path(path) as tmp:
+            tmp.write_text(text, encoding="utf-8", errors="backslashreplace")
+    except OSError as e:                                         # a full disk, a folder gone since check_writable
+        raise ModelError(f"cannot write {path} ({e.strerror}); make room or pass another path") from None
 
 
 def check_writable(path):
     """A ModelError, before any work, when no file can be written at `path` (tried for real: root passes os.access)."""
-    p = Path(path)
+    p = Path(path).resolve()                                     # a link: where its target is written
     try:
         why = "is a directory" if p.is_dir() else "is not a regular file" if p.exists() and not p.is_file() else \
             f"is in {p.parent}, which does not exist" if not p.parent.is_dir() else \
@@ -316,7 +320,7 @@ def exclusive(lock, busy, cannot):
     ModelError(busy) while another process holds it, ModelError(cannot(why)) where it cannot be made."""
     try:                                                          # a real write: root passes os.access anywhere
         Path(lock).parent.mkdir(parents=True, exist_ok=True)
-        fd = open(lock, "w")
+        fd = os.fdopen(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK), "w")   # a fifo: ENXIO, no hang
     except OSError as e:
         raise ModelError(cannot(e.strerror)) from None
     with fd:

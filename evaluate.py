@@ -61,6 +61,13 @@ class EvalConfig:
         pick_device(self.device, "float32")
         if self.output:
             check_writable(self.output)
+            out = Path(self.output).resolve()
+            reads = {Path(p).resolve() for p in (self.ppl, self.model) if p} | {
+                Path(self.ckpt, f).resolve() for f in ("config.json", "features.safetensors") if self.ckpt}
+            if out.is_file() and (out in reads or out.parent in {Path(d).resolve() for d in (self.model, self.data_dir)
+                                                                 if d}):   # the teacher's files, the task files
+                raise ModelError(f"--output {self.output} would replace a file this run reads (the checkpoint's, the "
+                                 "teacher's, --ppl or one in --data-dir); pass another path")
         p = Path(self.ppl or ".")
         why = "is a directory" if p.is_dir() else "does not exist" if not p.exists() else "is empty"
         if self.ppl and (p.is_dir() or not p.exists() or p.stat().st_size == 0):
@@ -321,7 +328,8 @@ def speed(model, n_tokens: int = 1000, device="cpu") -> dict:
 def load_models(cfg: EvalConfig, device, load=load_student) -> dict:
     """{"teacher": --model, "student": load(--ckpt)'s student}; --ckpt's teacher is checked before any model loads."""
     if cfg.ckpt is not None:
-        t = read_json(Path(cfg.ckpt) / "config.json", "pass a complete distill.py checkpoint as --ckpt").get("teacher")
+        t = read_json(Path(cfg.ckpt) / "config.json", "pass a complete distill.py checkpoint as --ckpt", dict).get(
+            "teacher")
         if t is not None and Path(str(t)).resolve() != Path(cfg.model).resolve():
             raise ModelError(f"checkpoint {cfg.ckpt} was distilled from teacher '{t}' but --model is '{cfg.model}'; "
                              f"pass --model {t}")

@@ -2605,7 +2605,7 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
            r"teacher, dims \(whole numbers of at least 1: one per layer, or a list per layer\), feature map or chunk "
            r"size \(such a number\)") for edit in ({"dims": "abc"}, {"dims": [0, 4, 4, 4]}, {"dims": [4.5, 4, 4, 4]},
                                                   {"dims": [[4], 4, 4, 4]}, {"dims": [[4] * 4, [4] * 3]},
-                                                  {"chunk_size": 0}, {"chunk_size": True})],   # were tracebacks
+                                                  {"chunk_size": 0}, {"chunk_size": True}, {"teacher": None})],
         (distill_args(base, data, x), r"is a distill.py checkpoint, not a teacher; pass its teacher as --model"),
         (distill_args(ckpt, data, x, "--init-from", copy(base, "features.safetensors", "cut")), r"is damaged or truncated"),
         (distill_args(ckpt, data, x, "--init-from", copy(base, "config.json", "set", b"[]")), r"holds a JSON list"),
@@ -2810,6 +2810,19 @@ def test_output_through_a_link_replaces_its_target_and_a_pipe_is_refused(tmp_pat
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(ModelError, match=r"cannot write .*fifo: it is not a regular file"):
         common.check_writable(tmp_path / "fifo")
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "no" / "such.json")          # its target's folder: none
+    with pytest.raises(ModelError, match=r"cannot write .*dangling.json: it is in .*no, which does not exist"):
+        common.check_writable(tmp_path / "dangling.json")
+    common.write_text_atomic(target, json.dumps({"goal": "\ud800"}, ensure_ascii=False))   # a lone surrogate
+    assert json.loads(target.read_text()) == {"goal": "\ud800"}
+    with pytest.raises(ModelError, match=r"cannot write .*dangling.json \(No such file or directory\); make room or"):
+        common.write_text_atomic(tmp_path / "dangling.json", "x")                 # after the check, not a traceback
+    (tmp_path / "locked").mkdir()
+    os.mkfifo(tmp_path / "locked" / "prepare.lock")                               # had hung opening it
+    with pytest.raises(ModelError, match=r"cannot write into --out .*locked \(No such device or address\)"):
+        with common.exclusive(tmp_path / "locked" / "prepare.lock", "busy",
+                              lambda why: f"cannot write into --out {tmp_path / 'locked'} ({why})"):
+            pass
 
 
 def test_a_run_stopped_before_its_first_checkpoint_names_none(tmp_path, capsys):
@@ -3735,6 +3748,21 @@ def test_bad_option_is_one_sentence_before_any_work(flags, sentence, ckpt, tmp_p
                               "--output", tmp_path / "r.json", *flags)
     assert code == 2 and re.fullmatch("error: " + sentence + r"[^\n]*\n", err), err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_output_that_would_replace_a_file_the_run_reads_is_refused(ckpt, tmp_path, capsys):
+    """--output on a task file, the checkpoint's config.json or a teacher file had replaced it with the results."""
+    shutil.copytree(EVAL, data := tmp_path / "eval")
+    (student := tmp_path / "student").mkdir()
+    (student / "config.json").write_text("[1, 2]")
+    before = snapshot(tmp_path)
+    for out in (data / "piqa.jsonl", student / "config.json", Path(ckpt) / "config.json"):
+        code, err = evaluate_exit(capsys, "--model", ckpt, "--ckpt", student, "--data-dir", data, "--tasks", "piqa",
+                                  "--output", out)
+        assert code == 2 and re.fullmatch(rf"error: --output {out} would replace a file this run reads [^\n]+\n", err)
+    code, err = evaluate_exit(capsys, "--model", ckpt, "--ckpt", student, "--data-dir", data, "--tasks", "piqa")
+    assert code == 2 and "config.json holds a JSON list, not an object" in err                  # had been a traceback
+    assert snapshot(tmp_path) == before
 
 
 def test_output_in_a_read_only_folder_fails_before_any_work(ckpt, tmp_path, capsys, monkeypatch):
