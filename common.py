@@ -368,8 +368,9 @@ def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None,
     token's text becomes that token) -> at most max_tokens token ids, at least min_tokens, all below vocab_size."""
     p = Path(path)
     if not p.is_file():
-        raise ModelError(f"{p} {'is a directory' if p.is_dir() else 'does not exist'}; pass a uint16 token file "
-                         "(data/*/prepare.py) or a text file")
+        raise ModelError(f"{p} {'is a directory' if p.is_dir() else 'does not exist'}; " + ("pass a uint16 token file "
+                         "(data/*/prepare.py) or a text file" if enc else "make it with data/*/prepare.py, whose --out "
+                         "is the folder to pass (distill.py makes it from its --data's text files)"))
     if p.suffix == ".bin":
         if p.stat().st_size % 2:
             raise ModelError(f"{p} has an odd number of bytes, so it is not a uint16 token file; prepare it again")

@@ -2697,6 +2697,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("data/wikipedia/prepare.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "taken"], r"cannot write .*dof.json: it is a directory"),
+             ("dof.py", ["--model", ckpt, "--data", tmp_path / "a.txt", "--out", tmp_path / "out"], r"a.txt/train.bin "
+              r"does not exist; make it with data/\*/prepare.py, whose --out is the folder to pass"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "taken", tmp_path / "a.txt"],
               r"cannot write .*taken/val.bin: it is a directory"),
              ("dof.py", ["--model", ckpt, "--data", data, "--batch-size", 10 ** 8, "--out", tmp_path / "out"], r"the "
