@@ -2658,6 +2658,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "bad.json"],
               r"bad.json is damaged or truncated .*; pass the JSON of an experiments/per_head.py run"),
              ("experiments/bench.py", ["--threads", "0"], r"--threads must be a number of at least 1, got 0"),
+             ("experiments/bench.py", ["--T", "16", "--chunks", "--decode-ctx", "--heads", tmp_path / "short"],
+              r"short is not a file; pass the JSON of an experiments/per_head.py run"),   # before the scan table
              ("experiments/bench.py", ["--step", "mse"], r"--step mse: the losses are softmax, l2 and direct"),
              ("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "ragged.json"],
               r"ragged.json lacks a per-head DoF table or its budget \(ValueError\)"),

@@ -150,7 +150,7 @@ def measure(cfg, method, T, chunk):
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:                                   # its last line says why (e.g. out of memory)
         why = (out.stderr.strip().splitlines() or ["no message"])[-1][:200]
-        raise ModelError(f"the {method} measurement at T={T} failed ({why}); lower --B, --T or --H")
+        raise ModelError(f"the {method} measurement at T={T} failed ({why}); lower --B, --T, --H, --D or --M")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -255,21 +255,26 @@ def decode_table(cfg, device):
           f"softmax: {res[-1][1] / res[0][1]:.2f}x")
 
 
-def heads_table(cfg, device):
+def read_heads(path):
+    """--heads' JSON -> (its per-head DoF (L, H), its budget), checked before any table is measured."""
+    run = read_json(path, "pass the JSON of an experiments/per_head.py run (docs/results/heads/*.json)", dict)
+    try:
+        N = torch.tensor(run["args"].get("dof") or [], dtype=torch.float64)           # (L, H) per-head DoF
+        budget = int(run["args"]["budget"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ModelError(f"{path} lacks a per-head DoF table or its budget ({type(e).__name__}); pass the JSON "
+                         "of an experiments/per_head.py run") from None
+    if N.ndim != 2:
+        raise ModelError(f"{path} has per-layer DoF; pass the JSON of an experiments/per_head.py run")
+    return N, budget
+
+
+def heads_table(cfg, device, N, budget):
     """Per-head against per-layer dims at the same total features: distillation loss + backward, and the scan."""
     import distill
     import dof
     import per_head
     from model import LinearAttention
-    run = read_json(cfg.heads, "pass the JSON of an experiments/per_head.py run (docs/results/heads/*.json)", dict)
-    try:
-        N = torch.tensor(run["args"].get("dof") or [], dtype=torch.float64)           # (L, H) per-head DoF
-        budget = int(run["args"]["budget"])
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ModelError(f"{cfg.heads} lacks a per-head DoF table or its budget ({type(e).__name__}); pass the JSON "
-                         "of an experiments/per_head.py run") from None
-    if N.ndim != 2:
-        raise ModelError(f"{cfg.heads} has per-layer DoF; pass the JSON of an experiments/per_head.py run")
     L, H = N.shape
     Hkv, D = 3 if H % 3 == 0 else H, 64                   # SmolLM2's 3 key/value heads (none shared otherwise)
     torch.manual_seed(0)
@@ -396,12 +401,13 @@ def main(argv=None):
     if cfg.worker:
         return worker(cfg)
     device, _ = pick_device(cfg.device, "float32")
+    heads = read_heads(cfg.heads) if cfg.heads else None                  # a bad file: refused before the tables
     if cfg.T:
         scan_table(cfg, device)
     if cfg.decode_ctx:
         decode_table(cfg, device)
-    if cfg.heads:
-        heads_table(cfg, device)
+    if heads:
+        heads_table(cfg, device, *heads)
     if cfg.step:
         step_table(cfg, device)
 
