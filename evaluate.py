@@ -294,9 +294,9 @@ def perplexity(model, tokens: np.ndarray, context: int | None = None, device="cp
     if L > model.config.block_size:
         raise ModelError(f"--ppl-context {L} exceeds the model's context length {model.config.block_size}")
     if len(tokens) < 2 or int(tokens.max()) >= int(model.config.vocab_size):
-        raise ModelError("the --ppl file holds fewer than 2 tokens" if len(tokens) < 2 else f"the --ppl file holds "
-                         f"token id {int(tokens.max())}, beyond the model's vocabulary of {model.config.vocab_size}: "
-                         f"was it prepared with another tokenizer?")
+        raise ModelError("the --ppl file holds fewer than 2 tokens; give it more text" if len(tokens) < 2 else "the "
+                         f"--ppl file holds token id {int(tokens.max())}, beyond the model's vocabulary of "
+                         f"{model.config.vocab_size}: was it prepared with another tokenizer?")
     n_pred, nll = len(tokens) - 1, {}                              # nll: batch number -> its windows' summed losses
     starts = list(range(0, n_pred, L))
     groups = [starts[:-1][i:i + batch_size] for i in range(0, len(starts) - 1, batch_size)] + [starts[-1:]]

@@ -2720,7 +2720,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
                                        "--calib-seqs", 10 ** 8, "--out", tmp_path / "out"], r"100000004 sequences "
               r"\(--calib-seqs \+ --eval-seqs\) of 64 tokens with up to 128 features a head needs about [\d,.]+ GiB"),
              ("docs/experiments.py", ["--run", "claim", "--jobs", "0"], r"--jobs must be a number of at least 1"),
-             ("experiments/heads.py", ["--Ms", "--out", tmp_path / "out"], r"--Ms must be one or more feature counts")]
+             ("experiments/heads.py", ["--Ms", "--out", tmp_path / "out"], r"--Ms must be one or more feature counts"),
+             ("experiments/heads.py", ["--layers", "-1"], r"--layers must be one or more layers from 0, got \[-1\]")]
     for script, args, match in cases:
         before = snapshot(tmp_path)
         r = cli(script, *args)
@@ -3808,7 +3809,9 @@ def test_bad_files_are_one_sentence_and_leave_nothing(ckpt, student, tmp_path, c
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
     np.array([1, 2, 65535], dtype=np.uint16).tofile(tmp_path / "big.bin")
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    np.arange(1, dtype=np.uint16).tofile(tmp_path / "one.bin")
     cases = [
+        (["--ppl", tmp_path / "one.bin"], r"the --ppl file holds fewer than 2 tokens; give it more text"),
         (["--ckpt", damaged(student, tmp_path / "a", "config.json", 0.5)],
          r"\S+/config.json is damaged or truncated \(.+\); pass a complete distill.py checkpoint as --ckpt"),
         (["--ckpt", damaged(student, tmp_path / "b", "features.safetensors", 0.5)],

@@ -68,8 +68,8 @@ class HeadsConfig:
         check_positive(self, ("steps",), 0)
         check_positive(self, ("lam",), 0, above=True)
         if not self.Ms or min(self.Ms) < 1 or not self.layers or min(self.layers) < 0:
-            raise ModelError(f"--Ms must be one or more feature counts of at least 1 (got {self.Ms}) and --layers one "
-                             f"or more layer numbers from 0 (got {self.layers})")
+            raise ModelError(f"--Ms must be one or more feature counts of at least 1, got {self.Ms}" if not self.Ms
+                             or min(self.Ms) < 1 else f"--layers must be one or more layers from 0, got {self.layers}")
         if self.J > 2 * self.calib_seqs * self.block_size:
             raise ModelError(f"--J {self.J} is more than the {2 * self.calib_seqs * self.block_size} queries and keys "
                              "a head has in --calib-seqs x --block-size; lower --J or raise --calib-seqs")
