@@ -554,8 +554,7 @@ def grid_blocks(grid, results, figures):
         made[f"{grid}:table"] = step_ops_table(results) if grid == "fast-loss" else speed_table(results, grid)
         return made
     if grid == "curves":                         # the per-layer error curves: tables and figure, not a grid table
-        made.update(curve_blocks(results, figures))
-        return made
+        return curve_blocks(results, figures)
     records = load(grid, results)
     if grid == "allocation":
         made["allocation:predictors"] = predictor_table(results)
