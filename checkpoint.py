@@ -113,7 +113,8 @@ def open_gguf(path):
     try:
         reader = gguf.GGUFReader(path)  # fails on a short or foreign file
     except (ValueError, IndexError, KeyError, OverflowError) as e:
-        raise ModelError(f"{path} is truncated or not a GGUF file ({e}); re-download it") from None
+        raise ModelError(f"{path} is truncated or not a GGUF file ({e}); re-download it, or pass a .gguf file or "
+                         "a checkpoint directory") from None
 
     def meta(key, default=None):
         if key not in reader.fields and default is None:

@@ -249,7 +249,8 @@ def check_writable(path):
     """A ModelError, before any work, when no file can be written at `path` (tried for real: root passes os.access)."""
     p = Path(path).resolve()                                     # a link: where its target is written
     try:
-        why = "is a directory" if p.is_dir() else "is not a regular file" if p.exists() and not p.is_file() else \
+        why = "is a directory" if p.is_dir() else "ends in /, as a directory does" if str(path).endswith("/") else \
+            "is not a regular file" if p.exists() and not p.is_file() else \
             f"is in {p.parent}, which does not exist" if not p.parent.is_dir() else \
             tempfile.TemporaryFile(dir=p.parent).close()                              # None: writable
     except OSError as e:

@@ -289,7 +289,8 @@ def test_damaged_teacher_is_one_sentence(teachers, tmp_path, damage):
 
 def test_a_file_that_is_no_checkpoint(tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
-    assert re.search(r"notes\.txt is truncated or not a GGUF file", load_error(tmp_path / "notes.txt"))
+    assert re.search(r"notes\.txt is truncated or not a GGUF file .*; re-download it, or pass a \.gguf file or a "
+                     r"checkpoint directory", load_error(tmp_path / "notes.txt"))
 
 
 def test_hub_id_without_internet(tmp_path):
@@ -2696,6 +2697,7 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
                                        tmp_path / ".." / tmp_path.name / "a.txt"], r"a.txt is listed twice"),
              ("data/wikipedia/prepare.py", ["--num-threads", "0"], r"--num-threads must be a number of at least 1"),
              ("data/wikipedia/prepare.py", ["--seed", "-1"], r"--seed must be a number of at least 0, got -1"),
+             ("data/wikipedia/prepare.py", ["--dataset", ""], r"--dataset and --config must name a hub dataset"),
              ("data/wikipedia/prepare.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "taken"], r"cannot write .*dof.json: it is a directory"),
@@ -3732,6 +3734,7 @@ BAD_OPTIONS = [  # flags (after --model --data-dir --tasks piqa --output), and t
     (["--output", "no/such/r.json"], r"cannot write \S+no/such/r.json: it is in \S+no/such, which does not exist; "
                                      r"pass a file path in a writable folder"),
     (["--output", "folder"], r"cannot write \S+folder: it is a directory; pass a file path in a writable folder"),
+    (["--output", "new/"], r"cannot write \S*new/: it ends in /, as a directory does; pass a file path in a "),
     (["--fla"], r"--fla runs a student's scan on CUDA: it needs --ckpt, a CUDA --device and flash-linear-attention"),
 ]
 

@@ -117,6 +117,9 @@ class WikipediaConfig:
             raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         if self.max_tokens < 0:
             raise ModelError(f"--max-tokens must be 0 (no cap) or positive, got {self.max_tokens}")
+        if not self.dataset.strip() or not self.config.strip():
+            raise ModelError("--dataset and --config must name a hub dataset and its configuration, e.g. "
+                             "wikimedia/wikipedia and 20231101.en")
         check_out(self.out, FILES)
 
 
