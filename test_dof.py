@@ -2597,7 +2597,8 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, copy(base, "features.safetensors", "gone"), *again), r"holds no checkpoint to "
          r"resume \(it lacks features.safetensors\); pass --overwrite to start again, or another --out-dir"),
         (distill_args(ckpt, data, copy(base, "features.safetensors", "set", (tmp_path / "nan.safetensors")
-                                       .read_bytes()), *again), r"log_alpha in \S+ holds inf or nan: the checkpoint is damaged"),
+                                       .read_bytes()), *again), r"log_alpha in \S+ holds inf or nan: the checkpoint is "
+         r"damaged"),
         (distill_args(ckpt, data, copy(base, "features.safetensors", "set", (tmp_path / "shape.safetensors")
                                        .read_bytes()), *again), r"of another shape: \['.* \[.*1\], not \[.*\]'\]"),
         (distill_args(ckpt, data, metrics_dir, *again), r"metrics.json is not a file; the checkpoint is damaged"),
@@ -4004,6 +4005,7 @@ def test_report_refuses_a_damaged_result_file_in_one_sentence(tmp_path, damage, 
     with pytest.raises(ModelError, match=match):
         docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
     assert doc.read_text() == (ROOT / "docs" / "results.md").read_text()
+
 
 def test_spearman_gives_tied_values_their_mean_rank():
     """experiments/allocation.py's rank correlation: ties (dims of 32 recur) share a rank, so the order in which tied
