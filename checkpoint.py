@@ -3,7 +3,6 @@ under their names) that config_from_hf and convert_state_dict turn into model.py
 
 import contextlib
 import importlib.util
-import json
 import os
 import re
 import socket

@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
 from common import ModelError, check_writable, opt, read_json, run_main, write_text_atomic  # noqa: E402
-from model import repeat_kv  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ would overrun, and a crash on the device is recorded as "error" with its message
 one markdown table with the targets under it (targets()) and go to --out as JSON.
 """
 
-import copy
 import importlib
 import importlib.util
 import json
