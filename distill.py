@@ -420,6 +420,8 @@ def restore(cfg, optim, gen):
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:   # another run's files, or edited ones
         raise ModelError(f"{out}'s optim.pt or metrics.json does not fit it ({type(e).__name__}: {str(e)[:60]}); "
                          f"{todo}") from None
+    if step > cfg.max_steps:
+        raise ModelError(f"{out} is at step {step}, past --max-steps {cfg.max_steps}; pass --max-steps {step} or more")
     print(f"resuming {cfg.out_dir} at step {step}")
     return step, metrics
 

@@ -90,7 +90,7 @@ class Prompt:
 
 
 def _index(options, value, what: str) -> int:
-    if value not in list(options):  # a ValueError: load_task names the file and line
+    if isinstance(value, bool) or value not in list(options):  # a ValueError: load_task names the file and line
         raise ValueError(f"{what} {value!r} is not one of its choices {list(options)}")
     return list(options).index(value)
 

@@ -2323,6 +2323,8 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
     run_bad(args + ["--resume", "--loss", "l2"], r"was started with --loss 'softmax', not 'l2'")
     run_bad(args + ["--resume", "--max-steps", "60"],
             r"cosine schedule is 50 steps long, and this run's 60; pass --decay-steps 50 to keep it")
+    run_bad(args + ["--resume", "--max-steps", "10", "--decay-steps", "50"],
+            r"is at step 50, past --max-steps 10; pass --max-steps 50 or more")
     run_bad(["--model", ckpt, "--data", data, "--out-dir", tmp_path / "none", "--resume", *FAST], r"no checkpoint to resume")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
@@ -3846,6 +3848,10 @@ def test_bad_documents_name_their_file_and_line(tmp_path):
     (bad / "piqa.jsonl").write_text("\n".join([lines[0], json.dumps(doc)]) + "\n")
     with pytest.raises(ModelError, match=r"piqa.jsonl line 2: malformed piqa document \(label 2 is not one of its "
                                          r"choices \[0, 1\]\)"):
+        E.load_task("piqa", bad)
+    doc["label"] = True                                              # JSON true is not the label 1
+    (bad / "piqa.jsonl").write_text(json.dumps(doc) + "\n")
+    with pytest.raises(ModelError, match=r"piqa.jsonl line 1: malformed piqa document \(label True is not one"):
         E.load_task("piqa", bad)
     doc = json.loads((EVAL / "winogrande.jsonl").read_text().splitlines()[0])
     doc["answer"] = "3"
