@@ -648,13 +648,16 @@ DAMAGED_TOKENIZERS = {   # name -> (files, what is done to their folder, the sen
     "tokenizer.json with a negative token id": (      # these five had been tracebacks from tiktoken or a .get
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'("vocab": *\{[^:]*:) *\d+', r"\1 -5", t,
                                                                          count=1)),
-        r"tokenizer\.json's token ids are not distinct whole numbers of at least 0; re-download the tokenizer files"),
+        r"tokenizer\.json's token ids are not distinct whole numbers from 0 below 2\^32; re-download the tokenizer"),
     "tokenizer.json with two tokens of one id": (
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'("vocab": *\{[^:]*:) *\d+', r"\1 7", t,
                                                                          count=1)),
         r"tokenizer\.json's token ids are not distinct whole numbers"),
     "tokenizer.json with an added token's id a string": (
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+', '"id": "z"', t, count=1)),
+        r"tokenizer\.json's token ids are not distinct whole numbers"),
+    "tokenizer.json with an added token's id 10^30": (     # an OverflowError from tiktoken
+        "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+', f'"id": {10 ** 30}', t, 1)),
         r"tokenizer\.json's token ids are not distinct whole numbers"),
     "tokenizer.json with an empty vocabulary": ("neox", lambda d: edit_json(d / "tokenizer.json", model={
         "type": "BPE", "vocab": {}, "merges": []}), r"tokenizer\.json's token ids are not distinct whole numbers"),

@@ -86,8 +86,8 @@ def _byte_level_bpe(name, vocab, merges, pat_str, where, *, specials=None, added
     """A tiktoken Encoding of a byte-level BPE {token: id} and merges ["left right" or (left, right)]; tiktoken's ranks
     are ids, so ids must rise in merge order. specials=None: every token neither a byte nor merged (<|endoftext|>)."""
     ids = [*vocab.values(), *(specials or {}).values(), *(added or {}).values()]
-    if not vocab or not all(type(i) is int and i >= 0 for i in ids) or len(set(vocab.values())) < len(vocab):
-        raise ModelError(f"{where}'s token ids are not distinct whole numbers of at least 0; {REFETCH}")
+    if not vocab or not all(type(i) is int and 0 <= i < 2 ** 32 for i in ids) or len(set(vocab.values())) < len(vocab):
+        raise ModelError(f"{where}'s token ids are not distinct whole numbers from 0 below 2^32; {REFETCH}")
     try:
         ranks = {bytes([U2B[t]]): i for t, i in vocab.items() if len(t) == 1 and t in U2B}
         pairs = [m.split(" ") if isinstance(m, str) else m for m in merges]
