@@ -366,7 +366,8 @@ class GPT(nn.Module):
         """The student: all weights shared, layer l's core a LinearAttention (or `core`) of dims[l] features a head."""
         c = self.config
         if len(dims) != c.n_layer or core is None and any(isinstance(m, (list, tuple)) for m in dims):
-            raise ModelError(f"linearize needs a dim per layer ({c.n_layer}), got {len(dims)}" if len(dims) != c.n_layer
+            raise ModelError(f"{len(dims)} dims for a teacher of {c.n_layer} layers; pass a checkpoint of this teacher, "
+                             "one dim a layer" if len(dims) != c.n_layer
                              else "a per-head checkpoint: train, resume or evaluate it with experiments/per_head.py")
         student = copy.deepcopy(self, {id(t): t for t in (*self.parameters(), *self.buffers())})   # shared
         for block, m in zip(student.h, dims):

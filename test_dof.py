@@ -3569,6 +3569,14 @@ def test_cli_student_next_to_teacher(ckpt, student, tmp_path, capsys):
     assert s["loglikelihoods"] == pytest.approx(naive, abs=1e-3)
 
 
+def test_a_checkpoint_with_a_dim_short_is_refused(ckpt, student, tmp_path):
+    """Dims for fewer layers than the teacher has: a sentence that says what to pass, not linearize's words."""
+    shutil.copytree(student, bad := tmp_path / "short")
+    edit_json(bad / "config.json", dims=[8])
+    with pytest.raises(ModelError, match=r"^1 dims for a teacher of 2 layers; pass a checkpoint of this teacher"):
+        M.load_student(bad)
+
+
 def without_timings(report):
     for part in (report, report.get("student", {})):
         for result in part.get("results", {}).values():
