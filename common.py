@@ -49,6 +49,8 @@ def run_main(main):
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except (KeyboardInterrupt, Stopped) as e:
+        for sig in (signal.SIGINT, signal.SIGTERM):             # a second signal while stopping: the same line
+            signal.signal(sig, signal.SIG_IGN)
         saved = CLAIMED and is_checkpoint(CLAIMED[0])
         where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if saved else ""
         print(f"\nstopped by {'SIGTERM' if isinstance(e, Stopped) else 'Ctrl-C'}{where}", file=sys.stderr)
@@ -139,10 +141,22 @@ def sync(device):
         torch.mps.synchronize()
 
 
+def launch():
+    """(RANK, WORLD_SIZE) that torchrun sets, (0, 1) under python; a ModelError for values torchrun never sets."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None and world in (None, "1"):
+        return 0, 1
+    if not (str(rank).isdigit() and str(world).isdigit() and int(rank) < int(world)) or int(world) > 1 and not (
+            {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys()):
+        raise ModelError(f"RANK={rank}, WORLD_SIZE={world} are not a process of a torchrun launch (0 <= RANK < "
+                         "WORLD_SIZE, with MASTER_ADDR and MASTER_PORT); start it with torchrun, or unset them")
+    return int(rank), int(world)
+
+
 def init_distributed(device):
     """Under torchrun (WORLD_SIZE > 1), join the process group (NCCL on cuda:LOCAL_RANK, else gloo; a timeout long
     enough for rank 0 to prepare the data) and silence the other ranks' stdout -> this process's device."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launch()[1] == 1:
         return device
     cuda = device.startswith("cuda")
     if cuda:
@@ -233,7 +247,7 @@ def atomic_path(path, directory=False):
 
 def remove(path):
     path = Path(path)
-    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
 
 
 def write_text_atomic(path, text):
@@ -268,13 +282,13 @@ def check_out(out, files=(), flag="--out"):
     if not folder.is_dir():
         where = "a file" if folder == p else f"inside the file {folder}"
         raise ModelError(f"{flag} {out} is {where}; pass a directory")
-    for f in files if folder == p else ():
-        check_writable(p / f)                                              # none of them a directory or a fifo
     try:
         tempfile.TemporaryFile(dir=folder).close()                        # a real write: root passes os.access
     except OSError as e:
         raise ModelError(f"cannot write {flag} {out}: {folder} is not writable ({e.strerror}); pass another {flag}") \
             from None
+    for f in files if folder == p else ():
+        check_writable(p / f)                                              # none of them a directory or a fifo
 
 
 def is_checkpoint(folder):
@@ -290,6 +304,9 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
     if out in (Path.cwd(), *Path.cwd().parents):
         raise ModelError(f"--out-dir {out_dir!r} is the working directory or holds it, and every save replaces the "
                          "out-dir whole; pass a folder of its own, e.g. --out-dir out")
+    if os.path.ismount(out):
+        raise ModelError(f"--out-dir {out_dir} is a mount point, and every save replaces the out-dir by renaming it; "
+                         f"pass a folder inside it, e.g. --out-dir {Path(out_dir) / 'out'}")
     ckpt = is_checkpoint(out)
     if out.is_dir():
         if any(out.iterdir()) and not resume and not (overwrite and ckpt):
@@ -305,7 +322,7 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
         lacks = " and ".join(f for f in ("config.json", "features.safetensors") if not (out / f).is_file())
         raise ModelError(f"{out_dir} holds no checkpoint to resume (it lacks {lacks}); " + ("pass --overwrite to start "
                          "again, or another --out-dir" if out.is_dir() and any(out.iterdir()) else "drop --resume"))
-    if os.environ.get("RANK", "0") != "0":                       # under torchrun rank 0 writes, and holds the lock
+    if launch()[0] != 0:                                         # under torchrun rank 0 writes, and holds the lock
         yield
         return
     lock = out.with_name(out.name + ".lock")

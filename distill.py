@@ -23,14 +23,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 import dof
 from checkpoint import HubUnreachable, read_student
-from common import (ModelError, all_mean, atomic_path, barrier, broadcast, check_free_memory, check_positive,
-                    check_tokenizer, claim_out_dir, get_batch, get_rank, get_world_size, init_distributed, is_main,
-                    opt, parse_config, pick_device, read_json, read_tokens, run_main, torch_load)
+from common import (ModelError, all_mean, atomic_path, barrier, broadcast, check_free_memory, check_out,
+                    check_positive, check_tokenizer, claim_out_dir, get_batch, get_rank, get_world_size,
+                    init_distributed, is_checkpoint, is_main, opt, parse_config, pick_device, read_json, read_tokens,
+                    run_main, torch_load)
 from model import GPT, PRF, feature_state, load_feature_state, overflow_safe_prf, prf_log_features
 from tokenizer import load_tokenizer
 
@@ -145,6 +147,7 @@ def open_data(cfg, enc, vocab_size):
                              f"token files but no meta.json, which prepare.py writes last; {again}")
         texts = sorted(p for p in d.iterdir() if p.suffix in (".txt", ".raw")) if d.is_dir() else []
         script = data_script("text" if texts else "wikipedia")
+        check_out(d, script.FILES, "--data")                              # writable, before the tokenizing
         names = ", ".join(p.name for p in texts) or f"{cfg.wiki_tokens:,} Wikipedia tokens"
         print(f"preparing {cfg.data} from {names}")
         script.prepare(script.TextConfig(texts, cfg.model, cfg.data, cfg.val_fraction) if texts else script.
@@ -398,9 +401,10 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             (tmp / "metrics.json").write_text(json.dumps(metrics) + "\n")
             torch.save(state, tmp / "optim.pt")
-    except (OSError, RuntimeError) as e:                          # a full disk; torch.save's is a RuntimeError
-        raise ModelError(f"saving into {cfg.out_dir} failed ({str(e).strip()[:80]}); the checkpoint saved before "
-                         "is whole: make room, then add --resume to continue from it") from None
+    except (OSError, RuntimeError, SafetensorError) as e:         # a full disk; torch.save's is a RuntimeError
+        raise ModelError(f"saving into {cfg.out_dir} failed ({str(e).strip()[:80]}); " + ("the checkpoint saved "
+                         "before is whole: make room, then add --resume to continue from it" if is_checkpoint(
+                             cfg.out_dir) else "make room, then run it again")) from None
 
 
 def restore(cfg, optim, gen):

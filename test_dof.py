@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import typing
 import unicodedata
@@ -2287,6 +2288,28 @@ def run_bad(argv, match):
     return e
 
 
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {"WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "abc"},
+                                 {"RANK": "2", "WORLD_SIZE": "2"}, {"RANK": "0", "WORLD_SIZE": "0"},
+                                 {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}], ids=str)
+def test_torchrun_variables_set_by_hand_are_refused_before_any_work(setup, tmp_path, monkeypatch, env):
+    """RANK=1 alone had skipped the out-dir lock (two runs wrote one out-dir); WORLD_SIZE alone or not a number was
+    a traceback from int() or torch.distributed. torchrun's own values pass: RANK < WORLD_SIZE and its master."""
+    d, ckpt, data = setup
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    run_bad(distill_args(ckpt, data, tmp_path / "out"), r"^RANK=\S+, WORLD_SIZE=\S+ are not a process of a torchrun "
+            r"launch \(0 <= RANK < WORLD_SIZE, with MASTER_ADDR and MASTER_PORT\); start it with torchrun, or unset")
+    assert not any(tmp_path.iterdir())
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert common.launch() == (1, 2)
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k)
+    assert common.launch() == (0, 1)
+
+
 def test_bad_data_directories(setup, tmp_path, monkeypatch):
     """No token files and no text, so a Wikipedia sample is due, but no hub: one sentence naming the offline command,
     nothing written. Token files of another tokenizer: refused."""
@@ -2308,6 +2331,17 @@ def test_bad_data_directories(setup, tmp_path, monkeypatch):
     meta["tokenizer"].update(model="EleutherAI/pythia-160m", n_vocab=50277)
     (other / "meta.json").write_text(json.dumps(meta))
     run_bad(args + ["--data", other], r"tokenized with the tokenizer of EleutherAI/pythia-160m .*prepare them again")
+    (ro := tmp_path / "read-only").mkdir()                             # text to prepare where nothing can be written
+    (ro / "a.txt").write_text("text " * 500)
+    temporary_file = tempfile.TemporaryFile
+
+    def read_only(*a, dir=None, **kw):
+        if Path(dir) == ro:
+            raise OSError(30, "Read-only file system")
+        return temporary_file(*a, dir=dir, **kw)
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    run_bad(args + ["--data", ro], r"^cannot write --data \S+read-only: \S+read-only is not writable \(Read-only file "
+            r"system\); pass another --data$")
     assert not (tmp_path / "out").exists()
 
 
@@ -2788,11 +2822,37 @@ def test_out_dir_that_is_a_link_and_a_full_disk(setup, tmp_path, monkeypatch):
         distill.main(run + ["--max-steps", "3", "--resume"])
     assert snapshot(real) == before and sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "real"]
     assert not any(here.iterdir())
+
+    def full_disk_safetensors(*args):                                  # safetensors' own exception, at the first save
+        from safetensors import SafetensorError
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(distill, "save_file", full_disk_safetensors)
+    with pytest.raises(ModelError, match=r"saving into .*fresh failed \(Error while serializing: I/O error: No space "
+                                         r"left on device \(os error 28\)\); make room, then run it again$"):
+        distill.main(distill_args(ckpt, data, tmp_path / "fresh", "--alloc", "fix", "--budget", "4", "--max-steps", "1"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "real"]
     prepare = distill.data_script("text")
     with pytest.raises(ModelError, match=r"writing the token files into .*b failed \(\[Errno 28\] No space left"):
         with prepare.token_files(tmp_path / "a" / "b", {}):
             raise OSError(28, "No space left on device")
     assert not (tmp_path / "a").exists()
+
+
+def test_out_dir_a_mount_point_and_a_stale_tmp_that_is_a_link(setup, tmp_path, monkeypatch):
+    """A mount point as --out-dir failed at the first save (it cannot be renamed), after the DoF pass; a stale
+    <out>.tmp that links to a folder failed the save (rmtree refuses links): it is unlinked, the folder kept."""
+    d, ckpt, data = setup
+    (mnt := tmp_path / "mnt").mkdir()
+    ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mnt or ismount(p))
+    run_bad(distill_args(ckpt, data, mnt), r"^--out-dir \S+mnt is a mount point, and every save replaces the out-dir "
+            r"by renaming it; pass a folder inside it, e.g. --out-dir \S+mnt/out$")
+    (keep := tmp_path / "keep").mkdir()
+    (keep / "mine.txt").write_text("mine")
+    (tmp_path / "run.tmp").symlink_to(keep)
+    distill.main(distill_args(ckpt, data, tmp_path / "run", "--alloc", "fix", "--budget", "4", "--max-steps", "1"))
+    assert common.is_checkpoint(tmp_path / "run") and not (tmp_path / "run.tmp").exists()
+    assert [p.name for p in keep.iterdir()] == ["mine.txt"]
 
 
 def test_a_short_context_teacher_and_a_fixed_feature_map(setup, tmp_path, capsys):
@@ -2839,7 +2899,8 @@ def test_output_through_a_link_replaces_its_target_and_a_pipe_is_refused(tmp_pat
 
 
 def test_a_run_stopped_before_its_first_checkpoint_names_none(tmp_path, capsys):
-    """Ctrl-C before the first save: exit 130 and no claim of a checkpoint that is not there."""
+    """Ctrl-C before the first save: exit 130 and no claim of a checkpoint that is not there; a second signal while
+    it stops is ignored (a second Ctrl-C had printed a traceback from threading's shutdown after the line)."""
     def main():
         with common.claim_out_dir(tmp_path / "run"):
             raise KeyboardInterrupt
@@ -2847,6 +2908,7 @@ def test_a_run_stopped_before_its_first_checkpoint_names_none(tmp_path, capsys):
     try:
         with pytest.raises(SystemExit) as e:
             common.run_main(main)
+        assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, handlers[0])
         signal.signal(signal.SIGTERM, handlers[1])
@@ -3973,6 +4035,19 @@ def test_figures_script_writes_valid_pngs_and_needs_matplotlib(tmp_path, monkeyp
         with pytest.raises(ModelError, match=f"^{flag} must be a number of at least 1, got 0$"):
             figures.main(args + [flag, "0", "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()                              # refused before any figure
+    (tmp_path / "file").write_text("")                                 # these three had been tracebacks, or silent
+    with pytest.raises(ModelError, match=r"^--out \S+file is a file; pass a directory$"):
+        figures.main(args + ["--out", str(tmp_path / "file")])
+    with pytest.raises(ModelError, match=r"^--results \S+nowhere is not a folder; pass a folder of docs/experiments"):
+        figures.main(args + ["--results", str(tmp_path / "nowhere"), "--out", str(tmp_path / "bad")])
+    import matplotlib.figure
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    with pytest.raises(ModelError, match=r"^cannot write the figures into \S+full \(No space left on device\); make "):
+        figures.main(args + ["--out", str(tmp_path / "full")])
+    assert not any((tmp_path / "full").iterdir()) and not (tmp_path / "bad").exists()
     monkeypatch.setitem(sys.modules, "matplotlib", None)                # import matplotlib -> ImportError
     with pytest.raises(SystemExit) as e:
         run_main(lambda: figures.main(args + ["--out", str(tmp_path / "none")]))

@@ -349,7 +349,8 @@ def curves(records, path):
     ax.legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    with atomic_path(path) as tmp:                                   # whole or not at all
+        fig.savefig(tmp, format="png")
     plt.close(fig)
     return True
 

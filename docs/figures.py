@@ -27,10 +27,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "docs")]
 import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
-from common import ModelError, atomic_path, check_positive, opt, parse_config, read_tokens, run_main  # noqa: E402
+from common import (ModelError, atomic_path, check_out, check_positive, opt, parse_config, read_tokens,  # noqa: E402
+                    run_main)
 from tokenizer import load_tokenizer  # noqa: E402
 
 COLORS = ("C0", "C3")                                   # the low-DoF head, the high-DoF head
+FIGURES = [f"fig-{name}.png" for name in ("spectrum", "kernel-error", "attention", "dof", "curves")]
 
 
 @dataclass
@@ -55,6 +57,9 @@ class FigConfig:
     def __post_init__(self):
         check_positive(self, ("tokens", "block_size", "J", "budget", "draws", "window"))
         check_positive(self, ("lam",), 0, above=True)
+        check_out(self.out, FIGURES)
+        if not Path(self.results).is_dir():
+            raise ModelError(f"--results {self.results} is not a folder; pass a folder of docs/experiments.py results")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -250,14 +255,18 @@ def main(argv=None):
     print("heads (layer, head, N): " + ", ".join(f"({l}, {h}, {N[l, h]:.1f})" for l, h in heads))
 
     out.mkdir(parents=True, exist_ok=True)
-    fig_spectrum(plt, out / "fig-spectrum.png", x, N, heads, cfg)
-    fig_kernel_error(plt, out / "fig-kernel-error.png", layer_qk(model, held_out), x, N, heads, cfg)
-    if not cfg.ckpt:
-        print("no --ckpt: the attention maps show the teacher and the untrained student only")
-    fig_attention(plt, out / "fig-attention.png", model, ckpt, tokens, heads[1], cfg)
-    fig_dof(plt, out / "fig-dof.png", N, heads, cfg)
-    if not fig_curves(out / "fig-curves.png", cfg.results):
-        print(f"no results of both Fix and DoF under {cfg.results}: fig-curves.png not drawn")
+    try:
+        fig_spectrum(plt, out / "fig-spectrum.png", x, N, heads, cfg)
+        fig_kernel_error(plt, out / "fig-kernel-error.png", layer_qk(model, held_out), x, N, heads, cfg)
+        if not cfg.ckpt:
+            print("no --ckpt: the attention maps show the teacher and the untrained student only")
+        fig_attention(plt, out / "fig-attention.png", model, ckpt, tokens, heads[1], cfg)
+        fig_dof(plt, out / "fig-dof.png", N, heads, cfg)
+        if not fig_curves(out / "fig-curves.png", cfg.results):
+            print(f"no results of both Fix and DoF under {cfg.results}: fig-curves.png not drawn")
+    except OSError as e:                                          # a full disk: each figure is whole or not there
+        raise ModelError(f"cannot write the figures into {out} ({e.strerror}); make room or pass another --out") \
+            from None
 
 
 if __name__ == "__main__":
