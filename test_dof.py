@@ -3239,7 +3239,11 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     assert alpha.std() > 0.1                                          # importance weights, not the plain alpha = 1
     r = cli("experiments/leverage.py", "--model", ckpt, "--data", data, "--feature-map", "performer",
             "--out-dir", tmp_path / "x")
-    assert r.returncode == 2 and "need --pool >= 1 and --feature-map prf" in r.stderr
+    assert r.returncode == 2 and r.stderr.endswith("drawn afresh: pass --feature-map prf, not performer\n")
+    for flags, sentence in ((["--pool", 0], "--pool must be a number of at least 1, got 0"),   # each names its flag
+                            (["--init-from", tmp_path / "lev"], "drop --init-from, whose checkpoint sets the starting")):
+        with pytest.raises(ModelError, match=sentence):
+            distill.parse_args(["--model", ckpt, *flags], leverage.LeverageConfig)
     assert not (tmp_path / "x").exists()
 
 

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
-from common import ModelError, check_free_memory, opt, run_main  # noqa: E402
+from common import ModelError, check_free_memory, check_positive, opt, run_main  # noqa: E402
 
 
 def prf_log(x, z):
@@ -108,9 +108,11 @@ class LeverageConfig(distill.DistillConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.pool < 1 or self.feature_map != "prf" or self.init_from:
-            raise ModelError("leverage features need --pool >= 1 and --feature-map prf, and no --init-from (which "
-                             "sets the starting features itself)")
+        check_positive(self, ("pool",), 1)
+        if self.feature_map != "prf" or self.init_from:
+            raise ModelError("leverage features are PRF directions drawn afresh: " + ("drop --init-from, whose "
+                             "checkpoint sets the starting features" if self.init_from else
+                             f"pass --feature-map prf, not {self.feature_map}"))
 
 
 def main(argv=None):
