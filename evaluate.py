@@ -60,14 +60,7 @@ class EvalConfig:
         check_positive(self, ("ppl_max_tokens", "speed_tokens"), 2)
         pick_device(self.device, "float32")
         if self.output:
-            check_writable(self.output)
-            out = Path(self.output).resolve()
-            reads = {Path(p).resolve() for p in (self.ppl, self.model) if p} | {
-                Path(self.ckpt, f).resolve() for f in ("config.json", "features.safetensors") if self.ckpt}
-            if out.is_file() and (out in reads or out.parent in {Path(d).resolve() for d in (self.model, self.data_dir)
-                                                                 if d}):   # the teacher's files, the task files
-                raise ModelError(f"--output {self.output} would replace a file this run reads (the checkpoint's, the "
-                                 "teacher's, --ppl or one in --data-dir); pass another path")
+            check_output(self.output, self.model, self.ckpt, self.data_dir, self.ppl)
         p = Path(self.ppl or ".")
         why = "is a directory" if p.is_dir() else "does not exist" if not p.exists() else "is empty"
         if self.ppl and (p.is_dir() or not p.exists() or p.stat().st_size == 0):
@@ -325,7 +318,18 @@ def speed(model, n_tokens: int = 1000, device="cpu") -> dict:
     return {"tokens": n, "prefill_s": seconds[1], "generate_s": seconds[2]}
 
 
-def load_models(cfg: EvalConfig, device, load=load_student) -> dict:
+def check_output(output, model, ckpt, data_dir, ppl=None):
+    """A ModelError, before any work, where --output cannot be written or would replace a file the run reads."""
+    check_writable(output)
+    out = Path(output).resolve()
+    reads = {Path(p).resolve() for p in (ppl, model) if p} | {
+        Path(ckpt, f).resolve() for f in ("config.json", "features.safetensors") if ckpt}
+    if out.is_file() and (out in reads or out.parent in {Path(d).resolve() for d in (model, data_dir) if d}):
+        raise ModelError(f"--output {output} would replace a file this run reads (the checkpoint's, the teacher's, "
+                         "--ppl or one in --data-dir); pass another path")
+
+
+def load_models(cfg: EvalConfig, device, load=load_student, fla=False) -> dict:
     """{"teacher": --model, "student": load(--ckpt)'s student}; --ckpt's teacher is checked before any model loads."""
     if cfg.ckpt is not None:
         t = read_json(Path(cfg.ckpt) / "config.json", "pass a complete distill.py checkpoint as --ckpt", dict).get(
@@ -336,7 +340,7 @@ def load_models(cfg: EvalConfig, device, load=load_student) -> dict:
     models = {"teacher": GPT.from_pretrained(cfg.model, device=device, dtype=getattr(torch, cfg.dtype))}
     if cfg.ckpt is not None:
         models["student"] = load(cfg.ckpt, device=device, dtype=getattr(torch, cfg.dtype))[0]
-        for core in models["student"].modules() if cfg.fla else ():     # a fork's core may hold several
+        for core in models["student"].modules() if fla else ():         # a fork's core may hold several
             if isinstance(core, LinearAttention):
                 core.scan = fla_linear_attention
     return models
@@ -365,7 +369,7 @@ def main(argv=None, load=load_student):
     names = [] if cfg.tasks is None and (cfg.ppl or cfg.speed) else parse_tasks(cfg.tasks)
     prompts = {name: load_task(name, cfg.data_dir, cfg.limit) for name in names}  # bad data fails here, fast
     device = init_distributed(pick_device(cfg.device, "float32")[0])  # the model is cast to --dtype: no autocast
-    models, enc = load_models(cfg, device, load), load_tokenizer(cfg.model)
+    models, enc = load_models(cfg, device, load, cfg.fla), load_tokenizer(cfg.model)
     report = {}
     if cfg.ppl:                                        # first: a bad token file fails before the tasks' work
         if Path(cfg.ppl).suffix == ".bin" and (meta := Path(cfg.ppl).with_name("meta.json")).is_file():

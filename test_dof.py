@@ -3215,10 +3215,9 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
     assert ppl["student"] == E.perplexity(per_head.load_student(out)[0], tokens)
     assert ppl["student"]["loss"] != ppl["teacher"]["loss"]
-    cfg = E.EvalConfig(model=str(ckpt), ckpt=str(out), device="cpu")
-    cfg.fla = True                                                    # past its CUDA check: the scans it would set
-    scans = {type(m).__name__: m.scan for m in E.load_models(cfg, "cpu", per_head.load_student)["student"].modules()
-             if hasattr(m, "scan")}
+    cfg = E.EvalConfig(model=str(ckpt), ckpt=str(out), device="cpu")   # fla=True: the scans --fla would set
+    scans = {type(m).__name__: m.scan for m in E.load_models(cfg, "cpu", per_head.load_student, fla=True)["student"]
+             .modules() if hasattr(m, "scan")}
     assert scans == {"LinearAttention": M.fla_linear_attention}      # each group's core, not the grouped wrapper
     distill.main(distill_args(ckpt, data, tmp_path / "plain", "--budget", "6", "--max-steps", "0"))
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--out-dir", tmp_path / "ph", "--init-from",
@@ -3734,7 +3733,7 @@ def test_heads_measures_every_map_at_every_M_and_reports_at_the_M_nearest_the_bu
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, tmp_path, capsys):
+def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, student, tmp_path, capsys):
     """experiments/bench_scorer.py: harness tokens (a window's worth for a truncated request) over the fast scorer's
     time against the plain forward rate; run as a script it finds the core from experiments/; a bad option is one
     sentence and exit code 2."""
@@ -3751,6 +3750,12 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, tm
             "--device", "cpu", "--output", tmp_path / "bench.json")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "harness tok/s" in r.stdout and json.loads((tmp_path / "bench.json").read_text())["teacher"]["piqa"]
+    bs.main(["--model", str(ckpt), "--ckpt", str(student), "--tasks", "piqa", "--data-dir", str(EVAL), "--limit", "2",
+             "--device", "cpu"])                                       # the student too (had been an AttributeError)
+    assert "student (" in capsys.readouterr().out
+    shutil.copytree(EVAL, tasks := tmp_path / "eval")
+    with pytest.raises(ModelError, match=r"--output \S+piqa.jsonl would replace a file this run reads"):
+        bs.main(["--model", str(ckpt), "--data-dir", str(tasks), "--output", str(tasks / "piqa.jsonl")])
     with pytest.raises(SystemExit) as e:
         common.run_main(lambda: bs.main(["--model", str(ckpt), "--rounds", "0", "--device", "cpu"]))
     assert e.value.code == 2 and capsys.readouterr().err == "error: --rounds must be a number of at least 1, got 0\n"

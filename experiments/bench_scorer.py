@@ -19,8 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import evaluate as E  # noqa: E402
-from common import (check_positive, check_writable, opt, parse_config, pick_device, run_main, sync,  # noqa: E402
-                    write_text_atomic)
+from common import check_positive, opt, parse_config, pick_device, run_main, sync, write_text_atomic  # noqa: E402
 from fast_scorer import score_windows  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -42,7 +41,7 @@ class BenchConfig:
         check_positive(self, ("limit", "batch_size", "rounds"), 1)
         pick_device(self.device, "float32")
         if self.output:
-            check_writable(self.output)
+            E.check_output(self.output, self.model, self.ckpt, self.data_dir)
 
 
 def harness_tokens(tokenized, max_len: int) -> int:
