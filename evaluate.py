@@ -318,15 +318,15 @@ def speed(model, n_tokens: int = 1000, device="cpu") -> dict:
     return {"tokens": n, "prefill_s": seconds[1], "generate_s": seconds[2]}
 
 
-def check_output(output, model, ckpt, data_dir, ppl=None):
-    """A ModelError, before any work, where --output cannot be written or would replace a file the run reads."""
+def check_output(output, model, ckpt, data_dir, ppl=None, flag="--output"):
+    """A ModelError, before any work, where `output` cannot be written or would replace a file the run reads."""
     check_writable(output)
     out = Path(output).resolve()
     reads = {Path(p).resolve() for p in (ppl, model) if p} | {
         Path(ckpt, f).resolve() for f in ("config.json", "features.safetensors") if ckpt}
     if out.is_file() and (out in reads or out.parent in {Path(d).resolve() for d in (model, data_dir) if d}):
-        raise ModelError(f"--output {output} would replace a file this run reads (the checkpoint's, the teacher's, "
-                         "--ppl or one in --data-dir); pass another path")
+        raise ModelError(f"{flag} {output} would replace a file this run reads (the checkpoint's, the teacher's, its "
+                         "data or tasks); pass another path")
 
 
 def load_models(cfg: EvalConfig, device, load=load_student, fla=False) -> dict:

@@ -4130,8 +4130,13 @@ def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core
     cfg = json.loads((tmp_path / "raw" / "config.json").read_text())
     assert cfg["dims"] == want and cfg["alloc"] == "dof-raw" and cfg["dof"] == pytest.approx(raw)
     assert want != dof.choose_dims(teacher, calib, 8, "dof", J=256, key_means=dof.key_means(teacher, calib))[0]
+    with pytest.raises(ModelError, match=r"raw was started with --rule 'dof-raw', not 'entropy'; resume it with"):
+        A.main(distill_args(ckpt, data, tmp_path / "raw", *flags[2:], "--rule", "entropy", "--max-steps", "4",
+                            "--resume"))
     A.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "4", "--resume"))
     assert json.loads((tmp_path / "raw" / "config.json").read_text())["step"] == 4
+    with pytest.raises(ModelError, match=r"--predict \S+meta.json would replace a file this run reads"):
+        A.main(distill_args(ckpt, data, tmp_path / "none", "--predict", data / "meta.json"))
     with pytest.raises(SystemExit) as e:                                               # stops before training
         A.main(distill_args(ckpt, data, tmp_path / "none", "--predict", tmp_path / "p.json"))
     assert e.value.code == 0
@@ -4147,8 +4152,22 @@ def test_allocation_curves_damaged_or_not_positive_are_one_sentence(tmp_path):
         A.load_curves(tmp_path)
     for m, kl in ((4, [0.0, 0.1]), (8, [0.1, 0.1])):
         (tmp_path / f"fix-m{m}-s0.json").write_text(json.dumps({"args": {"budget": m}, "val": [{"attn_kl": kl}]}))
-    with pytest.raises(ModelError, match=r"or a KL that is not positive"):          # log KL: no zeros
+    with pytest.raises(ModelError, match=r"or a KL that is not a list of finite positive numbers"):   # log KL: no 0
         A.load_curves(tmp_path)
+    for kl8, kl4 in ((0.5, 0.5), (0.5, [0.2, 0.1]), ([0.1, 0.1], [float("inf"), 0.1])):   # an IndexError; dims of inf
+        for m, kl in ((8, kl8), (4, kl4)):
+            (tmp_path / f"fix-m{m}-s0.json").write_text(json.dumps({"args": {"budget": m}, "val": [{"attn_kl": kl}]}))
+        with pytest.raises(ModelError, match=r"lacks its budget or held-out KL \(ValueError\)|or a KL that is not a "
+                                             r"list of finite positive numbers"):
+            A.load_curves(tmp_path)
+    (tmp_path / "fix-m4-s0.json").write_text(json.dumps({"args": {"budget": 4}, "val": [{"attn_kl": [0.2, 0.1]}]}))
+    assert A.load_curves(tmp_path)[0].tolist() == [4, 8]
+    (tmp_path / "fix-m4-s1.json").write_text(json.dumps({"args": {"budget": 4}, "val": [{"attn_kl": [0.2, 0.1]}]}))
+    with pytest.raises(ModelError, match=r"fewer than two fix-m\*.json curve runs of distinct budgets"):   # 0 / 0
+        A.load_curves(tmp_path)
+    (tmp_path / "fix-m4-s1.json").unlink()
+    with pytest.raises(ModelError, match=r"^--curves \S+nowhere is not a folder; pass the --curves of docs/exp"):
+        A.load_curves(tmp_path / "nowhere")
     (tmp_path / "fix-m4-s0.json").write_text(json.dumps({"val": []}))
     with pytest.raises(ModelError, match=r"lacks its budget or held-out KL \(KeyError\)"):
         A.load_curves(tmp_path)

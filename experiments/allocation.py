@@ -29,7 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
-from common import ModelError, check_writable, opt, read_json, run_main, write_text_atomic  # noqa: E402
+from common import ModelError, opt, read_json, run_main, write_text_atomic  # noqa: E402
+from evaluate import check_output  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -38,6 +39,8 @@ from common import ModelError, check_writable, opt, read_json, run_main, write_t
 def load_curves(curves, prefix="fix"):
     """docs/results/curves/<prefix>-m<M>-s*.json -> (Ms (n,), KL (n, L)): each layer's final held-out KL at M."""
     todo = "pass the --curves of docs/experiments.py --run curves"
+    if not Path(curves).is_dir():
+        raise ModelError(f"--curves {curves} is not a folder; {todo} (docs/results/curves, from the repository root)")
     runs = [read_json(p, todo, dict) for p in sorted(Path(curves).glob(f"{prefix}-m*.json"))]
     try:
         runs = sorted(((r["args"]["budget"], r["val"][-1]["attn_kl"]) for r in runs), key=lambda r: r[0])
@@ -45,9 +48,10 @@ def load_curves(curves, prefix="fix"):
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise ModelError(f"a curve run in {curves} lacks its budget or held-out KL ({type(e).__name__}); {todo}") \
             from None
-    if len(runs) < 2 or not (KL > 0).all():
-        raise ModelError(f"{curves} holds fewer than two {prefix}-m*.json curve runs, or a KL that is not positive; "
-                         f"{todo}")
+    if len(runs) < 2 or len(set(Ms)) < len(Ms) or Ms[0] < 1 or KL.ndim != 2 or not (
+            np.isfinite(KL) & (KL > 0)).all():
+        raise ModelError(f"{curves} holds fewer than two {prefix}-m*.json curve runs of distinct budgets of at least "
+                         f"1, or a KL that is not a list of finite positive numbers; {todo}")
     return Ms, KL
 
 
@@ -144,7 +148,7 @@ class AllocationConfig(distill.DistillConfig):
         if self.predict and (self.resume or self.init_from):
             raise ModelError("--predict computes the predictors of a fresh run; drop --resume and --init-from")
         if self.predict:
-            check_writable(self.predict)
+            check_output(self.predict, self.model, None, self.data, flag="--predict")
 
 
 def rule_dims(cfg, teacher, calib):
@@ -165,6 +169,9 @@ def rule_dims(cfg, teacher, calib):
 
 def make_student(cfg, teacher, calib, prev=None):
     """distill.make_student with --dims from the rule (a fresh run), recording the rule as the checkpoint's alloc."""
+    if prev and cfg.resume and prev.config["args"].get("rule", cfg.rule) != cfg.rule:
+        raise ModelError(f"{prev.path} was started with --rule {prev.config['args']['rule']!r}, not {cfg.rule!r}; "
+                         "resume it with the flags it was started with")
     if prev:
         return distill.make_student(cfg, teacher, calib, prev)
     if cfg.predict:
