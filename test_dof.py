@@ -2688,6 +2688,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
     d, ckpt, data = setup
     (tmp_path / "bad.json").write_text('{"args": {"dof": [[1,')
     (tmp_path / "ragged.json").write_text('{"args": {"dof": [[1, 2], [3]]}}')
+    (tmp_path / "empty.json").write_text('{"args": {"dof": [[]], "budget": 8}}')      # had been an IndexError
+    (tmp_path / "nan.json").write_text('{"args": {"dof": [[NaN, 1]], "budget": 8}}')
     (tmp_path / "a.txt").write_text("short text")
     (tmp_path / "file").write_text("")
     (tmp_path / "short").mkdir()
@@ -2704,6 +2706,9 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("experiments/bench.py", ["--step", "mse"], r"--step mse: the losses are softmax, l2 and direct"),
              ("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "ragged.json"],
               r"ragged.json lacks a per-head DoF table or its budget \(ValueError\)"),
+             *[("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / f"{name}.json"], rf"{name}.json "
+                r"holds no per-head table of finite DoF of at least 0 \(one row a layer\) and whole budget of at") for
+               name in ("empty", "nan")],
              ("experiments/allocation.py", ["--model", ckpt, "--predict", tmp_path / "no" / "p.json"],
               r"cannot write .*p.json: it is in .*no, which does not exist"),
              ("experiments/allocation.py", ["--rule", "entropy", "--dims", "4,1,1,1"], r"--rule chooses the dims here; "
@@ -2748,7 +2753,10 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("dof.py", ["--model", ckpt, "--data", data, "--batch-size", 10 ** 8, "--out", tmp_path / "out"], r"the "
               r"calibration pass at --batch-size 100000000 x --block-size 128 needs about [\d,.]+ GiB, more than the"),
              ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "9", "--out", tmp_path / "out"],
-              r"has layers 0-3 and a context of 128 tokens; pass --layers among them \(got \[9\]\)"),
+              r"has layers 0-3; pass --layers among them \(got \[9\]\)$"),
+             ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "0", "--block-size", "256", "--out",
+                                       tmp_path / "out"], r"has a context of 128 tokens; pass a --block-size within "
+              r"it \(got 256\)$"),                                               # had blamed --layers too
              ("experiments/heads.py", ["--model", ckpt, "--data", tmp_path / "short", "--layers", "0", "--block-size",
                                        "100", "--J", "64", "--out", tmp_path / "out"], r"holds 50 tokens, fewer than"),
              ("experiments/heads.py", ["--seeds", "0"], r"--seeds must be a number of at least 1, got 0"),
@@ -2762,6 +2770,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
                                        "--calib-seqs", 10 ** 8, "--out", tmp_path / "out"], r"100000004 sequences "
               r"\(--calib-seqs \+ --eval-seqs\) of 64 tokens with up to 128 features a head needs about [\d,.]+ GiB"),
              ("docs/experiments.py", ["--run", "claim", "--jobs", "0"], r"--jobs must be a number of at least 1"),
+             ("docs/experiments.py", ["--run", "claim", "--match", "nothing"], r"no run of grid claim has a name "
+              r"containing 'nothing'; its runs are b32-fix-s0, b32-fix-s1, "),         # had run none and exited 0
              ("experiments/heads.py", ["--Ms", "--out", tmp_path / "out"], r"--Ms must be one or more feature counts"),
              ("experiments/heads.py", ["--layers", "-1"], r"--layers must be one or more layers from 0, got \[-1\]")]
     for script, args, match in cases:

@@ -617,8 +617,11 @@ def main(argv=None):
     cfg = parse_config(ExperimentConfig, argv)
     if not cfg.run and not cfg.report:
         raise ModelError("nothing to do; pass --run GRID to run a grid or --report to rebuild docs/results.md")
+    if cfg.run and not (runs := [r for r in GRIDS[cfg.run]() if cfg.match in r.name]):
+        raise ModelError(f"no run of grid {cfg.run} has a name containing {cfg.match!r}; its runs are "
+                         f"{', '.join(r.name for r in GRIDS[cfg.run]())}")
     if cfg.run:
-        run_grid([r for r in GRIDS[cfg.run]() if cfg.match in r.name], cfg.jobs)
+        run_grid(runs, cfg.jobs)
     if cfg.report:
         report()
 

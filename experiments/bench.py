@@ -260,12 +260,13 @@ def read_heads(path):
     run = read_json(path, "pass the JSON of an experiments/per_head.py run (docs/results/heads/*.json)", dict)
     try:
         N = torch.tensor(run["args"].get("dof") or [], dtype=torch.float64)           # (L, H) per-head DoF
-        budget = int(run["args"]["budget"])
+        budget = run["args"]["budget"]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ModelError(f"{path} lacks a per-head DoF table or its budget ({type(e).__name__}); pass the JSON "
                          "of an experiments/per_head.py run") from None
-    if N.ndim != 2:
-        raise ModelError(f"{path} has per-layer DoF; pass the JSON of an experiments/per_head.py run")
+    if N.ndim != 2 or N.numel() == 0 or not (N.isfinite() & (N >= 0)).all() or type(budget) is not int or budget < 1:
+        raise ModelError(f"{path} holds no per-head table of finite DoF of at least 0 (one row a layer) and whole "
+                         "budget of at least 1; pass the JSON of an experiments/per_head.py run")
     return N, budget
 
 

@@ -137,9 +137,11 @@ def map_kl(cfg, mc, dims, kind, mu, x, calib, held):
 def measure(cfg):
     model = M.GPT.from_pretrained(cfg.model)
     mc = model.config
-    if max(cfg.layers) >= mc.n_layer or cfg.block_size > mc.block_size:
-        raise ModelError(f"{cfg.model} has layers 0-{mc.n_layer - 1} and a context of {mc.block_size} tokens; pass "
-                         f"--layers among them (got {cfg.layers}) and a --block-size within it (got {cfg.block_size})")
+    if max(cfg.layers) >= mc.n_layer:
+        raise ModelError(f"{cfg.model} has layers 0-{mc.n_layer - 1}; pass --layers among them (got {cfg.layers})")
+    if cfg.block_size > mc.block_size:
+        raise ModelError(f"{cfg.model} has a context of {mc.block_size} tokens; pass a --block-size within it (got "
+                         f"{cfg.block_size})")
     n, T, H = cfg.calib_seqs + cfg.eval_seqs, cfg.block_size, mc.n_head
     m = max(cfg.Ms + [cfg.budget * len(cfg.layers) * H])             # a head's M ~ N_lam is at most the whole budget
     check_free_memory(4 * n * T * (mc.n_layer * (H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + 6 * H * (T + m))
