@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from checkpoint import hub_reachable
 from common import (ModelError, all_gather, check_positive, check_tokenizer, check_writable, get_rank, get_world_size,
                     init_distributed, is_main, opt, parse_config, pick_device, read_json, read_tokens, run_main, shard,
                     sync, write_text_atomic)
@@ -170,6 +171,7 @@ def load_task(name: str, data_dir: str | None = None, limit: int | None = None) 
     if data_dir is None:
         try:
             import datasets
+            datasets.config.HF_HUB_OFFLINE |= not hub_reachable()  # the cache at once, not after a minute of retries
             docs = [(f"row {i}", dict(d)) for i, d in enumerate(datasets.load_dataset(path, config, split=split))]
             source = f"{path} ({config}, {split})"
         except Exception as e:  # offline, or the hub changed

@@ -3931,6 +3931,24 @@ def test_bad_files_are_one_sentence_and_leave_nothing(ckpt, student, tmp_path, c
         assert not out.exists() and not list(tmp_path.glob("*.tmp"))
 
 
+def test_tasks_from_an_unreachable_hub_come_from_the_cache_at_once(monkeypatch):
+    """Without --data-dir and without the hub, datasets is put offline before it is asked (its cache, or one sentence
+    at once; it had retried for half a minute, printing each retry, before the sentence)."""
+    import datasets
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(E, "hub_reachable", lambda: False)
+    asked = []
+
+    def load_dataset(path, name, split):
+        asked.append(datasets.config.HF_HUB_OFFLINE)
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (OfflineModeIsEnabled)")
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    with pytest.raises(ModelError, match=r"^could not load piqa from the hub \(ConnectionError in datasets.load_"
+                                         r"dataset\('baber/piqa', None, 'validation'\)\); pass --data-dir DIR holding"):
+        E.load_task("piqa")
+    assert asked == [True]
+
+
 def test_bad_documents_name_their_file_and_line(tmp_path):
     bad = tmp_path / "data"
     bad.mkdir()
