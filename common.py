@@ -399,7 +399,8 @@ def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None,
         try:
             text = p.read_bytes().decode("utf-8")                   # as it is: \r\n stays \r\n
         except UnicodeDecodeError:
-            raise ModelError(f"{p} is neither a .bin token file nor UTF-8 text") from None
+            raise ModelError(f"{p} is neither a .bin token file nor UTF-8 text; convert it to UTF-8 (iconv -t utf-8) "
+                             "or pass a .bin of data/*/prepare.py") from None
         encode = (lambda t: enc.encode(t, allowed_special="all")) if special else enc.encode_ordinary
         n = 16 * max_tokens if max_tokens else len(text)
         while len(ids := encode(text[:n])) <= (max_tokens or 0) + 64 and n < len(text):   # a prefix holding the

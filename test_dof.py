@@ -1875,6 +1875,10 @@ def test_prepare_text_keeps_the_files_line_endings(setup, tmp_path):
     ids = np.concatenate([np.fromfile(tmp_path / "out" / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
     assert ids.tolist() == enc.encode_ordinary(raw.decode()) + [enc.eot_token]
     assert E.read_tokens(tmp_path / "crlf.txt", enc).tolist() == enc.encode_ordinary(raw.decode())
+    (tmp_path / "latin.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(ModelError, match=r"latin.txt is neither a .bin token file nor UTF-8 text; convert it to UTF-8 "
+                                         r"\(iconv -t utf-8\) or pass a .bin of data/\*/prepare.py$"):
+        E.read_tokens(tmp_path / "latin.txt", enc)
 
 
 def test_prepare_refuses_a_second_writer_of_one_directory(setup, tmp_path):
