@@ -2766,6 +2766,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("experiments/heads.py", ["--seeds", "0"], r"--seeds must be a number of at least 1, got 0"),
              ("experiments/heads.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("experiments/heads.py", ["--out", tmp_path / "file" / "sub"], r"--out .*sub is inside the file .*file"),
+             ("experiments/heads.py", ["--model", ckpt, "--data", data], r"--out docs/results/heads-kl holds "
+              r"SmolLM2-135M's committed numbers \(smollm2.json\); pass another --out for "),   # had replaced them
              ("experiments/gpu_check.py", ["--work-dir", tmp_path / "file", "--out", tmp_path / "c.json"],
               r"--work-dir .*file is a file; pass a directory"),                     # these three came after the work
              ("experiments/heads.py", ["--J", "2000", "--calib-seqs", "2", "--block-size", "64"], r"--J 2000 is more "
