@@ -366,9 +366,9 @@ class GPT(nn.Module):
         """The student: all weights shared, layer l's core a LinearAttention (or `core`) of dims[l] features a head."""
         c = self.config
         if len(dims) != c.n_layer or core is None and any(isinstance(m, (list, tuple)) for m in dims):
-            raise ModelError(f"{len(dims)} dims for a teacher of {c.n_layer} layers; pass a checkpoint of this teacher, "
-                             "one dim a layer" if len(dims) != c.n_layer
-                             else "a per-head checkpoint: train, resume or evaluate it with experiments/per_head.py")
+            raise ModelError(f"{len(dims)} dims for a teacher of {c.n_layer} layers; pass a checkpoint of this "
+                             "teacher" if len(dims) != c.n_layer else "a per-head checkpoint: train it with "
+                             "experiments/per_head.py, score it with per_head.py evaluate")
         student = copy.deepcopy(self, {id(t): t for t in (*self.parameters(), *self.buffers())})   # shared
         for block, m in zip(student.h, dims):
             block.attn.core = (core or LinearAttention)(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)

@@ -3217,12 +3217,12 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     student, _ = per_head.load_student(out)
     assert [c.dims for c in student.cores()] == cfg["dims"]
     assert sum(g.feature_map.z.shape[0] * g.M for c in student.cores() for g in c.groups) == 6 * 4 * 4
-    with pytest.raises(ModelError, match="a per-head checkpoint: train, resume or evaluate it with experiments/per_"):
+    with pytest.raises(ModelError, match="a per-head checkpoint: train it with experiments/per_head.py, score it"):
         M.load_student(out)
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
     assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-3000:]
-    with pytest.raises(ModelError, match=r"a per-head checkpoint: train, resume or evaluate it with experiments/per_"):
+    with pytest.raises(ModelError, match=r"a per-head checkpoint: train it with experiments/per_head.py, score"):
         distill.main(distill_args(ckpt, data, tmp_path / "plain", "--init-from", out))     # the core refuses it
     args = ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--ppl-max-tokens", 300, "--device", "cpu",
             "--output", tmp_path / "ppl.json"]                        # `per_head.py evaluate`: evaluate.py's flags
@@ -3654,7 +3654,7 @@ def test_a_checkpoint_with_a_dim_short_is_refused(ckpt, student, tmp_path):
     """Dims for fewer layers than the teacher has: a sentence that says what to pass, not linearize's words."""
     shutil.copytree(student, bad := tmp_path / "short")
     edit_json(bad / "config.json", dims=[8])
-    with pytest.raises(ModelError, match=r"^1 dims for a teacher of 2 layers; pass a checkpoint of this teacher"):
+    with pytest.raises(ModelError, match=r"^1 dims for a teacher of 2 layers; pass a checkpoint of this teacher$"):
         M.load_student(bad)
 
 
