@@ -2845,7 +2845,8 @@ def test_out_dir_that_is_a_link_and_a_full_disk(setup, tmp_path, monkeypatch):
     monkeypatch.setattr(distill, "save_file", full_disk_safetensors)
     with pytest.raises(ModelError, match=r"saving into .*fresh failed \(Error while serializing: I/O error: No space "
                                          r"left on device \(os error 28\)\); make room, then run it again$"):
-        distill.main(distill_args(ckpt, data, tmp_path / "fresh", "--alloc", "fix", "--budget", "4", "--max-steps", "1"))
+        distill.main(distill_args(ckpt, data, tmp_path / "fresh", "--alloc", "fix", "--budget", "4",
+                                  "--max-steps", "1"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "real"]
     prepare = distill.data_script("text")
     with pytest.raises(ModelError, match=r"writing the token files into .*b failed \(\[Errno 28\] No space left"):
@@ -3256,7 +3257,7 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
             "--out-dir", tmp_path / "x")
     assert r.returncode == 2 and r.stderr.endswith("drawn afresh: pass --feature-map prf, not performer\n")
     for flags, sentence in ((["--pool", 0], "--pool must be a number of at least 1, got 0"),   # each names its flag
-                            (["--init-from", tmp_path / "lev"], "drop --init-from, whose checkpoint sets the starting")):
+                            (["--init-from", tmp_path / "lev"], "drop --init-from, whose checkpoint sets the")):
         with pytest.raises(ModelError, match=sentence):
             distill.parse_args(["--model", ckpt, *flags], leverage.LeverageConfig)
     assert not (tmp_path / "x").exists()
