@@ -2255,7 +2255,7 @@ def test_every_script_refuses_an_integer_beyond_64_bits(script, capsys):
 
 def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys):
     """bench.py --heads on a two-layer, six-head run: one row per layout with the same features summed over heads,
-    per-head rows in more groups, a ratio row, the products line; a per-layer JSON and a zero query block refused."""
+    per-head rows in more groups, a ratio row, the products line; a per-layer table and a zero query block refused."""
     import bench  # experiments/bench.py
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"args": {"budget": 4, "dof": [[1.0, 2.0, 9.0, 2.0, 1.0, 3.0], [5.0] * 6]}}))
@@ -2267,7 +2267,7 @@ def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys
     assert rows[0][2] == rows[1][2] == str(4 * 12) and float(rows[0][3]) < float(rows[1][3])
     assert "one head's loss products per block of 16 queries (B=1, T=40): M=3: " in out
     run.write_text(json.dumps({"args": {"budget": 4, "dof": [3.0, 5.0]}}))
-    with pytest.raises(ModelError, match="per-layer DoF"):
+    with pytest.raises(ModelError, match="run.json holds no per-head table of finite DoF"):     # per-layer DoF
         bench.main(["--T", "--decode-ctx", "--heads", str(run)])
     with pytest.raises(ModelError, match="--query-block must be a number of at least 1, got 0"):
         bench.main(["--T", "--heads", str(run), "--query-block", "0"])
