@@ -143,13 +143,12 @@ def sync(device):
 
 def launch():
     """(RANK, WORLD_SIZE) that torchrun sets, (0, 1) under python; a ModelError for values torchrun never sets."""
-    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-    if rank is None and world in (None, "1"):
-        return 0, 1
-    if not (str(rank).isdigit() and str(world).isdigit() and int(rank) < int(world)) or int(world) > 1 and not (
-            {"MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys()):
-        raise ModelError(f"RANK={rank}, WORLD_SIZE={world} are not a process of a torchrun launch (0 <= RANK < "
-                         "WORLD_SIZE, with MASTER_ADDR and MASTER_PORT); start it with torchrun, or unset them")
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    if not (rank.isdecimal() and world.isdecimal() and int(rank) < int(world)) or int(world) > 1 and not (
+            {"RANK", "MASTER_ADDR", "MASTER_PORT"} <= os.environ.keys()):
+        was = ", ".join(f"{k}={os.environ.get(k, 'unset')}" for k in ("RANK", "WORLD_SIZE"))
+        raise ModelError(f"{was} are not a process of a torchrun launch (0 <= RANK < WORLD_SIZE, with MASTER_ADDR "
+                         "and MASTER_PORT); start it with torchrun, or unset them")
     return int(rank), int(world)
 
 
