@@ -3244,6 +3244,11 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     with pytest.raises(ModelError, match="one dimension per layer: train, resume or evaluate it with distill.py and"):
         per_head.main(["evaluate", "--model", ckpt, "--ckpt", tmp_path / "plain", "--ppl", data / "val.bin", "--device",
                        "cpu"])
+    shutil.copytree(out, short := tmp_path / "short-heads")           # 3 dims a layer for 4 heads: damaged
+    edit_json(short / "config.json", dims=[[1, 2, 3]] * 4)
+    with pytest.raises(ModelError, match=r"per-head dims need 4 whole numbers of at least 1 a layer, got \[1, 2, 3\]; "
+                                         r"pass the --out-dir of a per_head.py run$"):
+        per_head.load_student(short)
     shutil.copytree(ckpt, tmp_path / "other")                         # the fork's resume makes the core's checks
     r = cli("experiments/per_head.py", "--model", tmp_path / "other", "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)

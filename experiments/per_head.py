@@ -36,9 +36,9 @@ class GroupedLinearAttention(nn.Module):
     def __init__(self, n_head, n_kv_head, head_dim, dims, feature_map="prf", chunk_size=64):
         super().__init__()
         if not isinstance(dims, (list, tuple)) or len(dims) != n_head or min(dims) < 1:
-            raise ModelError(f"per-head dims need {n_head} whole numbers of at least 1 a layer, got {dims}; a "
-                             "checkpoint with one dimension per layer: train, resume or evaluate it with distill.py "
-                             "and evaluate.py")
+            raise ModelError(f"per-head dims need {n_head} whole numbers of at least 1 a layer, got {dims}; " + (
+                "pass the --out-dir of a per_head.py run" if isinstance(dims, (list, tuple)) else "a checkpoint with "
+                "one dimension per layer: train, resume or evaluate it with distill.py and evaluate.py"))
         self.n_head, self.dims = n_head, [int(m) for m in dims]
         self.heads = [[h for h in range(n_head) if self.dims[h] == m] for m in sorted(set(self.dims))]
         self.groups = nn.ModuleList(LinearAttention(len(hs), len(hs), head_dim, self.dims[hs[0]], feature_map,
