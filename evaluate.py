@@ -171,7 +171,8 @@ def load_task(name: str, data_dir: str | None = None, limit: int | None = None) 
     if data_dir is None:
         try:
             import datasets
-            datasets.config.HF_HUB_OFFLINE |= not hub_reachable()  # the cache at once, not after a minute of retries
+            if not datasets.config.HF_HUB_OFFLINE and not hub_reachable():   # the cache at once, not a minute of
+                datasets.config.HF_HUB_OFFLINE = True                        # retries; probed once, not per task
             docs = [(f"row {i}", dict(d)) for i, d in enumerate(datasets.load_dataset(path, config, split=split))]
             source = f"{path} ({config}, {split})"
         except Exception as e:  # offline, or the hub changed

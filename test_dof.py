@@ -3945,11 +3945,11 @@ def test_bad_files_are_one_sentence_and_leave_nothing(ckpt, student, tmp_path, c
 
 def test_tasks_from_an_unreachable_hub_come_from_the_cache_at_once(monkeypatch):
     """Without --data-dir and without the hub, datasets is put offline before it is asked (its cache, or one sentence
-    at once; it had retried for half a minute, printing each retry, before the sentence)."""
+    at once; it had retried for half a minute, printing each retry, before the sentence), after one probe of the hub."""
     import datasets
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(E, "hub_reachable", lambda: False)
-    asked = []
+    probes, asked = [], []
+    monkeypatch.setattr(E, "hub_reachable", lambda: probes.append(1) and False)
 
     def load_dataset(path, name, split):
         asked.append(datasets.config.HF_HUB_OFFLINE)
@@ -3958,7 +3958,9 @@ def test_tasks_from_an_unreachable_hub_come_from_the_cache_at_once(monkeypatch):
     with pytest.raises(ModelError, match=r"^could not load piqa from the hub \(ConnectionError in datasets.load_"
                                          r"dataset\('baber/piqa', None, 'validation'\)\); pass --data-dir DIR holding"):
         E.load_task("piqa")
-    assert asked == [True]
+    with pytest.raises(ModelError, match=r"^could not load arc_easy from the hub"):
+        E.load_task("arc_easy")
+    assert asked == [True, True] and probes == [1]                    # one connection test, not one per task
 
 
 def test_bad_documents_name_their_file_and_line(tmp_path):
