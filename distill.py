@@ -14,7 +14,6 @@ import functools
 import importlib.util
 import json
 import math
-import os
 import sys
 import time
 from collections import namedtuple
@@ -31,8 +30,8 @@ import dof
 from checkpoint import HubUnreachable, read_student
 from common import (ModelError, all_mean, atomic_path, barrier, broadcast, check_free_memory, check_out,
                     check_positive, check_tokenizer, claim_out_dir, get_batch, get_rank, get_world_size,
-                    init_distributed, is_checkpoint, is_main, opt, parse_config, pick_device, read_json, read_tokens,
-                    run_main, torch_load)
+                    init_distributed, is_checkpoint, is_main, launch, opt, parse_config, pick_device, read_json,
+                    read_tokens, run_main, torch_load)
 from model import GPT, PRF, feature_state, load_feature_state, overflow_safe_prf, prf_log_features
 from tokenizer import load_tokenizer
 
@@ -119,7 +118,7 @@ def parse_args(argv=None, config=DistillConfig):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     cfg = parse_config(config, argv)
     if cfg.preset:
-        if os.environ.get("RANK", "0") == "0":                       # under torchrun, once
+        if launch()[0] == 0:                                          # under torchrun, once
             print(f"--preset {cfg.preset}: {PRESETS[cfg.preset]}")
         cfg = parse_config(config, PRESETS[cfg.preset].split() + argv)
     return cfg

@@ -2579,7 +2579,8 @@ def test_preset_prints_its_flags_and_flags_given_win(capsys, monkeypatch):
     cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
     assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)
     assert distill.PRESETS["cpu"] in capsys.readouterr().out
-    monkeypatch.setenv("RANK", "1")                                   # torchrun's other processes: not again
+    for k, v in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(k, v)                                      # torchrun's other processes: not again
     assert distill.parse_args(["--preset", "cpu"]).budget == 32 and capsys.readouterr().out == ""
 
 
