@@ -116,10 +116,9 @@ def degrees_of_freedom(x, lam, relative=False):
     """x (..., J, d) queries+keys per head -> N_lam (...) of K(x, y) = exp(x.y / sqrt d), a head at a time in float64
     (relative=True: lam times tr(G / J)). Exact duplicates (position 0 depends only on the token) make G singular, so
     a point with m copies enters once, with logits S_ij + (log m_i + log m_j) / 2: G / J's nonzero eigenvalues stay."""
-    if not lam > 0 or not math.isfinite(lam):
-        raise ModelError(f"lambda must be a positive number, got {lam}")
-    if not torch.isfinite(x).all():
-        raise ModelError("the queries/keys contain inf or nan; check the model's weights and dtype")
+    if not (lam > 0 and math.isfinite(lam) and torch.isfinite(x).all()):
+        raise ModelError(f"the DoF needs a positive lambda (got {lam}) and queries/keys without inf or nan; check "
+                         "--lam, and the model's weights and dtype")
     *batch, J, d = x.shape
     N = []
     for xh in x.reshape(-1, J, d):

@@ -76,7 +76,6 @@ class SoftmaxAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None, enable_gqa=gqa)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Linear attention. Softmax attention y_i = sum_{j<=i} K(q_i, k_j) v_j / sum_{j<=i} K(q_i, k_j), K(q, k) =
 # exp(q.k / sqrt d), becomes linear in T once K(q, k) ~ phi(q).phi(k) for non-negative features (d -> M):
 #     y_i = phi(q_i) S_i / phi(q_i) s_i,   S_i = sum_{j<=i} phi(k_j) v_j^T  (M x D),   s_i = sum_{j<=i} phi(k_j)  (M).
@@ -130,8 +129,7 @@ def overflow_safe_prf(x, z, log_alpha, is_query, beta=KEY_SHIFT):
 
 
 class Performer(PRF):
-    """FAVOR+ (Choromanski et al. 2021): the PRF map with fixed z, not trained: blocks of d orthogonal rows (QR of
-    a Gaussian matrix, sign-fixed: Haar), each rescaled to an independent chi(d) norm, so every row is N(0, I_d)."""
+    """FAVOR+ (Choromanski et al. 2021): PRF, z fixed: blocks of d Haar-orthogonal rows of chi(d) norms, so N(0, I)."""
     def __init__(self, n_head, head_dim, M):
         q, r = torch.linalg.qr(torch.randn(n_head, -(-M // head_dim), head_dim, head_dim))   # (H, nb, d, d)
         q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]             # sign fix: exactly Haar
@@ -139,24 +137,18 @@ class Performer(PRF):
         super().__init__(n_head, head_dim, M, z=rows * torch.randn(n_head, M, head_dim).norm(dim=-1, keepdim=True))
 
 
-def dct_matrix(d):
-    """Orthonormal DCT-II matrix C (d, d), C[k, n] = s_k cos(pi k (2n + 1) / 2d); scipy's dct(eye(d), 'ortho')."""
-    k, n = torch.arange(d, dtype=torch.float64)[:, None], torch.arange(d, dtype=torch.float64)
-    C = torch.cos(math.pi * k * (2 * n + 1) / (2 * d)) * math.sqrt(2 / d)
-    C[0] /= math.sqrt(2)
-    return C
-
-
 class DiJiang(nn.Module):
     """DiJiang's map (Chen et al. 2024, arXiv 2403.19928; decay masks and output gate left out): phi(x) = softmax(x P),
     P = [C diag(Phi^-1(u_1)) | ...][:, :M] fixed, C the orthonormal DCT, Phi^-1 the normal quantile, u Sobol points."""
     def __init__(self, n_head, head_dim, M):
         super().__init__()
-        self.M, nb = M, -(-M // head_dim)
+        self.M, nb, n = M, -(-M // head_dim), torch.arange(head_dim, dtype=torch.float64)
+        C = torch.cos(math.pi * n[:, None] * (2 * n + 1) / (2 * head_dim)) * math.sqrt(2 / head_dim)   # C[k, n]
+        C[0] /= math.sqrt(2)                                                  # the orthonormal DCT-II (scipy's 'ortho')
         sobol = torch.quasirandom.SobolEngine(1, scramble=True, seed=int(torch.randint(2 ** 31, ())))
         u = sobol.draw(nb * head_dim, dtype=torch.float64).view(nb, 1, head_dim)
         w = torch.special.ndtri(u.clamp(1e-7, 1 - 1e-7))                                # (nb, 1, d)
-        P = (dct_matrix(head_dim) * w).transpose(0, 1).reshape(head_dim, nb * head_dim)  # [C diag(w_1) | ...]
+        P = (C * w).transpose(0, 1).reshape(head_dim, nb * head_dim)  # [C diag(w_1) | ...]
         self.register_buffer("proj", P[:, :M].float().contiguous())                      # (d, M)
 
     def log_features(self, x):
@@ -178,7 +170,7 @@ def linear_attention_reference(phi_q, phi_k, v):
     return (A @ v.to(dt)) / A.sum(-1, keepdim=True)                                     # (B, H, T, D)
 
 
-def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, eps=1e-30, state=None, return_state=False):
+def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_state=False, eps=1e-30):
     """The reference's y in O(T) memory, in fp32: with T padded to N chunks of C tokens, chunk n's output is
         y_n = phi_q,n P_n + tril(phi_q,n phi_k,n^T) [v_n | 1],   P_n = sum_{n' < n} phi_k,n'^T [v_n' | 1]   (a cumsum),
     the ones giving the denominator. state = (S, s) continues earlier tokens; return_state=True also returns S, s."""
@@ -207,8 +199,6 @@ def fla_linear_attention(phi_q, phi_k, v, chunk_size=None):
 
 def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
     """One token (decoding): S += phi_k v^T, s += phi_k, y = phi_q S / phi_q.s; phi (B, H, M), v, y (B, H, D)."""
-    dt = torch.promote_types(v.dtype, torch.float32)
-    phi_q, phi_k, v = phi_q.to(dt), phi_k.to(dt), v.to(dt)
     S, s = S + phi_k[..., :, None] * v[..., None, :], s + phi_k                         # (B, H, M, D), (B, H, M)
     num = (phi_q[..., :, None] * S).sum(-2)  # a tiny product: elementwise beats a threaded bmm on CPU
     return num / (phi_q * s).sum(-1, keepdim=True).clamp_min(eps), S, s                # y (B, H, D)
@@ -220,9 +210,8 @@ def repeat_kv(x, H):
 
 
 class LinearAttention(nn.Module):
-    """The student's core, M features per head, fp32 with autocast off: q (B, H, T, D), k, v (B, Hkv, T, D) ->
-    (B, H, T, D), keys and values repeated to the H heads, keys centred by the buffer key_mean (H, D), which softmax
-    ignores (q.(k - mu) shifts a query's logits alike). Decoding keeps S (B, H, M, D) and s (B, H, M) in the cache."""
+    """The student's core, M features a head, in fp32: q (B, H, T, D), k, v (B, Hkv, T, D) -> (B, H, T, D); keys centred
+    by the buffer key_mean (H, D), which softmax ignores. Decoding keeps S (B, H, M, D) and s (B, H, M) in the cache."""
     def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
         super().__init__()
         if feature_map not in FEATURE_MAPS:
@@ -237,10 +226,9 @@ class LinearAttention(nn.Module):
         return q.to(dt), repeat_kv(k, self.n_head).to(dt) - self.key_mean[:, None].to(dt)
 
     def features(self, q, k, log=False):
-        """(phi_q, phi_k) (B, H, T, M) of `inputs`; log=True: log Phi, on the kernel's own scale (the l2 loss)."""
-        with torch.autocast(q.device.type, enabled=False):
-            f = self.feature_map
-            return (f.log_features(q), f.log_features(k)) if log else (f(q, is_query=True), f(k, is_query=False))
+        """(phi_q, phi_k) (B, H, T, M) of `inputs`, under autocast off; log=True: log Phi (the l2 loss's scale)."""
+        f = self.feature_map
+        return (f.log_features(q), f.log_features(k)) if log else (f(q, is_query=True), f(k, is_query=False))
 
     def forward(self, q, k, v, cache=None):
         with torch.autocast(q.device.type, enabled=False):
@@ -248,13 +236,11 @@ class LinearAttention(nn.Module):
             v = repeat_kv(v, self.n_head)
             if cache is None:                                   # the chunked scan, or FLA's (fla_linear_attention)
                 return self.scan(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
-            (B, H, T, D), M = v.shape, phi_q.size(-1)   # decoding: the step for one token, the scan for more
-            S, s = (cache["S"], cache["s"]) if cache else (phi_q.new_zeros(B, H, M, D), phi_q.new_zeros(B, H, M))
-            if T == 1:
-                y, cache["S"], cache["s"] = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], S, s)
+            state = (cache["S"], cache["s"]) if cache else None  # decoding: the step for a token, the scan for more
+            if state and v.size(2) == 1:
+                y, cache["S"], cache["s"] = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], *state)
                 return y[:, :, None].to(q.dtype)
-            y, cache["S"], cache["s"] = causal_linear_attention(phi_q, phi_k, v, self.chunk_size, state=(S, s),
-                                                                return_state=True)
+            y, cache["S"], cache["s"] = causal_linear_attention(phi_q, phi_k, v, self.chunk_size, state, True)
             return y.to(q.dtype)
 
 
@@ -333,11 +319,9 @@ class GPT(nn.Module):
             raise ModelError(f"{p0 + T} positions exceed GPT-2's learned {c.block_size}; use a shorter input")
         pos = torch.arange(p0, p0 + T, device=idx.device)
         x = self.wte(idx) + (self.wpe(pos) if c.family == "gpt2" else 0)                 # learned positions: GPT-2
-        rope = None
-        if c.rotary_dim:                                                                  # once for all layers
-            two_i = torch.arange(0, c.rotary_dim, 2, device=idx.device, dtype=torch.float32)
-            angles = torch.cat(2 * [pos.float()[:, None] * (1.0 / c.rope_base ** (two_i / c.rotary_dim))], -1)  # (T, r)
-            rope = angles.cos(), angles.sin()
+        two_i = torch.arange(0, c.rotary_dim, 2, device=idx.device, dtype=torch.float32)    # rotary, for all layers
+        angles = (pos.float()[:, None] * (1.0 / c.rope_base ** (two_i / max(1, c.rotary_dim)))).repeat(1, 2)  # (T, r)
+        rope = (angles.cos(), angles.sin()) if c.rotary_dim else None
         for i, block in enumerate(self.h):
             x = block(x, rope, cache[i] if cache is not None else None)
         if cache is not None:
@@ -366,9 +350,8 @@ class GPT(nn.Module):
         """The student: all weights shared, layer l's core a LinearAttention (or `core`) of dims[l] features a head."""
         c = self.config
         if len(dims) != c.n_layer or core is None and any(isinstance(m, (list, tuple)) for m in dims):
-            raise ModelError(f"{len(dims)} dims for a teacher of {c.n_layer} layers; pass a checkpoint of this "
-                             "teacher" if len(dims) != c.n_layer else "a per-head checkpoint: train it with "
-                             "experiments/per_head.py, score it with per_head.py evaluate")
+            raise ModelError(f"dims {dims} are not one per layer of this {c.n_layer}-layer teacher; pass a checkpoint "
+                             "of it (per-head dims: train with experiments/per_head.py, score with its evaluate)")
         student = copy.deepcopy(self, {id(t): t for t in (*self.parameters(), *self.buffers())})   # shared
         for block, m in zip(student.h, dims):
             block.attn.core = (core or LinearAttention)(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)
@@ -377,8 +360,7 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path, device="cpu", dtype=torch.float32):
         """Load a directory (config.json + safetensors, maybe sharded), a llama .gguf, "smollm2-135m" or a hub id."""
-        name = str(name_or_path)
-        hf_config, sd = read_checkpoint(name)                      # config.json's dict, tensors under their names
+        hf_config, sd = read_checkpoint(name := str(name_or_path))  # config.json's dict, tensors under their names
         cfg = GPTConfig(**config_from_hf(hf_config, name))
         with torch.device("meta"):
             model = cls(cfg)                                       # no memory until the weights are assigned
@@ -400,14 +382,12 @@ def feature_state(student):
 
 def load_feature_state(student, sd, where):
     """feature_state's inverse, after a set-equality check of keys and shapes (the rest is the teacher's)."""
-    sd = {k.replace(".core.feature_maps.0.", ".core.feature_map."): v for k, v in sd.items()}   # older checkpoints
     mine = feature_state(student)
     missing, extra = sorted(mine.keys() - sd.keys()), sorted(sd.keys() - mine.keys())
     shape = [f"{k} {list(sd[k].shape)}, not {list(v.shape)}" for k, v in mine.items() if v.shape != sd.get(k, v).shape]
     if missing or extra or shape:
-        raise ModelError(f"{where} does not fit this student (missing: {missing[:4] or 'none'}, unexpected: "
-                         f"{extra[:4] or 'none'}, of another shape: {shape[:2] or 'none'}); it was made with another "
-                         "teacher, dims or feature map, or edited")
+        raise ModelError(f"{where} does not fit this student (missing {missing[:4]}, unexpected {extra[:4]}, of "
+                         f"another shape: {shape[:2]}); it was made with another teacher, dims or feature map")
     if bad := [k for k in mine if not sd[k].isfinite().all()]:
         raise ModelError(f"{bad[0]} in {where} holds inf or nan: the checkpoint is damaged; train it again")
     student.load_state_dict(sd, strict=False)                    # exactly the cores' tensors, checked above
