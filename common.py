@@ -254,40 +254,30 @@ def write_text_atomic(path, text):
     try:
         with atomic_path(path) as tmp:
             tmp.write_text(text, encoding="utf-8", errors="backslashreplace")
-    except OSError as e:                                         # a full disk, a folder gone since check_writable
+    except OSError as e:                                         # a full disk, a folder gone since check_out
         raise ModelError(f"cannot write {path} ({e.strerror}); make room or pass another path") from None
 
 
-def check_writable(path):
-    """A ModelError, before any work, when no file can be written at `path` (tried for real: root passes os.access)."""
-    p = Path(path).resolve()                                     # a link: where its target is written
-    try:
-        why = "is a directory" if p.is_dir() else "ends in /, as a directory does" if str(path).endswith("/") else \
-            "is not a regular file" if p.exists() and not p.is_file() else \
-            f"is in {p.parent}, which does not exist" if not p.parent.is_dir() else \
-            tempfile.TemporaryFile(dir=p.parent).close()                              # None: writable
-    except OSError as e:
-        why = f"is in {p.parent}, which is not writable ({e.strerror})"
-    if why:
-        raise ModelError(f"cannot write {path}: it {why}; pass a file path in a writable folder")
-
-
-def check_out(out, files=(), flag="--out"):
-    """A ModelError, before any work, where --out cannot be a directory (made if missing) to write `files` into."""
-    p = Path(out)
+def check_out(out, files=(), flag="--out", file=False):
+    """A ModelError, before any work, unless a write into `out` (a directory for `files`; file=True: a file) works."""
     if not str(out):
-        raise ModelError(f"{flag} is empty; pass a directory")
-    folder = next(a for a in (p, *p.parents) if a.exists())               # the nearest folder that exists
-    if not folder.is_dir():
-        where = "a file" if folder == p else f"inside the file {folder}"
-        raise ModelError(f"{flag} {out} is {where}; pass a directory")
+        raise ModelError(f"{flag} is empty; pass a {'file' if file else 'directory'}")
+    p = Path(out).resolve()                                              # a link: where its target is written
+    base = p.parent if file else p
+    folder = next(a for a in (base, *base.parents) if a.exists())        # the nearest folder that exists
+    if not folder.is_dir() or file and folder != base:
+        where = f"in {base}, which does not exist" if folder.is_dir() else "a file" if folder == p else \
+            f"inside the file {folder}"
+        raise ModelError(f"{flag} {out} is {where}; pass a {'file path' if file else 'directory'}")
     try:
-        tempfile.TemporaryFile(dir=folder).close()                        # a real write: root passes os.access
+        tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
         raise ModelError(f"cannot write {flag} {out}: {folder} is not writable ({e.strerror}); pass another {flag}") \
             from None
-    for f in files if folder == p else ():
-        check_writable(p / f)                                              # none of them a directory or a fifo
+    for t in [p] if file else [p / f for f in files] if folder == p else []:       # written whole: no fifo
+        if t.is_dir() or t.exists() and not t.is_file() or file and str(out).endswith("/"):
+            what = "not a regular file" if t.exists() and not t.is_dir() else "a directory"
+            raise ModelError(f"cannot write {t}: it is {what}; pass another {flag}")
 
 
 def is_checkpoint(folder):

@@ -2715,7 +2715,7 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
                 r"holds no per-head table of finite DoF of at least 0 \(one row a layer\) and whole budget of at") for
                name in ("empty", "nan")],
              ("experiments/allocation.py", ["--model", ckpt, "--predict", tmp_path / "no" / "p.json"],
-              r"cannot write .*p.json: it is in .*no, which does not exist"),
+              r"--predict .*p.json is in .*no, which does not exist; pass a file path"),
              ("experiments/allocation.py", ["--rule", "entropy", "--dims", "4,1,1,1"], r"--rule chooses the dims here; "
               r"drop --dims and --alloc, or run distill.py with them"),
              ("experiments/allocation.py", ["--rule", "entropy", "--alloc", "clip"], r"--rule chooses the dims here"),
@@ -2730,8 +2730,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("experiments/gpu_check.py", ["--budget-seconds", "-5"], r"--budget-seconds must be a number above 0"),
              ("experiments/gpu_check.py", ["--scan-T", "0", "--out", tmp_path / "c.json"], r"--scan-T and --decode-ctx "
               r"must list numbers of at least 1, got \[0\]"),
-             ("experiments/gpu_check.py", ["--out", tmp_path / "no" / "such" / "c.json"], r"cannot write .*c.json: it is "
-              r"in .*such, which does not exist"),
+             ("experiments/gpu_check.py", ["--out", tmp_path / "no" / "such" / "c.json"], r"--out .*c.json is in "
+              r".*such, which does not exist"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--num-threads", "0", tmp_path / "a.txt"],
               r"--num-threads must be a number of at least 1, got 0"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out" / "made" / "here", "--val-fraction",
@@ -2891,19 +2891,19 @@ def test_a_short_context_teacher_and_a_fixed_feature_map(setup, tmp_path, capsys
 
 
 def test_output_through_a_link_replaces_its_target_and_a_pipe_is_refused(tmp_path):
-    """--output (check_writable, then write_text_atomic) through a symlink writes its target and keeps the link;
+    """--output (check_out, then write_text_atomic) through a symlink writes its target and keeps the link;
     a pipe or device is no file to write whole, and is refused."""
     (target := tmp_path / "target.json").write_text("old")
     (link := tmp_path / "link.json").symlink_to(target)
-    common.check_writable(link)
+    common.check_out(link, file=True)
     common.write_text_atomic(link, "new")
     assert link.is_symlink() and target.read_text() == "new"
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(ModelError, match=r"cannot write .*fifo: it is not a regular file"):
-        common.check_writable(tmp_path / "fifo")
+        common.check_out(tmp_path / "fifo", file=True)
     (tmp_path / "dangling.json").symlink_to(tmp_path / "no" / "such.json")          # its target's folder: none
-    with pytest.raises(ModelError, match=r"cannot write .*dangling.json: it is in .*no, which does not exist"):
-        common.check_writable(tmp_path / "dangling.json")
+    with pytest.raises(ModelError, match=r"--out .*dangling.json is in .*no, which does not exist"):
+        common.check_out(tmp_path / "dangling.json", file=True)
     common.write_text_atomic(target, json.dumps({"goal": "\ud800"}, ensure_ascii=False))   # a lone surrogate
     assert json.loads(target.read_text()) == {"goal": "\ud800"}
     with pytest.raises(ModelError, match=r"cannot write .*dangling.json \(No such file or directory\); make room or"):
