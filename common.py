@@ -287,54 +287,45 @@ def is_checkpoint(folder):
 
 @contextmanager
 def claim_out_dir(out_dir, resume=False, overwrite=False):
-    """Check --out-dir before any work (a file, a non-empty directory that --resume or --overwrite does not fit, an
-    unwritable place) and hold it for the run: an flock on <out_dir>.lock, which the OS releases even on a crash."""
+    """Check --out-dir before any work (against --resume and --overwrite) and hold <out_dir>.lock for the run."""
     out = Path(out_dir).resolve()                                # "" and "." are the working directory
-    if out in (Path.cwd(), *Path.cwd().parents):
-        raise ModelError(f"--out-dir {out_dir!r} is the working directory or holds it, and every save replaces the "
-                         "out-dir whole; pass a folder of its own, e.g. --out-dir out")
-    if os.path.ismount(out):
-        raise ModelError(f"--out-dir {out_dir} is a mount point, and every save replaces the out-dir by renaming it; "
+    if out in (Path.cwd(), *Path.cwd().parents) or os.path.ismount(out):
+        what = "a mount point" if os.path.ismount(out) else "the working directory or holds it"
+        raise ModelError(f"--out-dir {str(out_dir)!r} is {what}, and every save replaces the out-dir by renaming it; "
                          f"pass a folder inside it, e.g. --out-dir {Path(out_dir) / 'out'}")
-    ckpt = is_checkpoint(out)
-    if out.is_dir():
-        if any(out.iterdir()) and not resume and not (overwrite and ckpt):
-            raise ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not replace it; pass "
-                             "another --out-dir" if overwrite else f"{out_dir} already exists and is not empty; pass "
-                             "--resume to continue it, --overwrite to replace it, or another --out-dir")
-    elif out.exists():
-        raise ModelError(f"--out-dir {out_dir} is a file; pass a directory")
-    elif (out.with_name(out.name + ".old") / "config.json").is_file():
+    check_out(out_dir, flag="--out-dir")                         # not a file, and writable
+    ckpt, full = is_checkpoint(out), out.is_dir() and any(out.iterdir())
+    if full and not resume and not (overwrite and ckpt):
+        raise ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not replace it; pass another "
+                         "--out-dir" if overwrite else f"{out_dir} already exists and is not empty; pass --resume to "
+                         "continue it, --overwrite to replace it, or another --out-dir")
+    if not out.exists() and (out.with_name(out.name + ".old") / "config.json").is_file():
         raise ModelError(f"a save into {out_dir} was interrupted and the last checkpoint is in {out.name}.old; "
                          f"rename it to {out.name} and pass --resume")
     if resume and not ckpt:
         lacks = " and ".join(f for f in ("config.json", "features.safetensors") if not (out / f).is_file())
-        raise ModelError(f"{out_dir} holds no checkpoint to resume (it lacks {lacks}); " + ("pass --overwrite to start "
-                         "again, or another --out-dir" if out.is_dir() and any(out.iterdir()) else "drop --resume"))
-    if launch()[0] != 0:                                         # under torchrun rank 0 writes, and holds the lock
-        yield
-        return
-    lock = out.with_name(out.name + ".lock")
-    with exclusive(lock, f"another run is writing {out_dir} (it holds {lock}); wait for it or pass another --out-dir",
-                   lambda why: f"cannot write beside --out-dir {out_dir} ({why}); pass another --out-dir"):
-        CLAIMED[:] = [out_dir]
+        raise ModelError(f"{out_dir} holds no checkpoint to resume (it lacks {lacks}); " + (
+            "pass --overwrite to start again, or another --out-dir" if full else "drop --resume"))
+    main = launch()[0] == 0                                      # under torchrun rank 0 writes, and holds the lock
+    with exclusive(out.with_name(out.name + ".lock"), out_dir, "--out-dir") if main else nullcontext():
+        CLAIMED[:] = [out_dir] * main
         yield
 
 
 @contextmanager
-def exclusive(lock, busy, cannot):
-    """Hold an flock on the file `lock` for the block (the OS frees it even on a crash), then remove the file: a
-    ModelError(busy) while another process holds it, ModelError(cannot(why)) where it cannot be made."""
-    try:                                                          # a real write: root passes os.access anywhere
+def exclusive(lock, what, flag):
+    """Hold an flock on the file `lock` (freed by the OS even on a crash), or a ModelError naming `flag`."""
+    try:
         Path(lock).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.fdopen(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK), "w")   # a fifo: ENXIO, no hang
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK)             # a fifo: ENXIO, no hang
     except OSError as e:
-        raise ModelError(cannot(e.strerror)) from None
-    with fd:
+        raise ModelError(f"cannot write {lock} ({e.strerror}); pass another {flag}") from None
+    with open(fd, "w"):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ModelError(busy) from None
+            raise ModelError(f"another run is writing {what} (it holds {lock}); wait for it or pass another {flag}") \
+                from None
         try:
             yield
         finally:
