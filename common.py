@@ -22,6 +22,7 @@ from typing import Union, get_args, get_origin, get_type_hints
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 REQUIRED = MISSING     # opt(REQUIRED, help): a field the command line must give
 CLAIMED = []           # the out-dir this process writes checkpoints to (named when a run is stopped)
@@ -332,49 +333,36 @@ def exclusive(lock, what, flag):
             Path(lock).unlink(missing_ok=True)
 
 
-def read_file(path, todo, reader):
-    """reader(path); a missing or damaged file is one ModelError naming it and `todo` (what to do)."""
-    if not Path(path).is_file():
-        raise ModelError(f"{path} {'is not a file' if Path(path).exists() else 'does not exist'}; {todo}")
+def read_file(path, todo, kind=None):
+    """A .safetensors, .pt (onto the CPU) or JSON file; missing or damaged: one ModelError naming it and `todo`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelError(f"{path} {'is not a file' if p.exists() else 'does not exist'}; {todo}")
     try:
-        return reader(path)
+        d = load_file(str(p)) if p.suffix == ".safetensors" else torch.load(p, map_location="cpu", weights_only=False) \
+            if p.suffix == ".pt" else json.loads(p.read_text(encoding="utf-8"))
     except Exception as e:                                   # every reader fails in its own way on a damaged file
         raise ModelError(f"{path} is damaged or truncated ({type(e).__name__}: {str(e)[:80]}); {todo}") from None
-
-
-def read_json(path, todo, kind=None):
-    """A JSON file's content (of type `kind`, when given: a config must be a dict)."""
-    d = read_file(path, todo, lambda p: json.loads(Path(p).read_text(encoding="utf-8")))
     if kind is not None and not isinstance(d, kind):
         raise ModelError(f"{path} holds a JSON {type(d).__name__}, not an {'object' if kind is dict else kind.__name__}"
                          f"; {todo}")
     return d
 
 
-def read_safetensors(path, todo):
-    from safetensors.torch import load_file
-    return read_file(path, todo, lambda p: load_file(str(p)))
-
-
-def torch_load(path, todo):
-    """A torch.save file (the optimizer state), onto the CPU."""
-    return read_file(path, todo, lambda p: torch.load(p, map_location="cpu", weights_only=False))
+read_json = read_safetensors = torch_load = read_file       # the names the callers use
 
 
 def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None, min_tokens=1):
-    """data/*/prepare.py's uint16 .bin file (memory-mapped) or, with a tokenizer, UTF-8 text (special: a special
-    token's text becomes that token) -> at most max_tokens token ids, at least min_tokens, all below vocab_size."""
+    """A prepare.py uint16 .bin (memory-mapped) or, with enc, UTF-8 text -> min_tokens..max_tokens ids < vocab_size."""
     p = Path(path)
-    if not p.is_file():
-        raise ModelError(f"{p} {'is a directory' if p.is_dir() else 'does not exist'}; " + ("pass a uint16 token file "
-                         "(data/*/prepare.py) or a text file" if enc else "make it with data/*/prepare.py, whose --out "
-                         "is the folder to pass (distill.py makes it from its --data's text files)"))
+    if not p.is_file() or p.suffix != ".bin" and enc is None:
+        why = "is not a .bin token file" if p.is_file() else "is a directory" if p.is_dir() else "does not exist"
+        raise ModelError(f"{p} {why}; make it with data/*/prepare.py, whose --out is the folder to pass" +
+                         (", or pass a text file" if enc else ""))
     if p.suffix == ".bin":
         if p.stat().st_size % 2:
             raise ModelError(f"{p} has an odd number of bytes, so it is not a uint16 token file; prepare it again")
         tokens = np.memmap(p, dtype=np.uint16, mode="r") if p.stat().st_size else np.zeros(0, np.uint16)
-    elif enc is None:
-        raise ModelError(f"{p} is not a .bin token file; tokenize it with data/text/prepare.py")
     else:
         try:
             text = p.read_bytes().decode("utf-8")                   # as it is: \r\n stays \r\n
