@@ -1,5 +1,4 @@
-"""Plumbing the entry scripts share: one-sentence errors, command lines from config dataclasses, devices, torchrun's
-process group, and the project's files (written whole or not at all, read with one sentence for a damaged one)."""
+"""Plumbing the entry scripts share: one-sentence errors, command lines, devices, torchrun, whole-or-nothing files."""
 
 import argparse
 import fcntl
@@ -16,8 +15,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import MISSING, field, fields
 from datetime import timedelta
 from pathlib import Path
-from types import UnionType
-from typing import Union, get_args, get_origin, get_type_hints
+from typing import get_args, get_origin, get_type_hints
 
 import numpy as np
 import torch
@@ -32,15 +30,10 @@ class ModelError(Exception):
     """Bad input a user can fix: the message is one sentence saying what is wrong and what to do."""
 
 
-class Stopped(BaseException):
-    """SIGTERM, raised in the main thread so that a run stops the way Ctrl-C stops it."""
-
-
 def run_main(main):
-    """Run an entry script's main(): a ModelError ends it with one sentence on stderr (rank 0's) and exit code 2;
-    Ctrl-C or SIGTERM with one line naming the last checkpoint (whole: atomic_path) and exit code 130 or 143."""
-    def stop(signum, frame):
-        raise Stopped()
+    """Run main(): a ModelError is one line on stderr (rank 0's), exit 2; Ctrl-C or SIGTERM one line, exit 130/143."""
+    def stop(signum, frame):                                     # SIGTERM stops a run the way Ctrl-C does
+        raise KeyboardInterrupt("SIGTERM")
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)     # also where a shell started us with it ignored
     try:
@@ -49,19 +42,17 @@ def run_main(main):
         if get_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (KeyboardInterrupt, Stopped) as e:
+    except KeyboardInterrupt as e:
         for sig in (signal.SIGINT, signal.SIGTERM):             # a second signal while stopping: the same line
             signal.signal(sig, signal.SIG_IGN)
-        saved = CLAIMED and is_checkpoint(CLAIMED[0])
-        where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if saved else ""
-        print(f"\nstopped by {'SIGTERM' if isinstance(e, Stopped) else 'Ctrl-C'}{where}", file=sys.stderr)
-        sys.exit(143 if isinstance(e, Stopped) else 130)
+        where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if CLAIMED and \
+            is_checkpoint(CLAIMED[0]) else ""
+        print(f"\nstopped by {str(e) or 'Ctrl-C'}{where}", file=sys.stderr)
+        sys.exit(143 if str(e) == "SIGTERM" else 130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-# Command lines: a config dataclass whose fields carry their own help; options are checked where declared
 
 def opt(default, help, choices=None):
     """A config field with its help text (and allowed values), read by parse_config."""
@@ -70,8 +61,7 @@ def opt(default, help, choices=None):
 
 
 def parse_config(cls, argv=None, description=None):
-    """argparse for a config dataclass: a --flag per field with its help and default (a bool: a switch; `X | None`:
-    an X; `list[X]`: zero or more, a REQUIRED one positional); the dataclass's __post_init__ checks the result."""
+    """A config dataclass from argv: a --flag per field (bool: a switch; list: 0 or more, a REQUIRED one positional)."""
     p = argparse.ArgumentParser(description=description or inspect.cleandoc(cls.__doc__ or ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(cls):
@@ -79,17 +69,15 @@ def parse_config(cls, argv=None, description=None):
         default = None if required else f.default if f.default is not MISSING else f.default_factory()
         text = (f.metadata["help"] + (f" (default: {default})" if default is not None and hint is not bool else "")
                 ).replace("%", "%%")                                                  # argparse %-formats help
-        if get_origin(hint) in (Union, UnionType):
-            hint = next(t for t in get_args(hint) if t is not type(None))
+        hint = next((t for t in get_args(hint) if t is not type(None)), hint) if type(None) in get_args(hint) else hint
         many, typ, flag = get_origin(hint) is list, (get_args(hint) or [hint])[0], "--" + f.name.replace("_", "-")
-        typ = int64 if typ is int else typ
         if hint is bool:
             p.add_argument(flag, action="store_true", help=text)
         elif required and many:
             p.add_argument(f.name, type=typ, nargs="+", help=text)
         else:
-            p.add_argument(flag, type=typ, nargs="*" if many else None, default=default, required=required,
-                           choices=f.metadata["choices"], help=text)
+            p.add_argument(flag, type=int64 if typ is int else typ, nargs="*" if many else None, default=default,
+                           required=required, choices=f.metadata["choices"], help=text)
     return cls(**vars(p.parse_args(argv)))
 
 
@@ -119,11 +107,9 @@ def check_free_memory(nbytes, device, what, todo):
                          f"on {device}; {todo}")
 
 
-# Devices, and torchrun: it starts N copies of a script (ranks 0 .. N-1) in one process group; python: 1 of 1
-
 def pick_device(device="auto", dtype="auto"):
     """--device/--dtype -> (device, autocast context); auto: cuda under bf16 autocast and TF32, else cpu in fp32."""
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = torch.cuda.device_count()
     devices = ["cpu"] + [f"cuda:{i}" for i in range(n)] + (["mps"] if torch.backends.mps.is_available() else [])
     device = ("cuda" if n else "cpu") if device == "auto" else device
     if (device + ":0" if device == "cuda" else device) not in devices:
@@ -136,10 +122,8 @@ def pick_device(device="auto", dtype="auto"):
 
 def sync(device):
     """Wait for the device's queued work (for timing): a no-op on the CPU."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    elif torch.device(device).type == "mps":
-        torch.mps.synchronize()
+    if torch.device(device).type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def launch():
@@ -154,12 +138,10 @@ def launch():
 
 
 def init_distributed(device):
-    """Under torchrun (WORLD_SIZE > 1), join the process group (NCCL on cuda:LOCAL_RANK, else gloo; a timeout long
-    enough for rank 0 to prepare the data) and silence the other ranks' stdout -> this process's device."""
+    """Under torchrun, join the process group (NCCL on cuda:LOCAL_RANK, else gloo), mute ranks > 0 -> the device."""
     if launch()[1] == 1:
         return device
-    cuda = device.startswith("cuda")
-    if cuda:
+    if cuda := device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -198,12 +180,9 @@ def all_gather(obj) -> list:
 
 def broadcast(obj, tensors=()):
     """Rank 0's (picklable) obj, on every process; rank 0's `tensors` copied into every process's, in place."""
-    box = [obj]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-        for t in tensors:
-            dist.broadcast(t, src=0)
-    return box[0]
+    for t in tensors if dist.is_initialized() else ():
+        dist.broadcast(t, src=0)
+    return all_gather(obj)[0]
 
 
 def all_mean(tensors):
@@ -220,12 +199,9 @@ def barrier():
         dist.barrier()
 
 
-# Files: written whole or not at all; read with one sentence for a missing or damaged file
-
 @contextmanager
 def atomic_path(path, directory=False):
-    """Yield <path>.tmp (an empty directory if asked) to write; on success it replaces `path` (a directory by two
-    renames: <path> or <path>.old is whole at every instant), on failure it is removed and `path` stays."""
+    """Yield <path>.tmp (a directory if asked) to write: it replaces `path` on success, else it goes, `path` stays."""
     path = Path(path).resolve()                                  # a link stays, and its target is replaced
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     remove(tmp)
@@ -236,13 +212,12 @@ def atomic_path(path, directory=False):
     except BaseException:
         remove(tmp)
         raise
-    if tmp.is_dir() and path.exists():
+    if swap := tmp.is_dir() and path.exists():                  # two renames: <path> or <path>.old is whole
         remove(old)
         os.replace(path, old)
-        os.replace(tmp, path)
+    os.replace(tmp, path)
+    if swap:
         remove(old)
-    else:
-        os.replace(tmp, path)
 
 
 def remove(path):
@@ -393,8 +368,7 @@ def check_tokenizer(meta, enc, where, model, todo):
 
 
 def get_batch(data, B, T, gen, device, share=(0, 1)):
-    """B random windows of T + 1 tokens -> (x, y) (B, T), y shifted by one; share = (r, N): process r of N keeps
-    windows r, r+N, ... of N*B draws, as one process N times as large would. On CUDA: from pinned memory."""
+    """B random windows -> (x, y) (B, T), y shifted by one; share (r, N): windows r, r+N, ... of N*B draws."""
     r, N = share
     ix = torch.randint(len(data) - T, (N * B,), generator=gen)[r::N].tolist()
     xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
