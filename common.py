@@ -251,9 +251,10 @@ def check_out(out, files=(), flag="--out", file=False):
         raise ModelError(f"cannot write {flag} {out}: {folder} is not writable ({e.strerror}); pass another {flag}") \
             from None
     for t in [p] if file else [p / f for f in files] if folder == p else []:       # written whole: no fifo
-        if t.is_dir() or t.exists() and not t.is_file() or file and str(out).endswith("/"):
-            what = "not a regular file" if t.exists() and not t.is_dir() else "a directory"
-            raise ModelError(f"cannot write {t}: it is {what}; pass another {flag}")
+        why = "is a directory" if t.is_dir() else "is not a regular file" if t.exists() and not t.is_file() else \
+            "ends in /, as a directory does" if file and str(out).endswith("/") else None
+        if why:
+            raise ModelError(f"cannot write {out if file else t}: it {why}; pass another {flag}")
 
 
 def is_checkpoint(folder):
