@@ -1,5 +1,4 @@
-"""Plumbing the entry scripts share: one-sentence errors, command lines from config dataclasses, devices, torchrun's
-process group, and the project's files (written whole or not at all, read with one sentence for a damaged one)."""
+"""Plumbing the entry scripts share: one-sentence errors, command lines, devices, torchrun, whole-or-nothing files."""
 
 import argparse
 import fcntl
@@ -16,12 +15,12 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import MISSING, field, fields
 from datetime import timedelta
 from pathlib import Path
-from types import UnionType
-from typing import Union, get_args, get_origin, get_type_hints
+from typing import get_args, get_origin, get_type_hints
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 REQUIRED = MISSING     # opt(REQUIRED, help): a field the command line must give
 CLAIMED = []           # the out-dir this process writes checkpoints to (named when a run is stopped)
@@ -31,15 +30,10 @@ class ModelError(Exception):
     """Bad input a user can fix: the message is one sentence saying what is wrong and what to do."""
 
 
-class Stopped(BaseException):
-    """SIGTERM, raised in the main thread so that a run stops the way Ctrl-C stops it."""
-
-
 def run_main(main):
-    """Run an entry script's main(): a ModelError ends it with one sentence on stderr (rank 0's) and exit code 2;
-    Ctrl-C or SIGTERM with one line naming the last checkpoint (whole: atomic_path) and exit code 130 or 143."""
-    def stop(signum, frame):
-        raise Stopped()
+    """Run main(): a ModelError is one line on stderr (rank 0's), exit 2; Ctrl-C or SIGTERM one line, exit 130/143."""
+    def stop(signum, frame):                                     # SIGTERM stops a run the way Ctrl-C does
+        raise KeyboardInterrupt("SIGTERM")
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)     # also where a shell started us with it ignored
     try:
@@ -48,19 +42,17 @@ def run_main(main):
         if get_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (KeyboardInterrupt, Stopped) as e:
+    except KeyboardInterrupt as e:
         for sig in (signal.SIGINT, signal.SIGTERM):             # a second signal while stopping: the same line
             signal.signal(sig, signal.SIG_IGN)
-        saved = CLAIMED and is_checkpoint(CLAIMED[0])
-        where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if saved else ""
-        print(f"\nstopped by {'SIGTERM' if isinstance(e, Stopped) else 'Ctrl-C'}{where}", file=sys.stderr)
-        sys.exit(143 if isinstance(e, Stopped) else 130)
+        where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if CLAIMED and \
+            is_checkpoint(CLAIMED[0]) else ""
+        print(f"\nstopped by {str(e) or 'Ctrl-C'}{where}", file=sys.stderr)
+        sys.exit(143 if str(e) == "SIGTERM" else 130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-# Command lines: a config dataclass whose fields carry their own help; options are checked where declared
 
 def opt(default, help, choices=None):
     """A config field with its help text (and allowed values), read by parse_config."""
@@ -69,8 +61,7 @@ def opt(default, help, choices=None):
 
 
 def parse_config(cls, argv=None, description=None):
-    """argparse for a config dataclass: a --flag per field with its help and default (a bool: a switch; `X | None`:
-    an X; `list[X]`: zero or more, a REQUIRED one positional); the dataclass's __post_init__ checks the result."""
+    """A config dataclass from argv: a --flag per field (bool: a switch; list: 0 or more, a REQUIRED one positional)."""
     p = argparse.ArgumentParser(description=description or inspect.cleandoc(cls.__doc__ or ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(cls):
@@ -78,17 +69,15 @@ def parse_config(cls, argv=None, description=None):
         default = None if required else f.default if f.default is not MISSING else f.default_factory()
         text = (f.metadata["help"] + (f" (default: {default})" if default is not None and hint is not bool else "")
                 ).replace("%", "%%")                                                  # argparse %-formats help
-        if get_origin(hint) in (Union, UnionType):
-            hint = next(t for t in get_args(hint) if t is not type(None))
+        hint = next((t for t in get_args(hint) if t is not type(None)), hint) if type(None) in get_args(hint) else hint
         many, typ, flag = get_origin(hint) is list, (get_args(hint) or [hint])[0], "--" + f.name.replace("_", "-")
-        typ = int64 if typ is int else typ
         if hint is bool:
             p.add_argument(flag, action="store_true", help=text)
         elif required and many:
             p.add_argument(f.name, type=typ, nargs="+", help=text)
         else:
-            p.add_argument(flag, type=typ, nargs="*" if many else None, default=default, required=required,
-                           choices=f.metadata["choices"], help=text)
+            p.add_argument(flag, type=int64 if typ is int else typ, nargs="*" if many else None, default=default,
+                           required=required, choices=f.metadata["choices"], help=text)
     return cls(**vars(p.parse_args(argv)))
 
 
@@ -118,11 +107,9 @@ def check_free_memory(nbytes, device, what, todo):
                          f"on {device}; {todo}")
 
 
-# Devices, and torchrun: it starts N copies of a script (ranks 0 .. N-1) in one process group; python: 1 of 1
-
 def pick_device(device="auto", dtype="auto"):
     """--device/--dtype -> (device, autocast context); auto: cuda under bf16 autocast and TF32, else cpu in fp32."""
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = torch.cuda.device_count()
     devices = ["cpu"] + [f"cuda:{i}" for i in range(n)] + (["mps"] if torch.backends.mps.is_available() else [])
     device = ("cuda" if n else "cpu") if device == "auto" else device
     if (device + ":0" if device == "cuda" else device) not in devices:
@@ -135,10 +122,8 @@ def pick_device(device="auto", dtype="auto"):
 
 def sync(device):
     """Wait for the device's queued work (for timing): a no-op on the CPU."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    elif torch.device(device).type == "mps":
-        torch.mps.synchronize()
+    if torch.device(device).type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def launch():
@@ -153,12 +138,10 @@ def launch():
 
 
 def init_distributed(device):
-    """Under torchrun (WORLD_SIZE > 1), join the process group (NCCL on cuda:LOCAL_RANK, else gloo; a timeout long
-    enough for rank 0 to prepare the data) and silence the other ranks' stdout -> this process's device."""
+    """Under torchrun, join the process group (NCCL on cuda:LOCAL_RANK, else gloo), mute ranks > 0 -> the device."""
     if launch()[1] == 1:
         return device
-    cuda = device.startswith("cuda")
-    if cuda:
+    if cuda := device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -197,12 +180,9 @@ def all_gather(obj) -> list:
 
 def broadcast(obj, tensors=()):
     """Rank 0's (picklable) obj, on every process; rank 0's `tensors` copied into every process's, in place."""
-    box = [obj]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box, src=0)
-        for t in tensors:
-            dist.broadcast(t, src=0)
-    return box[0]
+    for t in tensors if dist.is_initialized() else ():
+        dist.broadcast(t, src=0)
+    return all_gather(obj)[0]
 
 
 def all_mean(tensors):
@@ -219,12 +199,9 @@ def barrier():
         dist.barrier()
 
 
-# Files: written whole or not at all; read with one sentence for a missing or damaged file
-
 @contextmanager
 def atomic_path(path, directory=False):
-    """Yield <path>.tmp (an empty directory if asked) to write; on success it replaces `path` (a directory by two
-    renames: <path> or <path>.old is whole at every instant), on failure it is removed and `path` stays."""
+    """Yield <path>.tmp (a directory if asked) to write: it replaces `path` on success, else it goes, `path` stays."""
     path = Path(path).resolve()                                  # a link stays, and its target is replaced
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     remove(tmp)
@@ -235,13 +212,12 @@ def atomic_path(path, directory=False):
     except BaseException:
         remove(tmp)
         raise
-    if tmp.is_dir() and path.exists():
+    if swap := tmp.is_dir() and path.exists():                  # two renames: <path> or <path>.old is whole
         remove(old)
         os.replace(path, old)
-        os.replace(tmp, path)
+    os.replace(tmp, path)
+    if swap:
         remove(old)
-    else:
-        os.replace(tmp, path)
 
 
 def remove(path):
@@ -254,40 +230,31 @@ def write_text_atomic(path, text):
     try:
         with atomic_path(path) as tmp:
             tmp.write_text(text, encoding="utf-8", errors="backslashreplace")
-    except OSError as e:                                         # a full disk, a folder gone since check_writable
+    except OSError as e:                                         # a full disk, a folder gone since check_out
         raise ModelError(f"cannot write {path} ({e.strerror}); make room or pass another path") from None
 
 
-def check_writable(path):
-    """A ModelError, before any work, when no file can be written at `path` (tried for real: root passes os.access)."""
-    p = Path(path).resolve()                                     # a link: where its target is written
-    try:
-        why = "is a directory" if p.is_dir() else "ends in /, as a directory does" if str(path).endswith("/") else \
-            "is not a regular file" if p.exists() and not p.is_file() else \
-            f"is in {p.parent}, which does not exist" if not p.parent.is_dir() else \
-            tempfile.TemporaryFile(dir=p.parent).close()                              # None: writable
-    except OSError as e:
-        why = f"is in {p.parent}, which is not writable ({e.strerror})"
-    if why:
-        raise ModelError(f"cannot write {path}: it {why}; pass a file path in a writable folder")
-
-
-def check_out(out, files=(), flag="--out"):
-    """A ModelError, before any work, where --out cannot be a directory (made if missing) to write `files` into."""
-    p = Path(out)
+def check_out(out, files=(), flag="--out", file=False):
+    """A ModelError, before any work, unless a write into `out` (a directory for `files`; file=True: a file) works."""
     if not str(out):
-        raise ModelError(f"{flag} is empty; pass a directory")
-    folder = next(a for a in (p, *p.parents) if a.exists())               # the nearest folder that exists
-    if not folder.is_dir():
-        where = "a file" if folder == p else f"inside the file {folder}"
-        raise ModelError(f"{flag} {out} is {where}; pass a directory")
+        raise ModelError(f"{flag} is empty; pass a {'file' if file else 'directory'}")
+    p = Path(out).resolve()                                              # a link: where its target is written
+    base = p.parent if file else p
+    folder = next(a for a in (base, *base.parents) if a.exists())        # the nearest folder that exists
+    if not folder.is_dir() or file and folder != base:
+        where = f"in {base}, which does not exist" if folder.is_dir() else "a file" if folder == p else \
+            f"inside the file {folder}"
+        raise ModelError(f"{flag} {out} is {where}; pass a {'file path' if file else 'directory'}")
     try:
-        tempfile.TemporaryFile(dir=folder).close()                        # a real write: root passes os.access
+        tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
         raise ModelError(f"cannot write {flag} {out}: {folder} is not writable ({e.strerror}); pass another {flag}") \
             from None
-    for f in files if folder == p else ():
-        check_writable(p / f)                                              # none of them a directory or a fifo
+    for t in [p] if file else [p / f for f in files] if folder == p else []:       # written whole: no fifo
+        why = "is a directory" if t.is_dir() else "is not a regular file" if t.exists() and not t.is_file() else \
+            "ends in /, as a directory does" if file and str(out).endswith("/") else None
+        if why:
+            raise ModelError(f"cannot write {out if file else t}: it {why}; pass another {flag}")
 
 
 def is_checkpoint(folder):
@@ -297,103 +264,81 @@ def is_checkpoint(folder):
 
 @contextmanager
 def claim_out_dir(out_dir, resume=False, overwrite=False):
-    """Check --out-dir before any work (a file, a non-empty directory that --resume or --overwrite does not fit, an
-    unwritable place) and hold it for the run: an flock on <out_dir>.lock, which the OS releases even on a crash."""
+    """Check --out-dir before any work (against --resume and --overwrite) and hold <out_dir>.lock for the run."""
     out = Path(out_dir).resolve()                                # "" and "." are the working directory
-    if out in (Path.cwd(), *Path.cwd().parents):
-        raise ModelError(f"--out-dir {out_dir!r} is the working directory or holds it, and every save replaces the "
-                         "out-dir whole; pass a folder of its own, e.g. --out-dir out")
-    if os.path.ismount(out):
-        raise ModelError(f"--out-dir {out_dir} is a mount point, and every save replaces the out-dir by renaming it; "
+    if out in (Path.cwd(), *Path.cwd().parents) or os.path.ismount(out):
+        what = "a mount point" if os.path.ismount(out) else "the working directory or holds it"
+        raise ModelError(f"--out-dir {str(out_dir)!r} is {what}, and every save replaces the out-dir by renaming it; "
                          f"pass a folder inside it, e.g. --out-dir {Path(out_dir) / 'out'}")
-    ckpt = is_checkpoint(out)
-    if out.is_dir():
-        if any(out.iterdir()) and not resume and not (overwrite and ckpt):
-            raise ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not replace it; pass "
-                             "another --out-dir" if overwrite else f"{out_dir} already exists and is not empty; pass "
-                             "--resume to continue it, --overwrite to replace it, or another --out-dir")
-    elif out.exists():
-        raise ModelError(f"--out-dir {out_dir} is a file; pass a directory")
-    elif (out.with_name(out.name + ".old") / "config.json").is_file():
+    check_out(out_dir, flag="--out-dir")                         # not a file, and writable
+    ckpt, full = is_checkpoint(out), out.is_dir() and any(out.iterdir())
+    if full and not resume and not (overwrite and ckpt):
+        raise ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not replace it; pass another "
+                         "--out-dir" if overwrite else f"{out_dir} already exists and is not empty; pass --resume to "
+                         "continue it, --overwrite to replace it, or another --out-dir")
+    if not out.exists() and (out.with_name(out.name + ".old") / "config.json").is_file():
         raise ModelError(f"a save into {out_dir} was interrupted and the last checkpoint is in {out.name}.old; "
                          f"rename it to {out.name} and pass --resume")
     if resume and not ckpt:
         lacks = " and ".join(f for f in ("config.json", "features.safetensors") if not (out / f).is_file())
-        raise ModelError(f"{out_dir} holds no checkpoint to resume (it lacks {lacks}); " + ("pass --overwrite to start "
-                         "again, or another --out-dir" if out.is_dir() and any(out.iterdir()) else "drop --resume"))
-    if launch()[0] != 0:                                         # under torchrun rank 0 writes, and holds the lock
-        yield
-        return
-    lock = out.with_name(out.name + ".lock")
-    with exclusive(lock, f"another run is writing {out_dir} (it holds {lock}); wait for it or pass another --out-dir",
-                   lambda why: f"cannot write beside --out-dir {out_dir} ({why}); pass another --out-dir"):
-        CLAIMED[:] = [out_dir]
+        raise ModelError(f"{out_dir} holds no checkpoint to resume (it lacks {lacks}); " + (
+            "pass --overwrite to start again, or another --out-dir" if full else "drop --resume"))
+    main = launch()[0] == 0                                      # under torchrun rank 0 writes, and holds the lock
+    with exclusive(out.with_name(out.name + ".lock"), out_dir, "--out-dir") if main else nullcontext():
+        CLAIMED[:] = [out_dir] * main
         yield
 
 
 @contextmanager
-def exclusive(lock, busy, cannot):
-    """Hold an flock on the file `lock` for the block (the OS frees it even on a crash), then remove the file: a
-    ModelError(busy) while another process holds it, ModelError(cannot(why)) where it cannot be made."""
-    try:                                                          # a real write: root passes os.access anywhere
+def exclusive(lock, what, flag):
+    """Hold an flock on the file `lock` (freed by the OS even on a crash), or a ModelError naming `flag`."""
+    try:
         Path(lock).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.fdopen(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK), "w")   # a fifo: ENXIO, no hang
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK)             # a fifo: ENXIO, no hang
     except OSError as e:
-        raise ModelError(cannot(e.strerror)) from None
-    with fd:
+        raise ModelError(f"cannot write {lock} ({e.strerror}); pass another {flag}") from None
+    with open(fd, "w"):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ModelError(busy) from None
+            raise ModelError(f"another run is writing {what} (it holds {lock}); wait for it or pass another {flag}") \
+                from None
         try:
             yield
         finally:
             Path(lock).unlink(missing_ok=True)
 
 
-def read_file(path, todo, reader):
-    """reader(path); a missing or damaged file is one ModelError naming it and `todo` (what to do)."""
-    if not Path(path).is_file():
-        raise ModelError(f"{path} {'is not a file' if Path(path).exists() else 'does not exist'}; {todo}")
+def read_file(path, todo, kind=None):
+    """A .safetensors, .pt (onto the CPU) or JSON file; missing or damaged: one ModelError naming it and `todo`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ModelError(f"{path} {'is not a file' if p.exists() else 'does not exist'}; {todo}")
     try:
-        return reader(path)
+        d = load_file(str(p)) if p.suffix == ".safetensors" else torch.load(p, map_location="cpu", weights_only=False) \
+            if p.suffix == ".pt" else json.loads(p.read_text(encoding="utf-8"))
     except Exception as e:                                   # every reader fails in its own way on a damaged file
         raise ModelError(f"{path} is damaged or truncated ({type(e).__name__}: {str(e)[:80]}); {todo}") from None
-
-
-def read_json(path, todo, kind=None):
-    """A JSON file's content (of type `kind`, when given: a config must be a dict)."""
-    d = read_file(path, todo, lambda p: json.loads(Path(p).read_text(encoding="utf-8")))
     if kind is not None and not isinstance(d, kind):
         raise ModelError(f"{path} holds a JSON {type(d).__name__}, not an {'object' if kind is dict else kind.__name__}"
                          f"; {todo}")
     return d
 
 
-def read_safetensors(path, todo):
-    from safetensors.torch import load_file
-    return read_file(path, todo, lambda p: load_file(str(p)))
-
-
-def torch_load(path, todo):
-    """A torch.save file (the optimizer state), onto the CPU."""
-    return read_file(path, todo, lambda p: torch.load(p, map_location="cpu", weights_only=False))
+read_json = read_safetensors = torch_load = read_file       # the names the callers use
 
 
 def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None, min_tokens=1):
-    """data/*/prepare.py's uint16 .bin file (memory-mapped) or, with a tokenizer, UTF-8 text (special: a special
-    token's text becomes that token) -> at most max_tokens token ids, at least min_tokens, all below vocab_size."""
+    """A prepare.py uint16 .bin (memory-mapped) or, with enc, UTF-8 text -> min_tokens..max_tokens ids < vocab_size."""
     p = Path(path)
-    if not p.is_file():
-        raise ModelError(f"{p} {'is a directory' if p.is_dir() else 'does not exist'}; " + ("pass a uint16 token file "
-                         "(data/*/prepare.py) or a text file" if enc else "make it with data/*/prepare.py, whose --out "
-                         "is the folder to pass (distill.py makes it from its --data's text files)"))
+    if not p.is_file() or p.suffix != ".bin" and enc is None:
+        why = "is not a .bin token file" if p.is_file() else "is a directory" if p.is_dir() else "does not exist"
+        raise ModelError(f"{p} {why}; make it with data/*/prepare.py, whose --out is the folder to pass" +
+                         (", or pass a text file" if enc else ""))
     if p.suffix == ".bin":
         if p.stat().st_size % 2:
             raise ModelError(f"{p} has an odd number of bytes, so it is not a uint16 token file; prepare it again")
         tokens = np.memmap(p, dtype=np.uint16, mode="r") if p.stat().st_size else np.zeros(0, np.uint16)
-    elif enc is None:
-        raise ModelError(f"{p} is not a .bin token file; tokenize it with data/text/prepare.py")
     else:
         try:
             text = p.read_bytes().decode("utf-8")                   # as it is: \r\n stays \r\n
@@ -424,8 +369,7 @@ def check_tokenizer(meta, enc, where, model, todo):
 
 
 def get_batch(data, B, T, gen, device, share=(0, 1)):
-    """B random windows of T + 1 tokens -> (x, y) (B, T), y shifted by one; share = (r, N): process r of N keeps
-    windows r, r+N, ... of N*B draws, as one process N times as large would. On CUDA: from pinned memory."""
+    """B random windows -> (x, y) (B, T), y shifted by one; share (r, N): windows r, r+N, ... of N*B draws."""
     r, N = share
     ix = torch.randint(len(data) - T, (N * B,), generator=gen)[r::N].tolist()
     xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import hub_reachable
-from common import (ModelError, all_gather, check_positive, check_tokenizer, check_writable, get_rank, get_world_size,
+from common import (ModelError, all_gather, check_out, check_positive, check_tokenizer, get_rank, get_world_size,
                     init_distributed, is_main, opt, parse_config, pick_device, read_json, read_tokens, run_main, shard,
                     sync, write_text_atomic)
 from fast_scorer import score_windows
@@ -323,7 +323,7 @@ def speed(model, n_tokens: int = 1000, device="cpu") -> dict:
 
 def check_output(output, model, ckpt, data_dir, ppl=None, flag="--output"):
     """A ModelError, before any work, where `output` cannot be written or would replace a file the run reads."""
-    check_writable(output)
+    check_out(output, flag=flag, file=True)
     out = Path(output).resolve()
     reads = {Path(p).resolve() for p in (ppl, model) if p} | {
         Path(ckpt, f).resolve() for f in ("config.json", "features.safetensors") if ckpt}

@@ -1886,7 +1886,7 @@ def test_prepare_refuses_a_second_writer_of_one_directory(setup, tmp_path):
     (tmp_path / "out").mkdir()
     with open(tmp_path / "out" / "prepare.lock", "w") as lock:        # the first run, still writing
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(ModelError, match=r"another run is writing token files into .*out; wait for it to finish"):
+        with pytest.raises(ModelError, match=r"another run is writing token files into .*out \(it holds .*lock\)"):
             distill.data_script("text").main(["--model", str(ckpt), "--out", str(tmp_path / "out"), str(TEXT)])
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["prepare.lock"]
 
@@ -2656,7 +2656,7 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, copy(data, "val.bin", "set", b""), x), r"val.bin holds 0 tokens, fewer than the 65 needed"),
         (distill_args(ckpt, copy(data, "train.bin", "set", big.tobytes()), x), r"token id 60000, but the model has 50257"),
         (distill_args(ckpt, copy(data, "meta.json", "gone"), x), r"holds token files but no meta.json"),
-        (distill_args(ckpt, data, "/proc/no/out"), r"cannot write beside --out-dir /proc/no/out"),
+        (distill_args(ckpt, data, "/proc/no/out"), r"cannot write --out-dir /proc/no/out: /proc is not "),
         (distill_args(ckpt, data, data / "meta.json"), r"--out-dir .*meta.json is a file; pass a directory"),
         (distill_args(ckpt, data, ""), r"--out-dir '' is the working directory or holds it, and every save"),
         (distill_args(ckpt, data, ".."), r"--out-dir '..' is the working directory or holds it"),
@@ -2712,7 +2712,7 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
                 r"holds no per-head table of finite DoF of at least 0 \(one row a layer\) and whole budget of at") for
                name in ("empty", "nan")],
              ("experiments/allocation.py", ["--model", ckpt, "--predict", tmp_path / "no" / "p.json"],
-              r"cannot write .*p.json: it is in .*no, which does not exist"),
+              r"--predict .*p.json is in .*no, which does not exist; pass a file path"),
              ("experiments/allocation.py", ["--rule", "entropy", "--dims", "4,1,1,1"], r"--rule chooses the dims here; "
               r"drop --dims and --alloc, or run distill.py with them"),
              ("experiments/allocation.py", ["--rule", "entropy", "--alloc", "clip"], r"--rule chooses the dims here"),
@@ -2727,8 +2727,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("experiments/gpu_check.py", ["--budget-seconds", "-5"], r"--budget-seconds must be a number above 0"),
              ("experiments/gpu_check.py", ["--scan-T", "0", "--out", tmp_path / "c.json"], r"--scan-T and --decode-ctx "
               r"must list numbers of at least 1, got \[0\]"),
-             ("experiments/gpu_check.py", ["--out", tmp_path / "no" / "such" / "c.json"], r"cannot write .*c.json: it is "
-              r"in .*such, which does not exist"),
+             ("experiments/gpu_check.py", ["--out", tmp_path / "no" / "such" / "c.json"], r"--out .*c.json is in "
+              r".*such, which does not exist"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--num-threads", "0", tmp_path / "a.txt"],
               r"--num-threads must be a number of at least 1, got 0"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out" / "made" / "here", "--val-fraction",
@@ -2860,8 +2860,8 @@ def test_out_dir_a_mount_point_and_a_stale_tmp_that_is_a_link(setup, tmp_path, m
     (mnt := tmp_path / "mnt").mkdir()
     ismount = os.path.ismount
     monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mnt or ismount(p))
-    run_bad(distill_args(ckpt, data, mnt), r"^--out-dir \S+mnt is a mount point, and every save replaces the out-dir "
-            r"by renaming it; pass a folder inside it, e.g. --out-dir \S+mnt/out$")
+    run_bad(distill_args(ckpt, data, mnt), r"^--out-dir '\S+mnt' is a mount point, and every save replaces the "
+            r"out-dir by renaming it; pass a folder inside it, e.g. --out-dir \S+mnt/out$")
     (keep := tmp_path / "keep").mkdir()
     (keep / "mine.txt").write_text("mine")
     (tmp_path / "run.tmp").symlink_to(keep)
@@ -2888,28 +2888,27 @@ def test_a_short_context_teacher_and_a_fixed_feature_map(setup, tmp_path, capsys
 
 
 def test_output_through_a_link_replaces_its_target_and_a_pipe_is_refused(tmp_path):
-    """--output (check_writable, then write_text_atomic) through a symlink writes its target and keeps the link;
+    """--output (check_out, then write_text_atomic) through a symlink writes its target and keeps the link;
     a pipe or device is no file to write whole, and is refused."""
     (target := tmp_path / "target.json").write_text("old")
     (link := tmp_path / "link.json").symlink_to(target)
-    common.check_writable(link)
+    common.check_out(link, file=True)
     common.write_text_atomic(link, "new")
     assert link.is_symlink() and target.read_text() == "new"
     os.mkfifo(tmp_path / "fifo")
     with pytest.raises(ModelError, match=r"cannot write .*fifo: it is not a regular file"):
-        common.check_writable(tmp_path / "fifo")
+        common.check_out(tmp_path / "fifo", file=True)
     (tmp_path / "dangling.json").symlink_to(tmp_path / "no" / "such.json")          # its target's folder: none
-    with pytest.raises(ModelError, match=r"cannot write .*dangling.json: it is in .*no, which does not exist"):
-        common.check_writable(tmp_path / "dangling.json")
+    with pytest.raises(ModelError, match=r"--out .*dangling.json is in .*no, which does not exist"):
+        common.check_out(tmp_path / "dangling.json", file=True)
     common.write_text_atomic(target, json.dumps({"goal": "\ud800"}, ensure_ascii=False))   # a lone surrogate
     assert json.loads(target.read_text()) == {"goal": "\ud800"}
     with pytest.raises(ModelError, match=r"cannot write .*dangling.json \(No such file or directory\); make room or"):
         common.write_text_atomic(tmp_path / "dangling.json", "x")                 # after the check, not a traceback
     (tmp_path / "locked").mkdir()
     os.mkfifo(tmp_path / "locked" / "prepare.lock")                               # had hung opening it
-    with pytest.raises(ModelError, match=r"cannot write into --out .*locked \(No such device or address\)"):
-        with common.exclusive(tmp_path / "locked" / "prepare.lock", "busy",
-                              lambda why: f"cannot write into --out {tmp_path / 'locked'} ({why})"):
+    with pytest.raises(ModelError, match=r"cannot write .*locked/prepare.lock \(No such device or address\); pass "):
+        with common.exclusive(tmp_path / "locked" / "prepare.lock", "token files", "--out"):
             pass
 
 
@@ -3822,10 +3821,10 @@ BAD_OPTIONS = [  # flags (after --model --data-dir --tasks piqa --output), and t
     (["--ppl", "missing.bin"], r"--ppl \S+missing.bin does not exist; pass a uint16 token file"),
     (["--ppl", "empty.bin"], r"--ppl \S+empty.bin is empty; pass a uint16 token file"),
     (["--ppl", "empty.txt"], r"--ppl \S+empty.txt is empty; pass a uint16 token file"),
-    (["--output", "no/such/r.json"], r"cannot write \S+no/such/r.json: it is in \S+no/such, which does not exist; "
-                                     r"pass a file path in a writable folder"),
-    (["--output", "folder"], r"cannot write \S+folder: it is a directory; pass a file path in a writable folder"),
-    (["--output", "new/"], r"cannot write \S*new/: it ends in /, as a directory does; pass a file path in a "),
+    (["--output", "no/such/r.json"], r"--output \S+no/such/r.json is in \S+no/such, which does not exist; pass a "
+                                     r"file path"),
+    (["--output", "folder"], r"cannot write \S+folder: it is a directory; pass another --output"),
+    (["--output", "new/"], r"cannot write \S*new/: it ends in /, as a directory does; pass another --output"),
     (["--fla"], r"--fla runs a student's scan on CUDA: it needs --ckpt, a CUDA --device and flash-linear-attention"),
 ]
 
@@ -3882,8 +3881,8 @@ def test_output_in_a_read_only_folder_fails_before_any_work(ckpt, tmp_path, caps
     monkeypatch.setattr(E, "load_models", lambda *a: pytest.fail("a model was loaded"))
     code, err = evaluate_exit(capsys, "--model", ckpt, "--data-dir", EVAL, "--tasks", "piqa",
                               "--output", folder / "results.json")
-    assert code == 2 and re.fullmatch(rf"error: cannot write {folder}/results.json: it is in {folder}, which is not "
-                                      r"writable \([^)]+\); pass a file path in a writable folder\n", err), err
+    assert code == 2 and re.fullmatch(rf"error: cannot write --output {folder}/results.json: {folder} is not "
+                                      r"writable \([^)]+\); pass another --output\n", err), err
     assert not (folder / "results.json").exists() and list(ro.iterdir()) == []
 
 

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 import dof  # noqa: E402
 from bench import decode_ms  # noqa: E402
 from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
-from common import (ModelError, check_out, check_positive, check_writable, opt, parse_config,  # noqa: E402
+from common import (ModelError, check_out, check_positive, opt, parse_config,  # noqa: E402
                     pick_device, remove, run_main, sync, write_text_atomic)
 from model import GPT, PRF, GPTConfig, causal_linear_attention, fla_linear_attention  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -88,7 +88,7 @@ class CheckConfig:
         if any(v < 1 for v in self.scan_T + self.decode_ctx):
             raise ModelError(f"--scan-T and --decode-ctx must list numbers of at least 1, got {self.scan_T} and "
                              f"{self.decode_ctx}")
-        check_writable(self.out)                                  # before the run, not after it
+        check_out(self.out, file=True)                            # before the run, not after it
         if self.work_dir:
             check_out(self.work_dir, flag="--work-dir")
 

@@ -76,8 +76,7 @@ def token_files(out_dir, meta):
     out = Path(out_dir)
     made = [a for a in (out, *out.parents) if not a.exists()]  # the folders made here go again on failure
     out.mkdir(parents=True, exist_ok=True)
-    with exclusive(out / "prepare.lock", f"another run is writing token files into {out_dir}; wait for it to finish",
-                   lambda why: f"cannot write into --out {out_dir} ({why}); pass another --out"):   # one writer
+    with exclusive(out / "prepare.lock", f"token files into {out_dir}", "--out"):             # one writer
         try:
             with atomic_path(out / "train.bin") as train, atomic_path(out / "val.bin") as val:
                 files = {"train": TokenFile(train), "val": TokenFile(val)}
