@@ -367,9 +367,8 @@ class GPT(nn.Module):
         try:
             model.load_state_dict(convert_state_dict(cfg, sd, name), assign=True)
         except RuntimeError as e:                                  # shapes: a config.json of other weights
-            why = str(e).strip().splitlines()[-1].strip().rstrip(".")[:160]
-            raise ModelError(f"{name}: its tensors do not fit its config.json ({why}); use the config.json saved "
-                             "with these weights") from None
+            raise ModelError(f"{name}: its tensors do not fit its config.json ({str(e).splitlines()[-1].strip()[:160]}"
+                             "); use the config.json saved with these weights") from None
         if cfg.tie_embeddings:
             model.lm_head.weight = model.wte.weight                # assign=True replaced the shared parameter
         return model.to(device=device, dtype=dtype).eval()
