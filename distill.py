@@ -43,7 +43,8 @@ class DistillConfig:
     # the paper's knobs
     model: str = opt("gpt2", "teacher: hub id (gpt2, EleutherAI/pythia-160m), directory, .gguf file or smollm2-135m")
     budget: int = opt(64, "mean feature dimension C over the layers (the inference cost)")
-    alloc: str = opt("dof", "dof (M_l ~ the layer's DoF), fix (C each), clip (dof capped at d), reverse", dof.RULES)
+    alloc: str = opt("dof", "dims: dof (M_l ~ the layer's DoF), fix (C everywhere), clip (dof capped at the head "
+                     "size), reverse (dof's dims in reverse DoF order)", choices=dof.RULES)
     lam: float = opt(2 ** -4, "lambda of the degrees of freedom (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
     lam_relative: bool = opt(False, "take lambda as a fraction of tr(G / J), the mean K(x, x): invariant to K's scale")
     loss: str = opt("softmax", "softmax, l2 (layerwise) or direct (next-token)", ("softmax", "l2", "direct"))
@@ -480,7 +481,8 @@ def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, conf
                 save_checkpoint(cfg, student, optim, gen, {**config, "step": step}, metrics)
             t0 = time.perf_counter()                                  # ms/step times training steps alone
         if step == end:
-            return bar.close() or step
+            bar.close()
+            return step
         losses = train_step(cfg, teacher, student, optim, next_batch, amp, step)
         n, step = n + 1, step + 1
         bar.update()
@@ -557,8 +559,8 @@ def run(cfg, make):
               "init_from": cfg.init_from or None, "world_size": N, "step": step,
               "data": {"dir": cfg.data, "tokens": meta.get("tokens"), "source": meta.get("source"),
                        "tokenizer": meta["tokenizer"].get("model")}, "args": asdict(cfg)}
-    print_summary(cfg, teacher, student, metrics, train(cfg, teacher, student, optim, gen, data, val, amp, step,
-                                                        metrics, config), enc, device)
+    step = train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, config)
+    print_summary(cfg, teacher, student, metrics, step, enc, device)
 
 
 if __name__ == "__main__":
