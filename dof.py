@@ -238,8 +238,7 @@ def main(argv=None):
     for l, (top, mean) in enumerate(zip(layer, per_head.mean(1))):
         print(f"{l:5d} {top:8.2f} {mean:8.2f} {top / cfg.J:6.3f}" + "".join(f" {d[l]:7d}" for d in dims.values()))
     if layer.max() > 0.9 * cfg.J:
-        print("warning: DoF/J > 0.9: the estimate saturates at J and the dims tend to Fix; raise --lam or use "
-              "--lam-relative (e.g. --lam-relative --lam 1e-3)", file=sys.stderr)
+        print("warning: DoF/J > 0.9: the estimate saturates at J; raise --lam or use --lam-relative", file=sys.stderr)
     result = {"settings": asdict(cfg), "per_head_dof": per_head.tolist(), "layer_dof": layer.tolist(), "dims": dims,
               "seconds": time.time() - t0}
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
