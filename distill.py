@@ -74,7 +74,6 @@ class DistillConfig:
     decay_steps: int = opt(0, "length of the cosine schedule (0: --max-steps); keep it fixed across --resume")
     warmup_steps: int = opt(100, "linear warm-up steps (at most a tenth of the schedule)")
     min_lr_frac: float = opt(0.1, "the cosine schedule ends at this fraction of the peak learning rates")
-    compile: bool = opt(False, "torch.compile the layerwise loss's blocks (minutes to compile; for long GPU runs)")
     query_block: int = opt(0, "queries per block of the layerwise losses (0: 128, or with --stack up to 2^26 floats)")
     stack: str = opt("auto", "the layerwise losses of layers of one M as one: auto (on a GPU)", ("auto", "yes", "no"))
     # bookkeeping
@@ -242,16 +241,15 @@ def stacked_features(cores, q, k, log=False):
     return overflow_safe_prf(q, z, la, True), overflow_safe_prf(k, z, la, False)
 
 
-def layer_losses(cores, qk, kind, query_block=0, scale=None, compile=False, stack=None):
+def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
     """(L,) float64: each layer's mean softmax or l2 loss on its teacher (q, k), keys centred; with scale, scale *
     each loss backpropagated into its core (the blockwise loss fills the features' .grad, then one backward pass).
     stack (default: on a GPU): layers of one PRF-type map and M run as one, in blocks of up to 2^26 floats; else
-    each layer alone in blocks of 128 queries (a CPU's cache). compile: torch.compile the blockwise loss."""
+    each layer alone in blocks of 128 queries (a CPU's cache)."""
     stack, groups, dev = qk[0][0].is_cuda if stack is None else stack, {}, qk[0][0].device
     for l, c in enumerate(cores):
         groups.setdefault((type(c.feature_map), c.M) if stack and isinstance(c.feature_map, PRF) else l, []).append(l)
-    blockwise = softmax_loss_blockwise if kind == "softmax" else l2_loss_blockwise
-    blockwise, grad = torch.compile(blockwise, dynamic=True) if compile else blockwise, scale is not None
+    blockwise, grad = softmax_loss_blockwise if kind == "softmax" else l2_loss_blockwise, scale is not None
     out = torch.zeros(len(cores), dtype=torch.float64, device=dev)
     for ls in groups.values():
         B, H, T, D = qk[ls[0]][0].shape
@@ -410,8 +408,7 @@ def student_losses(cfg, teacher, student, x, amp, kind, scale=None):
         qk = dof.teacher_qk(teacher, x)
     if hasattr((cores := student.cores())[0], "layer_loss"):
         return torch.stack([c.layer_loss(q, k, kind, cfg.query_block, scale) for c, (q, k) in zip(cores, qk)])
-    return layer_losses(cores, qk, kind, cfg.query_block, scale, cfg.compile,
-                        {"auto": None, "yes": True, "no": False}[cfg.stack])
+    return layer_losses(cores, qk, kind, cfg.query_block, scale, {"auto": None, "yes": True, "no": False}[cfg.stack])
 
 
 def train_step(cfg, teacher, student, optim, next_batch, amp, step):

@@ -45,6 +45,7 @@ import model as M
 sys.path.insert(0, str(Path(__file__).resolve().parent / "experiments"))   # the forks of the core: experiments/
 import leverage  # noqa: E402
 import per_head  # noqa: E402
+import compiled  # noqa: E402
 import direct_finetune  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
@@ -2030,14 +2031,20 @@ def test_layers_stacked_in_one_loss_equal_each_layer_alone(kind, query_block, st
         assert (a - b).norm() <= 1e-3 * b.norm() + 1e-9
 
 
-def test_compiled_layerwise_loss_equals_the_eager_one():
-    """distill.py --compile: torch.compile of the blockwise loss gives the eager values and gradients."""
+def test_compiled_layerwise_loss_equals_the_eager_one(monkeypatch):
+    """experiments/compiled.py: torch.compile of the blockwise losses gives the eager values and gradients."""
     torch.manual_seed(22)
     cores = [LinearAttention(2, 2, 8, 4) for _ in range(2)]
     qk = [(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)) for _ in cores]
     runs = []
     for compile in (False, True):
-        value = distill.layer_losses(cores, qk, "softmax", 8, 1.0, compile)
+        if compile:
+            eager = distill.softmax_loss_blockwise
+            for name in ("softmax_loss_blockwise", "l2_loss_blockwise"):
+                monkeypatch.setattr(distill, name, getattr(distill, name))    # undone after the test
+            compiled.compile_losses()
+            assert distill.softmax_loss_blockwise is not eager
+        value = distill.layer_losses(cores, qk, "softmax", 8, 1.0)
         runs.append((value, [p.grad.clone() for c in cores for p in c.parameters()]))
         for c in cores:
             c.zero_grad()
