@@ -398,6 +398,9 @@ GPT2_DIR = DATA / "gpt2-tokenizer"
 NEOX_JSON = DATA / "gpt-neox-20b-tokenizer" / "20B_tokenizer.json"
 
 
+UNREAD = r"is not a byte-level BPE tokenizer this loader reads \("   # a damaged or foreign one's sentence
+
+
 # texts that exercise whitespace runs (GPT-NeoX's added tokens), NFC, digits, special tokens and odd Unicode
 EXTRA = ["Hello world", "a    b", " " * 25 + "b", " " * 49, " " * 48 + "x", "a\t\tb\n\n\n  c\r\n", "x  \n",
          "hello   ", "\t \t  \n   \n", "  1  2   3", "e\u0301", "Cafe\u0301 \u212b \ufb01 \u1e9b\u0323",
@@ -597,13 +600,14 @@ def test_missing_path():
 
 def test_folder_without_tokenizer_files(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ModelError, match="holds no tokenizer files; it needs tokenizer.json"):
+    with pytest.raises(ModelError, match=r"holds no tokenizer\.json, vocab\.json \+ merges\.txt or "
+                                         r"encoder\.json \+ vocab\.bpe"):
         load_tokenizer(tmp_path)
 
 
 def test_not_a_bpe_tokenizer(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece", "vocab": {"a": 0}}}))
-    with pytest.raises(ModelError, match="is not a byte-level BPE tokenizer.json \\(its model type is 'WordPiece'\\)"):
+    with pytest.raises(ModelError, match=rf"tokenizer\.json {UNREAD}ValueError: model 'WordPiece'"):
         load_tokenizer(tmp_path)
 
 
@@ -631,42 +635,42 @@ DAMAGED_TOKENIZERS = {   # name -> (files, what is done to their folder, the sen
     "vocab.json a list": ("gpt2", lambda d: (d / "vocab.json").write_text("[]"),
                           r"vocab\.json holds a JSON list, not an object; re-download the tokenizer files"),
     "vocab.json lacks a merged token": ("gpt2", lambda d: spoil_vocab(d, "\u0120the"),
-                                        r"is not a consistent byte-level BPE tokenizer \(KeyError\('\u0120the'\)\); "
-                                        r"re-download the tokenizer files"),
+                                        rf"{UNREAD}KeyError: '\u0120the'\); re-download the tokenizer files"),
     "merges.txt cut in a line": ("gpt2", lambda d: rewrite(d / "merges.txt", lambda t: t[:t.index(" ", 5000)]),
-                                 r"is not a consistent byte-level BPE tokenizer \(ValueError"),
+                                 rf"{UNREAD}ValueError"),
     "merges.txt binary": ("gpt2", lambda d: (d / "merges.txt").write_bytes(b"#version: 0.2\n\x80\x81 \xfe\xff\n"),
-                          r"is not a consistent byte-level BPE tokenizer \(KeyError"),
+                          rf"{UNREAD}KeyError"),
     "tokenizer.json truncated": ("neox", lambda d: rewrite(d / "tokenizer.json", lambda t: t[:len(t) // 2]),
                                  r"tokenizer\.json is damaged or truncated \(.*\); re-download the tokenizer files"),
     "tokenizer.json a list": ("neox", lambda d: (d / "tokenizer.json").write_text("[]"),
                               r"tokenizer\.json holds a JSON list, not an object"),
     "tokenizer.json without its model": ("neox", lambda d: edit_json(d / "tokenizer.json", model=None),
-                                         r"is not a byte-level BPE tokenizer\.json \(its model type is None\)"),
+                                         rf"tokenizer\.json {UNREAD}ValueError: model None"),
     "tokenizer.json merging unknown tokens": (
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"merges": *\[', '"merges": ["qq zz", ', t, count=1)),
-        r"tokenizer\.json is not a consistent byte-level BPE tokenizer \(KeyError\('qqzz'\)\)"),
+        rf"tokenizer\.json {UNREAD}KeyError: 'qqzz'\)"),
     "tokenizer.json with a negative token id": (      # these five had been tracebacks from tiktoken or a .get
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'("vocab": *\{[^:]*:) *\d+', r"\1 -5", t,
                                                                          count=1)),
-        r"tokenizer\.json's token ids are not distinct whole numbers from 0 below 2\^32; re-download the tokenizer"),
+        rf"tokenizer\.json {UNREAD}ValueError: token ids not distinct whole numbers from 0 "
+        r"below 2\^32, rising in merge order\); re-download the tokenizer files"),
     "tokenizer.json with two tokens of one id": (
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'("vocab": *\{[^:]*:) *\d+', r"\1 7", t,
                                                                          count=1)),
-        r"tokenizer\.json's token ids are not distinct whole numbers"),
+        rf"tokenizer\.json {UNREAD}ValueError: token ids not distinct"),
     "tokenizer.json with an added token's id a string": (
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+', '"id": "z"', t, count=1)),
-        r"tokenizer\.json's token ids are not distinct whole numbers"),
+        rf"tokenizer\.json {UNREAD}ValueError: token ids not distinct"),
     "tokenizer.json with an added token's id 10^30": (     # an OverflowError from tiktoken
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+', f'"id": {10 ** 30}', t, 1)),
-        r"tokenizer\.json's token ids are not distinct whole numbers"),
+        rf"tokenizer\.json {UNREAD}ValueError: token ids not distinct"),
     "tokenizer.json with an empty vocabulary": ("neox", lambda d: edit_json(d / "tokenizer.json", model={
-        "type": "BPE", "vocab": {}, "merges": []}), r"tokenizer\.json's token ids are not distinct whole numbers"),
+        "type": "BPE", "vocab": {}, "merges": []}), rf"tokenizer\.json {UNREAD}ValueError: token ids not distinct"),
     "tokenizer.json with its pre-tokenizer a string": ("neox", lambda d: edit_json(d / "tokenizer.json", pre_tokenizer=
-        "ByteLevel"), r"tokenizer\.json's normalizer or pre_tokenizer is not a JSON object; re-download the"),
+        "ByteLevel"), rf"tokenizer\.json {UNREAD}AttributeError: .*\); re-download the"),
     "tokenizer.json added token without its id": (
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+, *', "", t, count=1)),
-        r"tokenizer\.json's added_tokens are malformed \(KeyError\('id'\)\); re-download the tokenizer files"),
+        rf"tokenizer\.json {UNREAD}KeyError: 'id'\); re-download the tokenizer files"),
 }
 
 
@@ -692,7 +696,7 @@ def test_damaged_tokenizer_files_are_one_sentence(tmp_path, damage):
 def test_unsupported_pre_tokenizer(tmp_path):
     spec = {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "pre_tokenizer": {"type": "Whitespace"}}
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    with pytest.raises(ModelError, match="pre-tokenizer this loader does not support \\(Whitespace\\)"):
+    with pytest.raises(ModelError, match=rf"{UNREAD}ValueError: .*pre-tokenizer \['Whitespace'\]"):
         load_tokenizer(tmp_path)
 
 
@@ -724,7 +728,7 @@ def test_bad_gguf_files(tmp_path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ModelError, match="spm.gguf holds a 'llama' tokenizer; only byte-level BPE"):
+    with pytest.raises(ModelError, match=rf"spm\.gguf {UNREAD}ValueError: tokenizer\.ggml\.model 'llama'"):
         load_tokenizer(tmp_path / "spm.gguf")
     data = bytearray((tmp_path / "spm.gguf").read_bytes())        # a byte of a string value damaged: not UTF-8
     data[data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8] = 0xFF
