@@ -62,10 +62,9 @@ def read_checkpoint(name):
 
 
 class HubUnreachable(ModelError):
-    """The hub cannot be reached and the local cache lacks `what`; `todo` says what to do instead."""
+    """The hub cannot be reached and `what` is not cached; `todo` says what to do instead."""
     def __init__(self, what, todo="connect to the internet or pass a local checkpoint directory"):
-        super().__init__(f"could not fetch {what}: the Hugging Face hub cannot be reached and the local cache lacks "
-                         f"it; {todo}")
+        super().__init__(f"could not fetch {what}: the Hugging Face hub cannot be reached and it is not cached; {todo}")
         self.what = what
 
 
@@ -75,15 +74,14 @@ def hub_reachable(timeout=2.0):
     from huggingface_hub import constants               # the HF_* variables, as read at its import
     if constants.HF_HUB_OFFLINE or {"https", "all"} & getproxies().keys():
         return not constants.HF_HUB_OFFLINE
-    url, answer = urlparse(constants.ENDPOINT), []
+    url, opened = urlparse(constants.ENDPOINT), threading.Event()
 
     def connect():
         address = (url.hostname, url.port or (80 if url.scheme == "http" else 443))
         with contextlib.suppress(OSError), socket.create_connection(address, timeout=timeout):
-            answer.append(True)
-    (probe := threading.Thread(target=connect, daemon=True)).start()   # a thread: a name lookup has no timeout
-    probe.join(timeout)
-    return bool(answer)
+            opened.set()
+    threading.Thread(target=connect, daemon=True).start()   # a thread: a name lookup has no timeout of its own
+    return opened.wait(timeout)
 
 
 def read_student(ckpt_dir):
@@ -119,8 +117,7 @@ def read_gguf(path):
     tensors, meta = open_gguf(path)
     arch, scaling = meta("general.architecture", "unknown"), meta("llama.rope.scaling.type", "none")
     if arch != "llama" or scaling not in ("none", ""):
-        raise ModelError(f"{path} holds a {arch!r} model with rope scaling {scaling!r}; this loader reads llama models "
-                         "without rope scaling")
+        raise ModelError(f"{path} holds a {arch!r} model with rope scaling {scaling!r}; only plain llama ones load")
     f32 = lambda key, *default: float(str(np.float32(meta(key, *default))))   # as written: 1e-05, not 9.99999975e-06
     H, C, F = (int(meta(f"llama.{k}")) for k in ("attention.head_count", "embedding_length", "feed_forward_length"))
     KV, D = int(meta("llama.attention.head_count_kv", H)), int(meta("llama.attention.key_length", C // H))
@@ -129,15 +126,13 @@ def read_gguf(path):
     cfg = dict(model_type="llama", vocab_size=V, hidden_size=C, intermediate_size=F, num_attention_heads=H, head_dim=D,
                num_key_value_heads=KV, num_hidden_layers=n_layer, tie_word_embeddings=tied,
                max_position_embeddings=int(meta("llama.context_length")), rope_theta=f32("llama.rope.freq_base", 1e4),
-               rms_norm_eps=f32("llama.attention.layer_norm_rms_epsilon"),
-               **{f"{t}_token_id": int(meta(f"tokenizer.ggml.{t}_token_id", n)) for t, n in (("bos", 1), ("eos", 2))})
+               rms_norm_eps=f32("llama.attention.layer_norm_rms_epsilon"))
     layer = dict(attn_norm=("input_layernorm", (C,)), ffn_norm=("post_attention_layernorm", (C,)),  # blk.{i}.<name>
                  attn_q=("self_attn.q_proj", (H * D, C)), attn_k=("self_attn.k_proj", (KV * D, C)),  # -> HF, shape
                  attn_v=("self_attn.v_proj", (KV * D, C)), attn_output=("self_attn.o_proj", (C, H * D)),
                  ffn_gate=("mlp.gate_proj", (F, C)), ffn_up=("mlp.up_proj", (F, C)), ffn_down=("mlp.down_proj", (C, F)))
-    layout = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)),      # GGUF name -> (HF key, HF shape)
-              "output_norm.weight": ("model.norm.weight", (C,)), **({} if tied else {"output.weight": (
-                  "lm_head.weight", (V, C))}),
+    layout = {"token_embd.weight": ("model.embed_tokens.weight", (V, C)), "output_norm.weight": ("model.norm.weight",
+              (C,)), **({} if tied else {"output.weight": ("lm_head.weight", (V, C))}),  # GGUF -> (HF key, HF shape)
               **{f"blk.{i}.{g}.weight": (f"model.layers.{i}.{hf}.weight", shape)   # no more layers than tensors
                  for i in range(min(n_layer, len(tensors))) for g, (hf, shape) in layer.items()}}
     if bad := sorted(set(layout) ^ set(tensors)) or [name for name, (_, shape) in layout.items()  # dims fastest-first
@@ -149,8 +144,7 @@ def read_gguf(path):
         try:
             w = np.asarray(gguf.quants.dequantize((t := tensors[name]).data, t.tensor_type), np.float32).reshape(shape)
         except NotImplementedError:
-            raise ModelError(f"{path}: tensor {name} uses the {t.tensor_type.name} quantisation, which gguf cannot "
-                             "read") from None
+            raise ModelError(f"{path}: gguf cannot dequantise tensor {name}'s {t.tensor_type.name} type") from None
         if heads := {"attn_q": H, "attn_k": KV}.get(name.split(".")[-2]):   # undo convert_hf_to_gguf.py's permute:
             w = w.reshape(heads, shape[0] // heads // 2, 2, shape[1]).swapaxes(1, 2).reshape(shape)  # rotary pairs:
         sd[key] = torch.from_numpy(np.require(w, requirements="CW"))   # llama.cpp's rows 2j, 2j+1, HF's j, j + D/2
@@ -179,10 +173,9 @@ def config_from_hf(d, name=""):
     hd = d.get("head_dim") or C // H
     pct = 1 if llama else rope.get("partial_rotary_factor", d.get("rotary_pct", 0.25))
     return dict(family={"gpt_neox": "neox"}.get(mt, mt), name=name, vocab_size=d["vocab_size"], n_embd=C, n_head=H,
-                n_kv_head=d.get("num_key_value_heads") or H, head_dim=hd, rotary_dim=int(hd * pct),
-                n_layer=d["num_hidden_layers"], block_size=d["max_position_embeddings"], bias=not llama and d.get(
-                    "attention_bias", True), mlp_hidden=d["intermediate_size"], tie_embeddings=d.get(
-                    "tie_word_embeddings", False),
+                n_kv_head=d.get("num_key_value_heads") or H, head_dim=hd, mlp_hidden=d["intermediate_size"],
+                n_layer=d["num_hidden_layers"], block_size=d["max_position_embeddings"], rotary_dim=int(hd * pct),
+                tie_embeddings=d.get("tie_word_embeddings", False), bias=not llama and d.get("attention_bias", True),
                 rope_base=rope.get("rope_theta", d.get("rope_theta", d.get("rotary_emb_base", 10000.0))),
                 parallel_residual=not llama and d.get("use_parallel_residual", True),
                 norm_eps=d.get("rms_norm_eps", 1e-6) if llama else d.get("layer_norm_eps", 1e-5))
@@ -212,9 +205,8 @@ def checkpoint_sources(cfg):
     rules = {"wte.weight": ([f"{wte}.weight"], same), **{f"ln_f.{pn}": ([f"{ln_f}.{pn}"], same) for pn in pnames},
              **({"wpe.weight": (["wpe.weight"], same)} if fam == "gpt2" else {})}         # [q0 k0 v0 q1 ...] per head
     rules["lm_head.weight"] = rules["wte.weight"] if cfg.tie_embeddings else ([f"{head}.weight"], same)
-    return rules | {f"h.{i}.{ours}.{pn}": ([prefix.format(i) + f"{t}.{pn}" for t in theirs.split()],
-                                           join.get(ours, same))
-                    for i in range(cfg.n_layer) for ours, theirs in LAYER_NAMES[fam].items() for pn in pnames}
+    return rules | {f"h.{i}.{ours}.{pn}": ([f"{prefix}{t}.{pn}".format(i) for t in their.split()], join.get(ours, same))
+                    for i in range(cfg.n_layer) for ours, their in LAYER_NAMES[fam].items() for pn in pnames}
 
 
 def convert_state_dict(cfg, sd, name):
