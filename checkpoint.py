@@ -69,8 +69,8 @@ class HubUnreachable(ModelError):
 
 
 def hub_reachable(timeout=2.0):
-    """Whether a TCP connection to the hub's host opens within `timeout` s (name lookup included), so that a download
-    without the hub fails or uses the cache at once, not after retries. HF_HUB_OFFLINE=1: False; a proxy: True."""
+    """Whether the hub's host takes a TCP connection within `timeout` s, lookup included (so that a download without
+    the hub uses the cache at once, not after retries); HF_HUB_OFFLINE=1: False; behind a proxy: True."""
     from huggingface_hub import constants               # the HF_* variables, as read at its import
     if constants.HF_HUB_OFFLINE or {"https", "all"} & getproxies().keys():
         return not constants.HF_HUB_OFFLINE
@@ -145,10 +145,10 @@ def read_gguf(path):
             w = np.asarray(gguf.quants.dequantize((t := tensors[name]).data, t.tensor_type), np.float32).reshape(shape)
         except NotImplementedError:
             raise ModelError(f"{path}: gguf cannot dequantise tensor {name}'s {t.tensor_type.name} type") from None
-        if heads := {"attn_q": H, "attn_k": KV}.get(name.split(".")[-2]):   # undo convert_hf_to_gguf.py's permute:
-            w = w.reshape(heads, shape[0] // heads // 2, 2, shape[1]).swapaxes(1, 2).reshape(shape)  # rotary pairs:
-        sd[key] = torch.from_numpy(np.require(w, requirements="CW"))   # llama.cpp's rows 2j, 2j+1, HF's j, j + D/2
-    return cfg, sd   # (np.require: a copy where w is a view of the mapped file)
+        if heads := {"attn_q": H, "attn_k": KV}.get(name.split(".")[-2]):   # rotary pairs: llama.cpp's rows 2j, 2j+1
+            w = w.reshape(heads, shape[0] // heads // 2, 2, shape[1]).swapaxes(1, 2).reshape(shape)   # -> HF's j, j+D/2
+        sd[key] = torch.from_numpy(np.require(w, requirements="CW"))   # a copy where w is a view of the mapped file
+    return cfg, sd
 
 
 def config_from_hf(d, name=""):
@@ -168,7 +168,7 @@ def config_from_hf(d, name=""):
         d = dict(d, hidden_size=d["n_embd"], num_attention_heads=d["n_head"], num_hidden_layers=d["n_layer"],
                  max_position_embeddings=d["n_positions"], intermediate_size=d.get("n_inner") or 4 * d["n_embd"],
                  layer_norm_eps=d.get("layer_norm_epsilon", 1e-5), rotary_pct=0, use_parallel_residual=False,
-                 tie_word_embeddings=True, attention_bias=True)
+                 tie_word_embeddings=True)
     C, H, llama = d["hidden_size"], d["num_attention_heads"], mt == "llama"
     hd = d.get("head_dim") or C // H
     pct = 1 if llama else rope.get("partial_rotary_factor", d.get("rotary_pct", 0.25))
@@ -198,12 +198,12 @@ LAYER_NAMES = {
 def checkpoint_sources(cfg):
     """Our key -> (list of checkpoint keys, function joining those tensors into ours), per family."""
     H, D, fam, same = cfg.n_head, cfg.head_dim, cfg.family, (lambda w: w)
-    join = {"gpt2": dict.fromkeys(["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"], lambda w: w.t()),
-            "neox": {"attn.qkv": lambda w: w.view(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)},
-            "llama": {"attn.qkv": lambda *qkv: torch.cat(qkv)}}[fam]   # GPT-2's Conv1D stores (in, out); NeoX's
-    pnames, (wte, ln_f, head, prefix) = ("weight",) if fam == "llama" else ("weight", "bias"), TOP_NAMES[fam]  # qkv:
+    join = {"gpt2": dict.fromkeys(["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"], lambda w: w.t()),  # Conv1D: in, out
+            "neox": {"attn.qkv": lambda w: w.view(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)},  # qkv/head
+            "llama": {"attn.qkv": lambda *qkv: torch.cat(qkv)}}[fam]
+    pnames, (wte, ln_f, head, prefix) = ("weight",) if fam == "llama" else ("weight", "bias"), TOP_NAMES[fam]
     rules = {"wte.weight": ([f"{wte}.weight"], same), **{f"ln_f.{pn}": ([f"{ln_f}.{pn}"], same) for pn in pnames},
-             **({"wpe.weight": (["wpe.weight"], same)} if fam == "gpt2" else {})}         # [q0 k0 v0 q1 ...] per head
+             **({"wpe.weight": (["wpe.weight"], same)} if fam == "gpt2" else {})}
     rules["lm_head.weight"] = rules["wte.weight"] if cfg.tie_embeddings else ([f"{head}.weight"], same)
     return rules | {f"h.{i}.{ours}.{pn}": ([f"{prefix}{t}.{pn}".format(i) for t in their.split()], join.get(ours, same))
                     for i in range(cfg.n_layer) for ours, their in LAYER_NAMES[fam].items() for pn in pnames}
