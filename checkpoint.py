@@ -100,7 +100,7 @@ def read_student(ckpt_dir):
 def open_gguf(path):
     """-> ({name: its gguf.ReaderTensor}, meta(key, default=None): a value; a ModelError for a missing required key)."""
     import gguf  # only GGUF files need it
-    reader = read_file(path, GGUF_TODO, gguf.GGUFReader)
+    reader = read_file(path, GGUF_TODO, reader=gguf.GGUFReader)
 
     def meta(key, default=None):
         try:
@@ -172,7 +172,7 @@ def config_from_hf(d, name=""):
     C, H, llama = d["hidden_size"], d["num_attention_heads"], mt == "llama"
     hd = d.get("head_dim") or C // H
     pct = 1 if llama else rope.get("partial_rotary_factor", d.get("rotary_pct", 0.25))
-    return dict(family={"gpt_neox": "neox"}.get(mt, mt), name=name, vocab_size=d["vocab_size"], n_embd=C, n_head=H,
+    return dict(family={"gpt_neox": "neox"}.get(mt, mt), vocab_size=d["vocab_size"], n_embd=C, n_head=H,
                 n_kv_head=d.get("num_key_value_heads") or H, head_dim=hd, mlp_hidden=d["intermediate_size"],
                 n_layer=d["num_hidden_layers"], block_size=d["max_position_embeddings"], rotary_dim=int(hd * pct),
                 tie_embeddings=d.get("tie_word_embeddings", False), bias=not llama and d.get("attention_bias", True),

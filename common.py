@@ -309,14 +309,15 @@ def exclusive(lock, what, flag):
             Path(lock).unlink(missing_ok=True)
 
 
-def read_file(path, todo, kind=None):
-    """A .safetensors, .pt (onto the CPU) or JSON file; missing or damaged: one ModelError naming it and `todo`."""
+def read_file(path, todo, kind=None, reader=None):
+    """reader(path), else by suffix a .safetensors, .pt (onto the CPU) or JSON file (of type `kind`); missing or
+    damaged: one ModelError naming it and `todo`."""
     p = Path(path)
     if not p.is_file():
         raise ModelError(f"{path} {'is not a file' if p.exists() else 'does not exist'}; {todo}")
     try:
-        d = load_file(str(p)) if p.suffix == ".safetensors" else torch.load(p, map_location="cpu", weights_only=False) \
-            if p.suffix == ".pt" else json.loads(p.read_text(encoding="utf-8"))
+        d = reader(str(p)) if reader else load_file(str(p)) if p.suffix == ".safetensors" else torch.load(
+            p, map_location="cpu", weights_only=False) if p.suffix == ".pt" else json.loads(p.read_text("utf-8"))
     except Exception as e:                                   # every reader fails in its own way on a damaged file
         raise ModelError(f"{path} is damaged or truncated ({type(e).__name__}: {str(e)[:80]}); {todo}") from None
     if kind is not None and not isinstance(d, kind):

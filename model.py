@@ -33,7 +33,6 @@ class GPTConfig:
     tie_embeddings: bool = True   # lm_head shares wte's weight
     mlp_hidden: int = 3072
     bias: bool = True             # biases in the linear layers (GPT-2, NeoX: yes; Llama: no)
-    name: str = ""                # the checkpoint it was loaded from (hub id or path)
 
 
 class RMSNorm(nn.Module):
