@@ -516,6 +516,16 @@ def speed_table(results, grid="restructure"):
     return "\n".join(rows)
 
 
+def identity_table(r):
+    """docs/results/<grid>/identity.json (identity.py): the same runs with both versions, compared exactly."""
+    rows = ["| run (SmolLM2-135M, budget 8) | feature tensors | bit-identical | dims equal | held-out numbers equal |",
+            "|---|---:|---|---|---|"]
+    for name, v in ((k, v) for k, v in r.items() if k != "command"):
+        rows.append(f"| {name}: `{v['flags'].split('--budget 8 ')[-1]}` | {v['tensors']} | {v['bit_identical']} | "
+                    f"{v['dims_equal']} | {v['validation_equal']} |")
+    return "\n".join(rows)
+
+
 def step_ops_table(results):
     """docs/results/fast-loss/step.json: aten ops and ms of one training step per loss and layout, two versions."""
     r = read(Path(results) / "fast-loss" / "step.json")
@@ -553,8 +563,10 @@ def grid_blocks(grid, results, figures):
         for p in sorted((Path(results) / grid).glob("*.json")):
             made[f"zeroshot:{p.stem}"] = zeroshot_table(read(p))
         return made
-    if grid in ("restructure", "trim", "fast-loss"):   # speed side by side with the code before, from its scripts
+    if grid in ("restructure", "trim", "fast-loss", "budget"):   # side by side with the code before, from its scripts
         made[f"{grid}:table"] = step_ops_table(results) if grid == "fast-loss" else speed_table(results, grid)
+        if (Path(results) / grid / "identity.json").is_file():
+            made[f"{grid}:identity"] = identity_table(read(Path(results) / grid / "identity.json"))
         return made
     if grid == "curves":                         # the per-layer error curves: tables and figure, not a grid table
         return curve_blocks(results, figures)
