@@ -308,6 +308,9 @@ def from_checkpoint(cfg):
         was = {**args, "decay_steps": args.get("decay_steps") or args.get("max_steps"),
                "nproc_per_node": prev.get("world_size", 1)}
         now = {**asdict(cfg), "decay_steps": cfg.decay_steps or cfg.max_steps, "nproc_per_node": get_world_size()}
+        if lost := sorted(k for k in was.keys() - now.keys() if was[k] and k != "compile"):   # a fork's flags, set
+            raise ModelError(f"{ckpt} was started with --{lost[0].replace('_', '-')} {was[lost[0]]!r}, which this "
+                             "script lacks; resume it with the script that started it (experiments/*.py)")
         for name in cfg.RESUMED + ("decay_steps", "nproc_per_node"):
             a, b = was.get(name), now[name]
             if name in ("data", "init_from") and a and b:                  # one directory, however spelled
