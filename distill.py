@@ -305,8 +305,8 @@ def from_checkpoint(cfg):
         raise ModelError(f"{ckpt}'s config.json records no args, the flags to resume it with; pass --init-from {ckpt} "
                          "and another --out-dir to train on from its features")
     if cfg.resume:                                                    # the schedule's length, torchrun's processes
-        was = {**args, "decay_steps": args.get("decay_steps") or args.get("max_steps"),
-               "nproc_per_node": prev.get("world_size", 1)}
+        was = {n: getattr(type(cfg), n, None) for n in cfg.RESUMED} | args | {"nproc_per_node": prev.get(
+            "world_size", 1), "decay_steps": args.get("decay_steps") or args.get("max_steps")}   # args lacks: defaults
         now = {**asdict(cfg), "decay_steps": cfg.decay_steps or cfg.max_steps, "nproc_per_node": get_world_size()}
         if lost := sorted(k for k in was.keys() - now.keys() if was[k] and k != "compile"):   # a fork's flags, set
             raise ModelError(f"{ckpt} was started with --{lost[0].replace('_', '-')} {was[lost[0]]!r}, which this "

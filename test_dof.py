@@ -3255,8 +3255,8 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
 
 def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tmp_path):
     """experiments/direct_finetune.py --direct-steps 2 of --max-steps 5: steps 1-3 train the layerwise loss (one loss
-    per layer logged), steps 4-5 the whole student's next-token loss (one loss); --resume keeps --direct-steps, and
-    distill.py, which lacks it, does not resume such a run."""
+    per layer logged), steps 4-5 the whole student's next-token loss (one loss); --resume keeps --direct-steps;
+    distill.py, which lacks it, does not resume such a run, nor the fork with a direct tail a plain run lacks."""
     d, ckpt, data = setup
     run = distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "5",
                        "--log-interval", "1", "--warmup-steps", "0")
@@ -3269,6 +3269,10 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
         direct_finetune.main(run + ["--direct-steps", "1", "--resume"])
     with pytest.raises(ModelError, match="was started with --direct-steps 2, which this script lacks; resume it with"):
         distill.main(run + ["--resume"])                                    # the core would drop its direct tail
+    plain = distill_args(ckpt, data, tmp_path / "plain", "--budget", "4", "--alloc", "fix", "--max-steps", "2")
+    distill.main(plain)
+    with pytest.raises(ModelError, match="was started with --direct-steps 0, not 1; resume it with the flags"):
+        direct_finetune.main(plain + ["--max-steps", "4", "--direct-steps", "1", "--resume"])   # a tail it never had
 
 
 # ==================================================================================================================
