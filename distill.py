@@ -308,7 +308,8 @@ def from_checkpoint(cfg):
         was = {n: getattr(type(cfg), n, None) for n in cfg.RESUMED} | args | {"nproc_per_node": prev.get(
             "world_size", 1), "decay_steps": args.get("decay_steps") or args.get("max_steps")}   # args lacks: defaults
         now = {**asdict(cfg), "decay_steps": cfg.decay_steps or cfg.max_steps, "nproc_per_node": get_world_size()}
-        if lost := sorted(k for k in was.keys() - now.keys() if was[k] and k != "compile"):   # a fork's flags, set
+        # a flag a fork set, which this script lacks (older versions' --compile and --init change no resumed run)
+        if lost := sorted(k for k in was.keys() - now.keys() - {"compile", "init"} if was[k]):
             raise ModelError(f"{ckpt} was started with --{lost[0].replace('_', '-')} {was[lost[0]]!r}, which this "
                              "script lacks; resume it with the script that started it (experiments/*.py)")
         for name in cfg.RESUMED + ("decay_steps", "nproc_per_node"):
