@@ -100,7 +100,7 @@ def read_student(ckpt_dir):
 def open_gguf(path):
     """-> ({name: its gguf.ReaderTensor}, meta(key, default=None): a value; a ModelError for a missing required key)."""
     import gguf  # only GGUF files need it
-    reader = read_file(path, GGUF_TODO, reader=gguf.GGUFReader)
+    reader = read_file(path, GGUF_TODO, gguf.GGUFReader)
 
     def meta(key, default=None):
         try:

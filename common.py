@@ -122,8 +122,10 @@ def pick_device(device="auto", dtype="auto"):
 
 def sync(device):
     """Wait for the device's queued work (for timing): a no-op on the CPU."""
-    if torch.device(device).type != "cpu":
-        torch.accelerator.synchronize(device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    elif torch.device(device).type == "mps":                     # torch.accelerator would need torch 2.6
+        torch.mps.synchronize()
 
 
 def launch():
@@ -309,24 +311,32 @@ def exclusive(lock, what, flag):
             Path(lock).unlink(missing_ok=True)
 
 
-def read_file(path, todo, kind=None, reader=None):
-    """reader(path), else by suffix a .safetensors, .pt (onto the CPU) or JSON file (of type `kind`); missing or
-    damaged: one ModelError naming it and `todo`."""
-    p = Path(path)
-    if not p.is_file():
-        raise ModelError(f"{path} {'is not a file' if p.exists() else 'does not exist'}; {todo}")
+def read_file(path, todo, reader):
+    """reader(path); a missing or damaged file is one ModelError naming it and `todo` (what to do)."""
+    if not Path(path).is_file():
+        raise ModelError(f"{path} {'is not a file' if Path(path).exists() else 'does not exist'}; {todo}")
     try:
-        d = reader(str(p)) if reader else load_file(str(p)) if p.suffix == ".safetensors" else torch.load(
-            p, map_location="cpu", weights_only=False) if p.suffix == ".pt" else json.loads(p.read_text("utf-8"))
+        return reader(str(path))
     except Exception as e:                                   # every reader fails in its own way on a damaged file
         raise ModelError(f"{path} is damaged or truncated ({type(e).__name__}: {str(e)[:80]}); {todo}") from None
-    if kind is not None and not isinstance(d, kind):
+
+
+def read_json(path, todo, kind=dict):
+    """A JSON file's content, which must be of type `kind` (a config: an object)."""
+    d = read_file(path, todo, lambda p: json.loads(Path(p).read_text(encoding="utf-8")))
+    if not isinstance(d, kind):
         raise ModelError(f"{path} holds a JSON {type(d).__name__}, not an {'object' if kind is dict else kind.__name__}"
                          f"; {todo}")
     return d
 
 
-read_json = read_safetensors = torch_load = read_file       # the names the callers use
+def read_safetensors(path, todo):
+    return read_file(path, todo, load_file)
+
+
+def torch_load(path, todo):
+    """A torch.save file (the optimizer state), onto the CPU."""
+    return read_file(path, todo, lambda p: torch.load(p, map_location="cpu", weights_only=False))
 
 
 def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None, min_tokens=1):
