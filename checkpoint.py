@@ -161,9 +161,10 @@ def config_from_hf(d, name=""):
         raise ModelError(f"{name}: its config.json lacks a positive integer {', '.join(bad)}, which model_type {mt!r}"
                          " needs; use the config.json saved with these weights")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None) or mt == "llama" and (
-            d.get("attention_bias") or d.get("mlp_bias")):
-        raise ModelError(f"{name}: rope scaling ({rope}) and Llama's biases are not supported; use a model without")
+    if (scaling := rope.get("rope_type", rope.get("type", "default"))) not in ("default", None):
+        raise ModelError(f"{name}: rope scaling {scaling!r} is not supported; use a checkpoint with plain rotary")
+    if mt == "llama" and (d.get("attention_bias") or d.get("mlp_bias")):
+        raise ModelError(f"{name}: Llama checkpoints with biases are not supported")
     if mt == "gpt2":   # GPT-2's spellings of GPT-NeoX's keys, and its fixed choices
         d = dict(d, hidden_size=d["n_embd"], num_attention_heads=d["n_head"], num_hidden_layers=d["n_layer"],
                  max_position_embeddings=d["n_positions"], intermediate_size=d.get("n_inner") or 4 * d["n_embd"],

@@ -96,8 +96,8 @@ class DistillConfig:
                               "min_lr_frac", "seed"), 0)
         check_positive(self, ("lam",), 0, above=True)
         if self.min_lr_frac > 1 or not 0 < self.val_fraction < 1:
-            raise ModelError(f"--min-lr-frac must be at most 1 and --val-fraction between 0 and 1, got "
-                             f"{self.min_lr_frac} and {self.val_fraction}")
+            raise ModelError(f"--min-lr-frac must be at most 1, got {self.min_lr_frac}" if self.min_lr_frac > 1 else
+                             f"--val-fraction must lie between 0 and 1, got {self.val_fraction}")
         if self.resume and self.overwrite:
             raise ModelError("--resume and --overwrite contradict each other; pass one of them")
 

@@ -256,6 +256,9 @@ DAMAGED_TEACHERS = {   # name -> (teacher, what is done to its folder, the sente
                               r"lacks a positive integer hidden_size, intermediate_size, which model_type 'gpt_neox'"),
     "config.json lacks model_type": ("gpt2", lambda d: edit_json(d / "config.json", model_type=None),
                                      r"model_type None is not supported; supported model types are gpt2, gpt_neox"),
+    "config.json rope scaling": ("neox", lambda d: edit_json(d / "config.json", rope_parameters=None,
+                                                             rope_scaling={"type": "linear", "factor": 2.0}),
+                                 r"rope scaling 'linear' is not supported; use a checkpoint with plain rotary$"),
     "no weights": ("gpt2", lambda d: (d / "model.safetensors").unlink(),
                    r"model\.safetensors does not exist; download the checkpoint again"),
     "index truncated": ("neox", lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": {"a'),
@@ -288,6 +291,16 @@ def test_damaged_teacher_is_one_sentence(teachers, tmp_path, damage):
     d = shutil.copytree(teachers / kind, tmp_path / kind)
     spoil(d)
     assert re.search(words, load_error(d)), load_error(d)
+
+
+def test_llama_config_with_biases_is_refused():
+    """config_from_hf refuses a Llama config.json with biases (model.py's Llama has none) in its own sentence."""
+    from checkpoint import config_from_hf
+    d = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+         "max_position_embeddings": 32, "intermediate_size": 128, "vocab_size": 100, "attention_bias": True}
+    with pytest.raises(ModelError, match=r"^x: Llama checkpoints with biases are not supported$"):
+        config_from_hf(d, "x")
+    assert config_from_hf({**d, "attention_bias": False}, "x")["family"] == "llama"
 
 
 def test_a_file_that_is_no_checkpoint(tmp_path):
@@ -2662,8 +2675,8 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, ""), r"--out-dir '' is the working directory or holds it, and every save"),
         (distill_args(ckpt, data, ".."), r"--out-dir '..' is the working directory or holds it"),
         (distill_args(ckpt, data, x, "--min-lr-frac", "-1"), r"--min-lr-frac must be a number of at least 0, got -1"),
-        (distill_args(ckpt, data, x, "--min-lr-frac", "2"), r"^--min-lr-frac must be at most 1 and --val-fraction "
-         r"between 0 and 1, got 2.0 and 0.05$"),
+        (distill_args(ckpt, data, x, "--min-lr-frac", "2"), r"^--min-lr-frac must be at most 1, got 2.0$"),
+        (distill_args(ckpt, data, x, "--val-fraction", "1"), r"^--val-fraction must lie between 0 and 1, got 1.0$"),
         (distill_args(ckpt, data, x, "--lam", "inf"), r"--lam must be a number above 0, got inf"),
         (distill_args(ckpt, data, x, "--lr-z", "nan"), r"--lr-z must be a number of at least 0, got nan"),
         (distill_args(ckpt, data, x, "--budget", "100000000"), r"needs about [\d,.]+ GiB, more than the [\d.]+ GiB free"),
