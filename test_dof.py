@@ -2198,8 +2198,8 @@ def test_torchrun_two_processes_train_the_features_of_one_process_and_resume(set
     assert np.allclose(ma["val"][-1]["attn_kl"], mb["val"][-1]["attn_kl"], rtol=1e-5)
     r = cli("distill.py", *base, "--batch-size", 2, "--max-steps", 12, "--out-dir", tmp_path / "two", "--resume")
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'two'} was started with --nproc-per-node 2, not 1; resume it with the flags it was "
-        "started with"]
+        f"error: {tmp_path / 'two'} was started with torchrun --nproc_per_node 2, not 1; resume it with the flags it "
+        "was started with"]
     assert all(torch.equal(v, features(tmp_path / "two")[k]) for k, v in two.items())
 
 
