@@ -302,7 +302,9 @@ def exclusive(lock, what, flag):
     with open(fd, "w"):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            if not os.path.samestat(os.fstat(fd), os.stat(lock)):      # opened as a finishing run unlinked it
+                raise BlockingIOError
+        except (BlockingIOError, FileNotFoundError):
             raise ModelError(f"another run is writing {what} (it holds {lock}); wait for it or pass another {flag}") \
                 from None
         try:

@@ -2826,6 +2826,21 @@ def test_one_run_per_out_dir_and_a_crashed_runs_lock_is_not_stuck(setup, tmp_pat
     assert json.loads((out / "config.json").read_text())["step"] == 1 and not (tmp_path / "run.lock").exists()
 
 
+def test_a_lock_file_unlinked_while_it_was_being_taken_is_refused(tmp_path, monkeypatch):
+    """Run B opens <out>.lock, run A ends (unlinks it, frees it), B locks the unlinked file: B is refused, since a
+    run C would create and lock a new <out>.lock and write beside it."""
+    lock = tmp_path / "run.lock"
+    with common.exclusive(lock, "run", "--out-dir"):
+        stale = os.open(lock, os.O_WRONLY)                               # B has opened it; A still holds it
+    monkeypatch.setattr(common.os, "open", lambda *args: stale)         # B goes on with the file it opened
+    with pytest.raises(ModelError, match=r"another run is writing run \(it holds .*run.lock\)"):
+        with common.exclusive(lock, "run", "--out-dir"):
+            pass
+    monkeypatch.undo()
+    with common.exclusive(lock, "run", "--out-dir"):                      # C: a new file, locked
+        assert lock.exists()
+
+
 def test_out_dir_that_is_a_link_and_a_full_disk(setup, tmp_path, monkeypatch):
     """A link to a directory as --out-dir stays a link to it, save after save (each save replaces the directory
     whole, so the working directory is refused); a save that fails (a full disk) is one sentence, and the checkpoint
