@@ -217,6 +217,8 @@ def harness_window(context_tokens: list[int], continuation_tokens: list[int], ma
     if not 0 < len(continuation_tokens) <= max_len:
         raise ModelError(f"a continuation of {len(continuation_tokens)} tokens cannot be scored: it needs 1 to "
                          f"{max_len}, the model's context length")
+    if not context_tokens:                                  # the harness puts its prefix token there; fix the data
+        raise ModelError("a request with an empty context cannot be scored as the harness scores it; fix its document")
     inp = (context_tokens + continuation_tokens)[-(max_len + 1):][:-1]
     return inp, [(len(inp) - len(continuation_tokens) + j, t) for j, t in enumerate(continuation_tokens)]
 

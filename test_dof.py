@@ -3500,6 +3500,8 @@ def test_harness_window():
     assert inp == [6, 7, 8, 9, 10] and targets == [(3, 10), (4, 11)]
     inp, targets = E.harness_window([1, 2], [3], 5)
     assert inp == [1, 2] and targets == [(1, 3)]
+    with pytest.raises(ModelError, match=r"^a request with an empty context cannot be scored as the harness"):
+        E.harness_window([], [3, 4], 5)                           # its first target would be read at position -1
 
 
 def tokenized(enc, prompts):
