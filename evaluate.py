@@ -10,7 +10,6 @@ Each step of lm-eval (tasks/<task>, api/task.py, api/metrics.py, models/huggingf
 piqa ... wsc273, encode_pair, harness_window, loglikelihood (one pass a request, --plain; by default fast_scorer.py),
 doc_metrics, stderr. Under torchrun each process scores a share; rank 0 writes the one-process results.json.
 """
-import importlib.util
 import json
 import math
 import statistics
@@ -28,7 +27,7 @@ from common import (ModelError, all_gather, check_out, check_positive, check_tok
                     init_distributed, is_main, opt, parse_config, pick_device, read_json, read_tokens, run_main, shard,
                     sync, write_text_atomic)
 from fast_scorer import score_windows
-from model import GPT, LinearAttention, fla_linear_attention, load_student
+from model import GPT, load_student
 from tokenizer import load_tokenizer
 
 
@@ -47,8 +46,6 @@ class EvalConfig:
     dtype: str = opt("float32", "model dtype (log-softmax is float32)", choices=["float32", "bfloat16", "float16"])
     plain: bool = opt(False, "one full forward pass per request, the plain harness way (slow; the same numbers in "
                       "float32, within rounding in bf16)")
-    fla: bool = opt(False, "the student's scan without a cache (--ppl, --plain, prefill) by flash-linear-attention's "
-                    "CUDA kernel; decoding and shared prefixes keep ours (pip install flash-linear-attention)")
     # other measurements
     ppl: str | None = opt(None, "next-token loss and perplexity on a uint16 .bin token file or a text file")
     ppl_context: int | None = opt(None, "window length for --ppl; if not given, the model's context length")
@@ -66,10 +63,6 @@ class EvalConfig:
         why = "is a directory" if p.is_dir() else "does not exist" if not p.exists() else "is empty"
         if self.ppl and (p.is_dir() or not p.exists() or p.stat().st_size == 0):
             raise ModelError(f"--ppl {p} {why}; pass a uint16 token file (data/*/prepare.py) or a text file")
-        if self.fla and not (self.ckpt and self.device.startswith(("auto", "cuda")) and torch.cuda.is_available()
-                             and importlib.util.find_spec("fla")):
-            raise ModelError("--fla runs a student's scan on CUDA: it needs --ckpt, a CUDA --device and "
-                             "flash-linear-attention (pip install flash-linear-attention)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -334,7 +327,7 @@ def check_output(output, model, ckpt, data_dir, ppl=None, flag="--output"):
                          "data or tasks); pass another path")
 
 
-def load_models(cfg: EvalConfig, device, load=load_student, fla=False) -> dict:
+def load_models(cfg: EvalConfig, device, load=load_student) -> dict:
     """{"teacher": --model, "student": load(--ckpt)'s student}; --ckpt's teacher is checked before any model loads."""
     if cfg.ckpt is not None:
         t = read_json(Path(cfg.ckpt) / "config.json", "pass a complete distill.py checkpoint as --ckpt", dict).get(
@@ -345,9 +338,6 @@ def load_models(cfg: EvalConfig, device, load=load_student, fla=False) -> dict:
     models = {"teacher": GPT.from_pretrained(cfg.model, device=device, dtype=getattr(torch, cfg.dtype))}
     if cfg.ckpt is not None:
         models["student"] = load(cfg.ckpt, device=device, dtype=getattr(torch, cfg.dtype))[0]
-        for core in models["student"].modules() if fla else ():         # a fork's core may hold several
-            if isinstance(core, LinearAttention):
-                core.scan = fla_linear_attention
     return models
 
 
@@ -374,7 +364,7 @@ def main(argv=None, load=load_student):
     names = [] if cfg.tasks is None and (cfg.ppl or cfg.speed) else parse_tasks(cfg.tasks)
     prompts = {name: load_task(name, cfg.data_dir, cfg.limit) for name in names}  # bad data fails here, fast
     device = init_distributed(pick_device(cfg.device, "float32")[0])  # the model is cast to --dtype: no autocast
-    models, enc = load_models(cfg, device, load, cfg.fla), load_tokenizer(cfg.model)
+    models, enc = load_models(cfg, device, load), load_tokenizer(cfg.model)
     report = {}
     if cfg.ppl:                                        # first: a bad token file fails before the tasks' work
         if Path(cfg.ppl).suffix == ".bin" and (meta := Path(cfg.ppl).with_name("meta.json")).is_file():

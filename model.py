@@ -189,13 +189,6 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_s
     return y, last[..., :D], last[..., D]
 
 
-def fla_linear_attention(phi_q, phi_k, v, chunk_size=None):
-    """causal_linear_attention by flash-linear-attention's CUDA chunk kernel: normalize=True, the same denominator."""
-    from fla.ops.linear_attn import chunk_linear_attn
-    y, _ = chunk_linear_attn(*(x.transpose(1, 2).contiguous() for x in (phi_q, phi_k, v)), scale=1.0, normalize=True)
-    return y.transpose(1, 2)                                                            # (B, H, T, D)
-
-
 def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
     """One token (decoding): S += phi_k v^T, s += phi_k, y = phi_q S / phi_q.s; phi (B, H, M), v, y (B, H, D)."""
     S, s = S + phi_k[..., :, None] * v[..., None, :], s + phi_k                         # (B, H, M, D), (B, H, M)
@@ -233,7 +226,7 @@ class LinearAttention(nn.Module):
         with torch.autocast(q.device.type, enabled=False):
             phi_q, phi_k = self.features(*self.inputs(q, k))
             v = repeat_kv(v, self.n_head)
-            if cache is None:                                   # the chunked scan, or FLA's (fla_linear_attention)
+            if cache is None:                                   # the chunked scan (a fork may set another)
                 return self.scan(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
             state = (cache["S"], cache["s"]) if cache else None  # decoding: the step for a token, the scan for more
             if state and v.size(2) == 1:

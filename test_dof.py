@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import typing
 import unicodedata
 
@@ -47,6 +48,7 @@ import leverage  # noqa: E402
 import per_head  # noqa: E402
 import compiled  # noqa: E402
 import direct_finetune  # noqa: E402
+import fla_scan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 DATA = ROOT / "tests" / "data"    # real tokenizer files and eval examples (tests/data/SOURCES.md)
@@ -2072,17 +2074,37 @@ def test_compiled_layerwise_loss_equals_the_eager_one(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
                     reason="FLA's kernel needs a CUDA device and flash-linear-attention (pip install "
                            "flash-linear-attention); without them the chunked scan runs")
-@pytest.mark.parametrize("T", [63, 500, 1000])
-def test_fla_scan_equals_the_chunked_scan_forward_and_backward(T):
+@pytest.mark.parametrize("T, scale", [(3, 1.0), (63, 1.0), (500, 1.0), (1000, 1.0), (500, 1e-7)])
+def test_fla_scan_equals_the_chunked_scan_forward_and_backward(T, scale):
+    """T = 3 < H (FLA refuses that shape: padded); scale 1e-7: denominators near 1e-13, as PRF features give."""
     g = torch.Generator(device="cuda").manual_seed(T)
-    phi_q, phi_k = (torch.rand(1, 4, T, 64, device="cuda", generator=g) for _ in range(2))
+    phi_q, phi_k = (scale * torch.rand(1, 4, T, 64, device="cuda", generator=g) for _ in range(2))
     v = torch.randn(1, 4, T, 64, device="cuda", generator=g)
     ours, theirs = ([x.clone().requires_grad_() for x in (phi_q, phi_k, v)] for _ in range(2))
-    y, y_fla = causal_linear_attention(*ours, 64), M.fla_linear_attention(*theirs)
+    y, y_fla = causal_linear_attention(*ours, 64), fla_scan.fla_linear_attention(*theirs)
     dy = torch.randn_like(y)
     (y * dy).sum().backward()
     (y_fla * dy).sum().backward()
     assert rel(y_fla, y) < 1e-3 and all(rel(a.grad, b.grad) < 1e-3 for a, b in zip(theirs, ours))
+
+
+def test_fla_scan_wraps_flas_contract_into_the_chunked_scans(monkeypatch):
+    """experiments/fla_scan.py on the CPU, FLA's chunk_linear_attn replaced by its contract written out: inputs
+    (B, T, H, .), o_i = scale sum_{j<=i} (q_i.k_j) v_j (normalize=False), T < H refused. It equals the chunked scan at
+    T < H and with denominators near 1e-13 (FLA's normalize=True adds 1e-10 to them)."""
+    def chunk_linear_attn(q, k, v, scale=None, normalize=True, head_first=False):
+        assert not normalize and not head_first and q.size(1) >= q.size(2), "FLA refuses T < H, head_first"
+        A = (torch.einsum("bihd,bjhd->bhij", q, k) * scale).tril()                    # (B, H, T, T)
+        return torch.einsum("bhij,bjhd->bihd", A, v), None
+    ops = types.ModuleType("fla.ops.linear_attn")
+    ops.chunk_linear_attn = chunk_linear_attn
+    monkeypatch.setitem(sys.modules, "fla.ops.linear_attn", ops)
+    for T, scale in ((3, 1.0), (37, 1e-7)):
+        g = torch.Generator().manual_seed(T)
+        phi_q, phi_k = (scale * torch.rand(2, 5, T, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(2, 5, T, 6, generator=g, dtype=torch.float64)
+        y = fla_scan.fla_linear_attention(phi_q, phi_k, v)
+        assert y.shape == v.shape and torch.allclose(y, causal_linear_attention(phi_q, phi_k, v, 16), rtol=1e-10)
 
 
 def test_l2_loss_blocks_equal_the_plain_kernel_error():
@@ -3245,10 +3267,10 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
     assert ppl["student"] == E.perplexity(per_head.load_student(out)[0], tokens)
     assert ppl["student"]["loss"] != ppl["teacher"]["loss"]
-    cfg = E.EvalConfig(model=str(ckpt), ckpt=str(out), device="cpu")   # fla=True: the scans --fla would set
-    scans = {type(m).__name__: m.scan for m in E.load_models(cfg, "cpu", per_head.load_student, fla=True)["student"]
-             .modules() if hasattr(m, "scan")}
-    assert scans == {"LinearAttention": M.fla_linear_attention}      # each group's core, not the grouped wrapper
+    cfg = E.EvalConfig(model=str(ckpt), ckpt=str(out), device="cpu")   # the scans experiments/fla_scan.py sets
+    scans = {type(m).__name__: m.scan for m in E.load_models(cfg, "cpu", fla_scan.with_fla(per_head.load_student))[
+             "student"].modules() if hasattr(m, "scan")}
+    assert scans == {"LinearAttention": fla_scan.fla_linear_attention}   # each group's core, not the grouped wrapper
     distill.main(distill_args(ckpt, data, tmp_path / "plain", "--budget", "6", "--max-steps", "0"))
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--out-dir", tmp_path / "ph", "--init-from",
             tmp_path / "plain", *FAST)
@@ -3879,7 +3901,6 @@ BAD_OPTIONS = [  # flags (after --model --data-dir --tasks piqa --output), and t
                                      r"file path"),
     (["--output", "folder"], r"cannot write \S+folder: it is a directory; pass another --output"),
     (["--output", "new/"], r"cannot write \S*new/: it ends in /, as a directory does; pass another --output"),
-    (["--fla"], r"--fla runs a student's scan on CUDA: it needs --ckpt, a CUDA --device and flash-linear-attention"),
 ]
 
 
@@ -3900,6 +3921,14 @@ def test_bad_option_is_one_sentence_before_any_work(flags, sentence, ckpt, tmp_p
                               "--output", tmp_path / "r.json", *flags)
     assert code == 2 and re.fullmatch("error: " + sentence + r"[^\n]*\n", err), err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_fla_scan_needs_a_student_on_cuda(ckpt, monkeypatch):
+    """experiments/fla_scan.py refuses, before any work, a run whose student scan FLA's CUDA kernel cannot take."""
+    monkeypatch.setattr(E, "main", lambda *a, **k: pytest.fail("evaluate.py ran"))
+    for flags in (["--ckpt", "some-run", "--device", "cpu"], ["--device", "auto"]):     # the CPU; no student
+        with pytest.raises(ModelError, match=r"^experiments/fla_scan.py runs a student's scan on CUDA: it needs"):
+            fla_scan.main(["--model", str(ckpt), "--tasks", "piqa", *flags])
 
 
 def test_output_that_would_replace_a_file_the_run_reads_is_refused(ckpt, tmp_path, capsys):

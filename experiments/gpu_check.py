@@ -56,7 +56,8 @@ from bench import decode_ms  # noqa: E402
 from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
 from common import (ModelError, check_out, check_positive, opt, parse_config,  # noqa: E402
                     pick_device, remove, run_main, sync, write_text_atomic)
-from model import GPT, PRF, GPTConfig, causal_linear_attention, fla_linear_attention  # noqa: E402
+from fla_scan import fla_linear_attention  # noqa: E402
+from model import GPT, PRF, GPTConfig, causal_linear_attention  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 TOKENIZERS = ROOT / "tests" / "data"
