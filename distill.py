@@ -210,10 +210,10 @@ def softmax_loss_blockwise(q, k, pq, pk, block, grad_scale=None):
 
 @torch.no_grad()
 def l2_loss_blockwise(q, k, lq, lk, block, grad_scale=None):
-    """The paper's L2 kernel loss per head, sum_i sum_{j<=i} (K_ij - K^_ij)^2 / m_i^2 with K_ij = exp(q_i.k_j / sqrt d),
-    K^_ij = sum_m exp(lq_im + lk_jm), m_i = max_{j<=i} K_ij (in range, no row swamps the rest) -> (H,) float64. K^/m =
-    c_i (Fq Fk^T)_ij, Fq = exp(lq + w - u), Fk = exp(lk - w) in (0, 1], c = exp(u - m) capped at e^30. grad_scale:
-        G = -2 (K - K^) / m^2,    dL/dlq_im = c_i Fq_im (G Fk)_im,    dL/dlk_jm = Fk_jm (G^T (c Fq))_jm."""
+    """The paper's L2 kernel loss per head, each query row over its largest teacher value m_i (ours: K reaches e^30):
+    sum_i sum_{j<=i} (K_ij - K^_ij)^2 / m_i^2, K_ij = exp(q_i.k_j / sqrt d), K^_ij = sum_m exp(lq_im + lk_jm) -> (H,)
+    float64. K^/m = c_i (Fq Fk^T)_ij, Fq = exp(lq + w - u), Fk = exp(lk - w) in (0, 1], c = exp(u - m) capped at e^30.
+    grad_scale: G = -2 (K - K^) / m^2,  dL/dlq_im = c_i Fq_im (G Fk)_im,  dL/dlk_jm = Fk_jm (G^T (c Fq))_jm."""
     total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
     for s, e, logits, diag in causal_blocks(q, k, block):
         m = logits.amax(-1, keepdim=True)                                             # (B, H, b, 1) log row max
