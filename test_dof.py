@@ -3305,7 +3305,8 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
 
 def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tmp_path):
     """experiments/direct_finetune.py --direct-steps 2 of --max-steps 5: steps 1-3 train the layerwise loss (one loss
-    per layer logged), steps 4-5 the whole student's next-token loss (one loss); --resume keeps --direct-steps;
+    per layer logged), steps 4-5 the whole student's next-token loss (one loss), also in a run stopped at step 3 of
+    its 5-step schedule and resumed (it had trained steps 2-3 direct as well); --resume keeps --direct-steps;
     distill.py, which lacks it, does not resume such a run, nor the fork with a direct tail a plain run lacks."""
     d, ckpt, data = setup
     run = distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "5",
@@ -3313,7 +3314,14 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
     direct_finetune.main(run + ["--direct-steps", "2"])
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert [len(h["loss"]) for h in m["history"]] == [4, 4, 4, 1, 1]
-    with pytest.raises(ModelError, match="--direct-steps 9 is more than --max-steps 5"):
+    stop = [tmp_path / "stop" if a == str(tmp_path / "run") else a for a in run] + ["--direct-steps", "2"]
+    direct_finetune.main(stop + ["--max-steps", "3", "--decay-steps", "5"])             # stopped at step 3 of 5
+    direct_finetune.main(stop + ["--decay-steps", "5", "--resume"])
+    assert [h["loss"] for h in json.loads((tmp_path / "stop" / "metrics.json").read_text())["history"]] == [
+        h["loss"] for h in m["history"]]
+    assert features(tmp_path / "stop").keys() == features(tmp_path / "run").keys() and all(
+        torch.equal(v, features(tmp_path / "run")[k]) for k, v in features(tmp_path / "stop").items())
+    with pytest.raises(ModelError, match=r"--direct-steps 9 is more than the schedule's 5 steps \(--decay-steps, or"):
         direct_finetune.main(distill_args(ckpt, data, tmp_path / "x", "--max-steps", "5", "--direct-steps", "9"))
     with pytest.raises(ModelError, match="was started with --direct-steps 2, not 1; resume it with the flags"):
         direct_finetune.main(run + ["--direct-steps", "1", "--resume"])
