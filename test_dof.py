@@ -1927,6 +1927,21 @@ def test_prepare_text_writes_uint16_tokens_and_meta(setup):
     assert not list(data.glob("*.tmp"))
 
 
+@pytest.mark.parametrize("tokenizer", ["gpt2-tokenizer", "smollm2-135m"])
+def test_prepare_text_pieces_give_the_ids_of_the_whole_text(tokenizer):
+    """tokenize_text's ~1 MB pieces equal one encode_ordinary call on text whose paragraphs end in blank lines and
+    trailing spaces (a cut after "a\\n\\n" had made its "\\n\\n" one token)."""
+    from tokenizer import load_tokenizer
+    spec = importlib.util.spec_from_file_location("text_prepare", ROOT / "data" / "text" / "prepare.py")
+    spec.loader.exec_module(prep := importlib.util.module_from_spec(spec))
+    enc = load_tokenizer(TOK if tokenizer == "gpt2-tokenizer" else tokenizer)
+    words = TEXT.read_text(encoding="utf-8").split()[:4000]
+    ends = ("\n\n", "  \n", "\n", ".\n\n\n", "\n \n")
+    text = "".join(" ".join(words[i:i + 40]) + ends[i // 40 % 5] for i in range(0, 4000, 40))
+    text = text * (1 + (1 << 21) // len(text))                          # > 2 MB: three pieces
+    assert prep.tokenize_text(enc, text, 2) == enc.encode_ordinary(text)
+
+
 def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch):
     """The Wikipedia script's loop on a stand-in stream (no internet here): a seeded random fraction of the
     articles, each followed by end-of-text, split between train and val (alike for any --batch-docs), stopped by

@@ -102,10 +102,11 @@ def token_files(out_dir, meta):
 
 
 def tokenize_text(enc, text, num_threads):
-    """Text -> token ids, in parallel over ~1 MB pieces cut after a newline that precedes a non-space character
-    (where the tokenizers' pre-tokenizing regexes always break, so the ids equal one encode_ordinary call)."""
+    """Text -> token ids, in parallel over ~1 MB pieces cut after a newline between two non-space characters
+    (where the tokenizers' pre-tokenizing regexes always break, so the ids equal one encode_ordinary call; a piece
+    that ended in a whitespace run would end in one token, by the regexes' end-of-text branch, not in several)."""
     pieces, cur, size = [], [], 0
-    for part in re.split(r"(?<=\n)(?=\S)", text):
+    for part in re.split(r"(?<=\S\n)(?=\S)", text):
         cur.append(part)
         size += len(part)
         if size >= 1 << 20:
