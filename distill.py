@@ -532,8 +532,9 @@ def main(argv=None, make=make_student):
 
 
 def run(cfg, make):
-    if Path(cfg.model).exists():                                  # a local teacher by its absolute path, as
-        cfg.model = str(Path(cfg.model).resolve())                # config.json records it for load_student
+    cfg.data, cfg.init_from = (p and str(Path(p).resolve()) for p in (cfg.data, cfg.init_from))  # absolute, as
+    if Path(cfg.model).exists():                  # config.json records them: a resume from another directory is
+        cfg.model = str(Path(cfg.model).resolve())  # checked against them, load_student finds a local teacher
     device, amp = pick_device(cfg.device, cfg.dtype)
     device, N = init_distributed(device), get_world_size()        # torchrun: a process per device, rank 0 prints
     teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)

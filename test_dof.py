@@ -2435,6 +2435,23 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_resume_from_another_directory_checks_the_data_it_names(setup, tmp_path, monkeypatch):
+    """config.json records --data by its absolute path: a relative --data resumed from another working directory
+    names other token files, and is refused (it had trained on them without a word)."""
+    d, ckpt, data = setup
+    for where in ("a", "b"):
+        shutil.copytree(data, tmp_path / where / "tok")
+    run = distill_args(ckpt, "tok", tmp_path / "out", "--alloc", "fix", "--budget", "4", "--decay-steps", "2")
+    monkeypatch.chdir(tmp_path / "a")
+    distill.main(run + ["--max-steps", "1"])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["data"]["dir"] == str(tmp_path / "a" / "tok")
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(ModelError, match=rf"was started with --data '{tmp_path / 'a' / 'tok'}', not '{tmp_path / 'b'}"):
+        distill.main(run + ["--max-steps", "2", "--resume"])
+    monkeypatch.chdir(tmp_path / "a")
+    distill.main(run + ["--max-steps", "2", "--resume"])
+
+
 def test_nan_loss_stops_naming_the_layer(setup, tmp_path):
     d, ckpt, data = setup
     out = tmp_path / "nan"
