@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import MISSING, field, fields
 from datetime import timedelta
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 REQUIRED = MISSING     # opt(REQUIRED, help): a field the command line must give
-CLAIMED = []           # the out-dir this process writes checkpoints to (named when a run is stopped)
+CLAIMED = []           # (out-dir this process writes checkpoints to, since when its checkpoint is this run's)
 
 
 class ModelError(Exception):
@@ -45,8 +46,9 @@ def run_main(main):
     except KeyboardInterrupt as e:
         for sig in (signal.SIGINT, signal.SIGTERM):             # a second signal while stopping: the same line
             signal.signal(sig, signal.SIG_IGN)
-        where = f"; the last checkpoint in {CLAIMED[0]} is whole: add --resume to continue it" if CLAIMED and \
-            is_checkpoint(CLAIMED[0]) else ""
+        out, since = CLAIMED[0] if CLAIMED else ("", 0.0)           # --overwrite: one this run saved
+        where = f"; the last checkpoint in {out} is whole: add --resume to continue it" if out and is_checkpoint(out) \
+            and (Path(out) / "config.json").stat().st_mtime >= since else ""
         print(f"\nstopped by {str(e) or 'Ctrl-C'}{where}", file=sys.stderr)
         sys.exit(143 if str(e) == "SIGTERM" else 130)
     finally:
@@ -287,7 +289,7 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
             "pass --overwrite to start again, or another --out-dir" if full else "drop --resume"))
     main = launch()[0] == 0                                      # under torchrun rank 0 writes, and holds the lock
     with exclusive(out.with_name(out.name + ".lock"), out_dir, "--out-dir") if main else nullcontext():
-        CLAIMED[:] = [out_dir] * main
+        CLAIMED[:] = [(out_dir, time.time() if overwrite else 0.0)] * main
         yield
 
 

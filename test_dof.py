@@ -3013,6 +3013,30 @@ def test_a_run_stopped_before_its_first_checkpoint_names_none(tmp_path, capsys):
     assert e.value.code == 130 and capsys.readouterr().err == "\nstopped by Ctrl-C\n"
 
 
+def test_ctrl_c_of_an_overwrite_run_names_only_a_checkpoint_it_saved(tmp_path, capsys):
+    """--overwrite over a checkpoint, stopped before its first save: no claim that the old run's checkpoint is this
+    run's to --resume (resuming it had continued the old run, its settings taken from it); after a save: the claim."""
+    (out := tmp_path / "run").mkdir()
+    for name in ("config.json", "features.safetensors"):
+        (out / name).write_text("{}")
+        os.utime(out / name, (1, 1))                                     # an earlier run's
+
+    def main(save):
+        with common.claim_out_dir(out, overwrite=True):
+            if save:
+                (out / "config.json").write_text("{}")
+            raise KeyboardInterrupt
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        for save, where in ((False, ""), (True, f"; the last checkpoint in {out} is whole: add --resume to continue it")):
+            with pytest.raises(SystemExit):
+                common.run_main(lambda: main(save))
+            assert capsys.readouterr().err == f"\nstopped by Ctrl-C{where}\n"
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+
+
 @pytest.mark.parametrize("sig, code, name", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")])
 def test_ctrl_c_and_sigterm_stop_with_one_line_and_the_run_resumes(setup, tmp_path, sig, code, name):
     """A signal during training: exit 130 / 143, one line naming the last checkpoint (whole) and --resume; resumed
