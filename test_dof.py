@@ -3273,6 +3273,20 @@ def test_leverage_features_give_an_unbiased_kernel_estimate():
         assert (z_score.max() < 4.5) if unbiased else (z_score.max() > 10), z_score
 
 
+def test_leverage_features_are_distinct_where_the_leverage_sits_on_few_candidates():
+    """x ~ 2 N(0, I) in d = 16: M = 18 directions are 18 distinct candidates (resampling with replacement took one
+    candidate 18 times here: copies train as one feature); each candidate taken with probability min(1, c pi_p)."""
+    g = torch.Generator().manual_seed(0)
+    x = 2 * torch.randn(256, 16, generator=g, dtype=torch.float64)
+    z, _ = leverage.leverage_features(x, 18, 1e-3, True, 16, torch.Generator().manual_seed(1))
+    assert len(torch.unique(z, dim=0)) == 18
+    pi = torch.softmax(4 * torch.randn(288, generator=g, dtype=torch.float64), 0)
+    w = leverage.inclusion(pi, 18)
+    sure = w == 1
+    assert 0 < sure.sum() < 18 and w.sum().item() == pytest.approx(18) and (w[~sure] < 1).all()
+    assert torch.allclose(w[~sure] / pi[~sure], (w[~sure] / pi[~sure])[0]) and pi[sure].min() >= pi[~sure].max()
+
+
 def test_leverage_features_beat_gaussian_draws_on_a_known_kernel_at_m_equal_dof():
     """The theory's claim at M = N_lam on a Gaussian kernel known exactly: leverage-sampled features estimate
     K = exp(x x^T / sqrt d) with a smaller relative Frobenius error than plain Gaussian draws (20 draws each; the

@@ -59,23 +59,34 @@ def leverage_log(x, z, lam, relative=False):
     return 2 * top + y.square().sum(0).log()
 
 
+def inclusion(pi, M):
+    """Probabilities w_p = min(1, c pi_p) of taking candidate p, summing to M: a candidate with c pi_p >= 1 is
+    always taken, and c is scaled again over the rest until none is. pi (P,) summing to 1 -> (P,)."""
+    sure = torch.zeros_like(pi, dtype=torch.bool)
+    while True:
+        w = torch.where(sure, 1.0, (M - sure.sum()) * pi / pi[~sure].sum())
+        if not (w[~sure] >= 1).any():
+            return w
+        sure |= w >= 1
+
+
 def leverage_features(x, M, lam, relative=False, pool=16, generator=None):
     """M PRF features of one head from its ridge leverage density q(z) ~ l(z) N(z; 0, I), on its points x (J, d):
-    a pool of P = pool x M candidates z_p ~ N(0, I), M taken by systematic resampling with probabilities
-    pi_p = l(z_p) / sum l (candidate p taken M pi_p times in expectation; a likely one can be taken twice), and
-    importance weights alpha_m = 1 / (P pi_p(m)) (PRF's sqrt(alpha_m / M)). Then, for any q, k,
+    a pool of P = pool x M candidates z_p ~ N(0, I), M distinct ones taken by systematic sampling, candidate p with
+    probability w_p = min(1, c pi_p), pi_p = l(z_p) / sum l (inclusion: sum w = M), and importance weights
+    alpha_m = M / (P w_p(m)) (PRF's sqrt(alpha_m / M)). Then, for any q, k,
 
-        E[sum_m alpha_m phi_zm(q) phi_zm(k) / M] = E[sum_p (M pi_p / M) phi_zp(q) phi_zp(k) / (P pi_p)]
+        E[sum_m alpha_m phi_zm(q) phi_zm(k) / M] = E[sum_p w_p phi_zp(q) phi_zp(k) / (P w_p)]
                                                  = E[sum_p phi_zp(q) phi_zp(k) / P] = K(q, k):
 
-    unbiased, as plain Gaussian PRF. -> z (M, d), log_alpha (M,), float32."""
+    unbiased, as plain Gaussian PRF. Distinct: resampling with replacement takes a likely candidate several times,
+    and its copies, with equal gradients, would train as one feature. -> z (M, d), log_alpha (M,), float32."""
     P = pool * M
     z = torch.randn(P, x.size(-1), generator=generator, dtype=torch.float64)
-    log_l = leverage_log(x, z, lam, relative)                                # (P,)
-    pi = torch.softmax(log_l, 0)                                             # l / sum l
-    u = (torch.rand((), generator=generator, dtype=torch.float64) + torch.arange(M, dtype=torch.float64)) / M
-    take = torch.searchsorted(pi.cumsum(0), u).clamp_max(P - 1)              # systematic resampling (M,)
-    return z[take].float(), (-(P * pi[take]).log()).float()
+    w = inclusion(torch.softmax(leverage_log(x, z, lam, relative), 0), M)  # (P,), each at most 1: one hit each
+    u = torch.rand((), generator=generator, dtype=torch.float64) + torch.arange(M, dtype=torch.float64)
+    take = torch.searchsorted(w.cumsum(0), u).clamp_max(P - 1)               # systematic sampling (M,)
+    return z[take].float(), (math.log(M) - (P * w[take]).log()).float()
 
 
 @torch.no_grad()
