@@ -3307,6 +3307,29 @@ def test_leverage_features_beat_gaussian_draws_on_a_known_kernel_at_m_equal_dof(
     assert mean["leverage"] < 0.8 * mean["gaussian"] and median["leverage"] < median["gaussian"], (mean, median)
 
 
+def test_forks_start_every_process_from_rank_0s_dims_and_features(setup, monkeypatch):
+    """Under torchrun per_head.py and leverage.py take rank 0's dims and features, as the core's make_student does
+    (each process's own DoF pass and draws may differ across devices): here a process other than rank 0, handed
+    rank 0's dims, and every feature tensor of its student handed to broadcast to be filled with rank 0's."""
+    d, ckpt, data = setup
+    teacher = M.GPT.from_pretrained(ckpt)
+    calib = dof.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), 2, 2, 64, 0, "cpu")
+    L, H = teacher.config.n_layer, teacher.config.n_head
+    rank0 = ([[3] + [5] * (H - 1)] * L, [[1.0] * H] * L)                            # per-head dims and DoF
+    for fork, config, alloc in ((per_head, per_head.PerHeadConfig, "dof"), (leverage, leverage.LeverageConfig, "fix")):
+        filled = []
+
+        def other_rank(obj, tensors=()):
+            filled.extend(t.data_ptr() for t in tensors)
+            return rank0 if obj is None else obj
+        monkeypatch.setattr(fork, "broadcast", other_rank)
+        monkeypatch.setattr(fork, "is_main", lambda: False, raising=False)
+        cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", alloc, "--J", "64"], config)
+        student, dims, N = fork.make_student(cfg, teacher, calib)
+        assert {t.data_ptr() for t in M.feature_state(student).values()} <= set(filled)
+        assert (dims, N) == rank0 if fork is per_head else dims == [4] * L
+
+
 def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp_path):
     """experiments/per_head.py: distill.py's command line with dims per head (total budget x heads x layers),
     recorded in config.json, loaded back by per_head.load_student, resumed; experiments/leverage.py: a run that

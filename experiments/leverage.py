@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
-from common import ModelError, check_free_memory, check_positive, opt, run_main  # noqa: E402
+from common import ModelError, broadcast, check_free_memory, check_positive, opt, run_main  # noqa: E402
+from model import feature_state  # noqa: E402
 
 
 def prf_log(x, z):
@@ -99,7 +100,8 @@ def init_leverage(core, x, lam, relative=False, pool=16, generator=None):
 
 
 def make_student(cfg, teacher, calib, prev=None):
-    """distill.make_student, then (for a fresh student) every layer's features redrawn by init_leverage."""
+    """distill.make_student, then (for a fresh student) every layer's features redrawn by init_leverage (rank 0's,
+    for every process)."""
     student, dims, N = distill.make_student(cfg, teacher, calib, prev)
     if prev is None:                                  # a head's pool of candidates, their features and leverage
         check_free_memory(8 * cfg.pool * max(dims) * (teacher.config.head_dim + 3 * cfg.J), "cpu", f"--pool {cfg.pool} "
@@ -109,6 +111,7 @@ def make_student(cfg, teacher, calib, prev=None):
         gen = torch.Generator().manual_seed(cfg.seed)
         for core, xl in zip(student.cores(), x.cpu()):
             init_leverage(core, xl, cfg.lam, cfg.lam_relative, cfg.pool, gen)
+        broadcast(None, list(feature_state(student).values()))
     return student, dims, N
 
 

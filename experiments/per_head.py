@@ -25,8 +25,8 @@ import distill  # noqa: E402
 import dof  # noqa: E402
 import evaluate  # noqa: E402
 from checkpoint import read_student  # noqa: E402
-from common import ModelError, opt, run_main  # noqa: E402
-from model import GPT, LinearAttention, load_feature_state, repeat_kv  # noqa: E402
+from common import ModelError, broadcast, is_main, opt, run_main  # noqa: E402
+from model import GPT, LinearAttention, feature_state, load_feature_state, repeat_kv  # noqa: E402
 
 
 class GroupedLinearAttention(nn.Module):
@@ -73,16 +73,18 @@ def per_head_dims(cfg, teacher, calib, mu):
 
 
 def make_student(cfg, teacher, calib, prev=None):
-    """distill.make_student with per-head dims: fresh ones from the per-head DoF, or distill.from_checkpoint's."""
+    """distill.make_student with per-head dims: fresh ones from the per-head DoF (rank 0's dims and features for
+    every process, as the core's), or distill.from_checkpoint's."""
     if prev:
         return distill.make_student(cfg, teacher, calib, prev, GroupedLinearAttention)
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None                # (L, H, D)
-    dims, N = per_head_dims(cfg, teacher, calib, mu)
+    dims, N = broadcast(per_head_dims(cfg, teacher, calib, mu) if is_main() else None)
     torch.manual_seed(cfg.seed)
     student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size, GroupedLinearAttention)
     for core, m in zip(student.cores(), [] if mu is None else mu):
         for c, hs in zip(core.groups, core.heads):
             c.key_mean.copy_(m[hs])
+    broadcast(None, list(feature_state(student).values()))
     return student, dims, N
 
 
