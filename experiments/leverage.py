@@ -10,7 +10,8 @@ with importance weights that keep the kernel estimate unbiased. A fork of distil
 
 How it forks the core: distill.main runs with this file's make_student, which builds the core's student and then
 redraws each head's z and alpha from J of its calibration queries and keys (centred as the student sees them).
-Measured on SmolLM2: worse than Gaussian features, before and after training (docs/results.md).
+Measured on SmolLM2's heads (docs/results.md): better than Gaussian features untrained from M = 16 on, 5-7% worse
+after 100 steps of training.
 """
 
 import math
