@@ -4304,9 +4304,14 @@ def test_published_tables_are_the_ones_the_committed_result_files_make(tmp_path)
     (lambda p: p.write_text(json.dumps(json.loads(p.read_text()) | {"group": "abc"})), r"claim holds a result "
      r"file its script did not write \(ValueError: invalid literal"),
     (lambda p: (p.parents[1] / "zeroshot").mkdir() or (p.parents[1] / "zeroshot" / "r.json").write_text('{"x": 1}'),
-     r"zeroshot holds a result file its script did not write \(KeyError: 'results'\)")])
+     r"zeroshot holds a result file its script did not write \(KeyError: 'results'\)"),
+    (lambda p: p.unlink(), r"claim lacks the whole runs b32-dof-s0; run them with `python docs/experiments.py --run "
+     r"claim` \(it resumes unfinished runs\), then --report"),                # had left DoF's mean to two seeds
+    (lambda p: p.write_text(json.dumps((r := json.loads(p.read_text())) | {"args": r["args"] | {"args": r["args"][
+        "args"] | {"max_steps": 480}}})), r"claim lacks the whole runs b32-dof-s0; run them")])    # stopped at 240
 def test_report_refuses_a_damaged_result_file_in_one_sentence(tmp_path, damage, match):
-    """--report on a result file cut, of another type, or edited: one sentence naming it, and no doc rewritten."""
+    """--report on a result file cut, of another type, edited, missing or of a run that stopped early: one sentence
+    naming it, and no doc rewritten."""
     shutil.copytree(ROOT / "docs" / "results" / "claim", tmp_path / "results" / "claim")
     doc = tmp_path / "results.md"
     shutil.copy(ROOT / "docs" / "results.md", doc)

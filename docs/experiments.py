@@ -241,6 +241,15 @@ def load(grid, results=RESULTS):
     return [r for r in map(read, sorted((Path(results) / grid).glob("*.json"))) if "group" in r]
 
 
+def check_whole(grid, records, results=RESULTS):
+    """A ModelError where one of the grid's runs is missing or stopped before its last step: a table would drop it
+    from a mean without a word."""
+    short = [r["name"] for r in records if r["val"][-1]["step"] != r["args"]["args"]["max_steps"]]
+    if lost := sorted({run.name for run in GRIDS[grid]()} - {r["name"] for r in records}) + short:
+        raise ModelError(f"{Path(results) / grid} lacks the whole runs {', '.join(lost)}; run them with `python "
+                         f"docs/experiments.py --run {grid}` (it resumes unfinished runs), then --report")
+
+
 def final(r):
     v = r["val"][-1]
     if not all(map(np.isfinite, [v["student_loss"], v["teacher_loss"], *v["attn_kl"]])):
@@ -571,6 +580,8 @@ def grid_blocks(grid, results, figures):
     if grid == "curves":                         # the per-layer error curves: tables and figure, not a grid table
         return curve_blocks(results, figures)
     records = load(grid, results)
+    if grid in GRIDS:
+        check_whole(grid, records, results)
     if grid == "allocation":
         made["allocation:predictors"] = predictor_table(results)
         made["allocation:paired"] = allocation_table(records, curves_dir=Path(results) / "curves")
@@ -579,8 +590,10 @@ def grid_blocks(grid, results, figures):
         return made
     if grid in FROM_GRID:                        # shown after the runs they continue, paired with their Fix
         made[f"{grid}:continuations"] = continuations(records)
-        records = load(FROM_GRID[grid], results) + records
-        made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records)
+        fix = next(g.split("/")[1] for g in groups(records) if g.split("/")[1].startswith("Fix"))   # continued
+        own, records = paired_table(records, fix), load(FROM_GRID[grid], results) + records
+        made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records).rsplit(
+            "\n\n", 1)[0] + "\n\n" + own                # against the Fix they continue, then against its continuation
     elif grid in BASELINE:                       # shown against the claim grid's per-layer DoF runs
         if grid == "recipe":
             made[f"{grid}:continuations"] = continuations(records)
