@@ -3895,12 +3895,16 @@ def load_script(path):
 def test_heads_measures_every_map_at_every_M_and_reports_at_the_M_nearest_the_budget(setup, tmp_path, capsys):
     """experiments/heads.py on two layers of the tiny GPT-2 with --Ms 4 8: every map's held-out KL per head at each
     M, each head at M = its rounded DoF, dims in proportion to the DoF summing to budget x heads, and the table and
-    figure at M = 4, the M of --Ms nearest --budget 5 (they had looked up M = 32 whatever --Ms held)."""
+    figure at M = 4, the M of --Ms nearest --budget 5 (they had looked up M = 32 whatever --Ms held); the trained maps
+    from each init, draw by draw at that M, draw 0 being the table's."""
     d, ckpt, data = setup
     heads = load_script("experiments/heads.py")
     heads.main(["--model", str(ckpt), "--data", str(data), "--layers", "0", "2", "--block-size", "64", "--J", "256",
-                "--Ms", "4", "8", "--budget", "5", "--steps", "2", "--seeds", "1", "--out", str(tmp_path)])
+                "--Ms", "4", "8", "--budget", "5", "--steps", "2", "--seeds", "2", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "smollm2.json").read_text())
+    for kind in ("trained", "trained-leverage"):      # draw 0 of the paired draws is the table's trained row at M = 4
+        assert np.array(res["trained_draws"][kind]).shape == (2, 2)
+        assert res["trained_draws"][kind][0] == pytest.approx([np.mean(r["kl"][kind]["4"]) for r in res["layers"]])
     assert [r["layer"] for r in res["layers"]] == [0, 2]
     for r in res["layers"]:
         kl = np.array([r["kl"][kind][m] for kind in heads.METHODS for m in ("4", "8")])     # (maps x Ms, heads)
@@ -3911,6 +3915,7 @@ def test_heads_measures_every_map_at_every_M_and_reports_at_the_M_nearest_the_bu
     assert heads.budget_M(res["settings"]) == 4
     out = capsys.readouterr().out
     assert "- gaussian, M = 4: Spearman" in out and "- trained, M = 4: Spearman" in out and "wrote" in out
+    assert "minus trained from the Gaussian one, M = 4, paired draw by draw over draws 0–1: " in out
     heads.figure(res, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -170,6 +170,10 @@ def measure(cfg):
         row["at_dof"] = {"M": at_n, **{kind: map_kl(cfg, mc, at_n, kind, mu, x, qk_c[l], qk_h[l]).tolist()
                                        for kind in ("gaussian", "leverage")}}
         res["layers"].append(row)
+    m = budget_M(res["settings"])            # trained from each init, draw by draw (the table's trained rows: draw 0)
+    res["trained_draws"] = {kind: [[head_kl(train(make_core(cfg, mc, m, init, *points[l], s), *qk_c[l], cfg.steps),
+                                            *qk_h[l]).mean().item() for l in cfg.layers] for s in range(cfg.seeds)]
+                            for kind, init in (("trained", "gaussian"), ("trained-leverage", "leverage"))}
     # equal error? mean M = budget over the measured heads: the same M everywhere against M ~ N_lam
     N = np.array([r["dof"] for r in res["layers"]])                                                 # (layers, H)
     prop = np.array(dof.allocate(N.ravel(), cfg.budget)).reshape(N.shape).tolist()
@@ -255,6 +259,11 @@ def table(res):
     st, n = res["settings"], sum(len(r["dof"]) for r in res["layers"])
     rows += ["", f"Mean held-out KL over the {n} heads of layers {', '.join(map(str, st['layers']))}; untrained maps "
              f"averaged over draws (seeds) 0–{st['seeds'] - 1}, trained maps one run from draw 0, {st['steps']} steps."]
+    if "trained_draws" in res:                                   # (draws, layers) -> a mean over the heads per draw
+        d = np.mean(res["trained_draws"]["trained-leverage"], 1) - np.mean(res["trained_draws"]["trained"], 1)
+        rows += ["", f"Trained from the leverage init minus trained from the Gaussian one, M = {budget_M(st)}, paired "
+                 f"draw by draw over draws 0–{len(d) - 1}: {d.mean():+.3f} ± {d.std(ddof=1) / np.sqrt(len(d)):.3f} "
+                 f"(standard error; the draws {', '.join(f'{v:+.3f}' for v in d)})."]
     at = {k: np.concatenate([r["at_dof"][k] for r in res["layers"]]) for k in ("gaussian", "leverage")}
     wins = int((at["leverage"] < at["gaussian"]).sum())
     rows += ["", f"At M = N_lam (each head its own, rounded; {len(at['gaussian'])} heads): mean KL gaussian "
