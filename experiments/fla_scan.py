@@ -24,8 +24,9 @@ from model import LinearAttention, load_student  # noqa: E402
 
 def fla_linear_attention(phi_q, phi_k, v, chunk_size=None):
     """model.causal_linear_attention by FLA's chunk kernel, unnormalised on [v | 1] and divided as there: FLA's
-    normalize=True adds 1e-10 to the denominator phi_q,i . sum_{j<=i} phi_k,j, which PRF features take down to
-    1e-13. FLA reads (B, T, H, .) and refuses T < H, so T is padded with zeros (later tokens change no earlier)."""
+    normalize=True adds 1e-10 to the denominator phi_q,i . sum_{j<=i} phi_k,j, which PRF features take far below
+    it (4e-17 in a trained SmolLM2 student). FLA reads (B, T, H, .) and refuses T < H, so T is padded with zeros
+    (later tokens change no earlier)."""
     from fla.ops.linear_attn import chunk_linear_attn
     (B, H, T, D), v1 = v.shape, torch.cat((v, v.new_ones(*v.shape[:-1], 1)), -1).to(phi_q.dtype)
     x = [F.pad(t, (0, 0, 0, max(0, H - T))).transpose(1, 2).contiguous() for t in (phi_q, phi_k, v1)]
