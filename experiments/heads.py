@@ -170,10 +170,11 @@ def measure(cfg):
         row["at_dof"] = {"M": at_n, **{kind: map_kl(cfg, mc, at_n, kind, mu, x, qk_c[l], qk_h[l]).tolist()
                                        for kind in ("gaussian", "leverage")}}
         res["layers"].append(row)
-    m = budget_M(res["settings"])            # trained from each init, draw by draw (the table's trained rows: draw 0)
-    res["trained_draws"] = {kind: [[head_kl(train(make_core(cfg, mc, m, init, *points[l], s), *qk_c[l], cfg.steps),
-                                            *qk_h[l]).mean().item() for l in cfg.layers] for s in range(cfg.seeds)]
-                            for kind, init in (("trained", "gaussian"), ("trained-leverage", "leverage"))}
+    m = budget_M(res["settings"])            # trained from each init, draw by draw: draw 0 is the table's trained rows
+    res["trained_draws"] = {kind: [[float(np.mean(r["kl"][kind][str(m)])) for r in res["layers"]]] + [
+        [head_kl(train(make_core(cfg, mc, m, init, *points[l], s), *qk_c[l], cfg.steps), *qk_h[l]).mean().item()
+         for l in cfg.layers] for s in range(1, cfg.seeds)]
+        for kind, init in (("trained", "gaussian"), ("trained-leverage", "leverage"))}
     # equal error? mean M = budget over the measured heads: the same M everywhere against M ~ N_lam
     N = np.array([r["dof"] for r in res["layers"]])                                                 # (layers, H)
     prop = np.array(dof.allocate(N.ravel(), cfg.budget)).reshape(N.shape).tolist()
