@@ -237,12 +237,12 @@ def doc_metrics(lls: list[float], gold: int, choices: list[str] | None) -> tuple
 def score_requests(model, tokenized, batch_size=16, device="cpu", desc=None, plain=False):
     """(log-likelihood, is_greedy) of every request of every document (lists of (context, continuation) tokens), by
     loglikelihood() or fast_scorer.py; under torchrun each scores a share (None elsewhere) and all get every score."""
-    if plain:
+    windows = [[harness_window(c, t, model.config.block_size) for c, t in doc] for doc in tokenized]  # all checked
+    if plain:                                                                          # by every process
         mine = set(shard(range(len(tokenized))))
         scored = [[loglikelihood(model, c, t, device) for c, t in doc] if d in mine else [None] * len(doc)
                   for d, doc in enumerate(tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False))]
     else:
-        windows = [[harness_window(c, t, model.config.block_size) for c, t in doc] for doc in tokenized]
         scored = score_windows(model, windows, batch_size, device, desc, rank=get_rank(), world_size=get_world_size())
     return [[next(r for r in rs if r is not None) for rs in zip(*docs)] for docs in zip(*all_gather(scored))]
 

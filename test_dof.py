@@ -4185,6 +4185,17 @@ def test_bad_input_in_library_raises_model_error():
         E.harness_window([1, 2], [], N_POS)
 
 
+@pytest.mark.parametrize("plain", [True, False])
+def test_every_process_refuses_a_request_that_another_process_scores(model, monkeypatch, plain):
+    """Under torchrun each process scores a share of the documents, but an unscorable request anywhere is refused by
+    every process: one that alone raised would stop without its sentence (only rank 0 prints)."""
+    monkeypatch.setattr(E, "shard", lambda items: items[1::2])                # rank 1 of 2: documents 1, 3, ...
+    monkeypatch.setattr(E, "all_gather", lambda obj: [obj])
+    docs = [[([1, 2], [3] * (N_POS + 1))], [([1, 2], [3])]]                  # document 0 is rank 0's
+    with pytest.raises(ModelError, match=f"a continuation of {N_POS + 1} tokens cannot be scored"):
+        E.score_requests(model, docs, plain=plain)
+
+
 # ==================================================================================================================
 # gpu_check.py
 
