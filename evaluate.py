@@ -249,7 +249,8 @@ def score_requests(model, tokenized, batch_size=16, device="cpu", desc=None, pla
 
 def stderr(xs, groups=None) -> float | None:
     """metrics.mean_stderr, sample stdev (n - 1) over sqrt n; None (the harness's N/A) for n < 2. With groups (MMLU's
-    subjects) pooled_sample_stderr of the groups' stderrs, or where a group has one value (N/A) over all values."""
+    subjects) pooled_sample_stderr of the groups' stderrs (the harness pools them into four categories first: the 3rd
+    digit moves); where a group has one value, for which the harness prints N/A, the stderr over all values."""
     by = [[x for x, h in zip(xs, groups) if h == g] for g in dict.fromkeys(groups)] if groups else [xs]
     if min(len(v) for v in by) < 2:
         return stderr(xs) if groups else None

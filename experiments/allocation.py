@@ -89,8 +89,8 @@ def expected_kl(Ms, KL, dims):
 def predictors(cfg, teacher, calib):
     """name -> (L,) per-layer values: the DoF of the centred and of the uncentred kernel (max and mean over heads),
     the teacher's attention entropy, the mean |q~| times the mean |k~ - mu|, the mean of |q~ + k~|^2 under the
-    teacher's attention (the log of PRF's variance factor for the pairs that matter), and the held-out KL of untrained
-    Gaussian PRF features at M = budget (one forward pass, no training)."""
+    teacher's attention (the log of PRF's variance factor for the pairs that matter), and the KL of untrained Gaussian
+    PRF features at M = budget on the same windows (one forward pass, no training)."""
     mu = dof.key_means(teacher, calib)                                              # (L, H, D)
     out = {}
     for name, m in (("dof", mu), ("dof-raw", None)):
