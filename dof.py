@@ -243,7 +243,7 @@ def main(argv=None):
               "seconds": time.time() - t0}
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     write_text_atomic(Path(cfg.out) / "dof.json", json.dumps(result, indent=1))
-    print(f"wrote {Path(cfg.out) / 'dof.json'} ({time.time() - t0:.1f}s)")
+    print(f"wrote {Path(cfg.out) / 'dof.json'} ({result['seconds']:.1f}s)")
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ def speed_and_memory_lines(rows):
         per_token = [lin["peak_mib"] / T for T, lin, _ in rows]
         print(f"linear peak memory per token from T={rows[0][0]} to T={rows[-1][0]}: "
               + " -> ".join(f"{1024 * x:.1f} KiB" for x in per_token)
-              + (" (linear in T)" if per_token[-1] <= 1.25 * min(per_token) else " (NOT linear in T)"))
+              + (" (at most linear in T)" if per_token[-1] <= 1.25 * min(per_token) else " (NOT linear in T)"))
 
 
 @torch.no_grad()
