@@ -169,11 +169,11 @@ def linear_attention_reference(phi_q, phi_k, v):
     return (A @ v.to(dt)) / A.sum(-1, keepdim=True)                                     # (B, H, T, D)
 
 
-def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_state=False):
+def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_state=False, eps=1e-30):
     """The reference's y in O(T) memory, in fp32: with T padded to N chunks of C tokens, chunk n's output is
         y_n = phi_q,n P_n + tril(phi_q,n phi_k,n^T) [v_n | 1],   P_n = sum_{n' < n} phi_k,n'^T [v_n' | 1]   (a cumsum),
-    the ones giving the denominator (held at fp32's smallest normal: 0 where no key reaches a query, not 0/0).
-    state = (S, s) continues earlier tokens; return_state=True also returns S, s."""
+    the ones giving the denominator, held at eps: below it (no key's features reach the query) y shrinks toward 0,
+    which keeps the gradient y / den finite. state = (S, s) continues earlier tokens; return_state=True returns S, s."""
     B, H, T, M = phi_q.shape
     D, C, N = v.size(-1), min(chunk_size, T), -(-T // chunk_size)                       # N chunks of C tokens
     dt = torch.promote_types(v.dtype, torch.float32)
@@ -183,18 +183,18 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_s
     P = torch.cat((torch.zeros_like(U[:, :, :1]), U[:, :, :-1]), 2).cumsum_(2)        # (B, H, N, M, D+1) before n
     P = P if state is None else P + torch.cat((state[0], state[1][..., None]), -1).to(dt)[:, :, None]   # + earlier
     out = (q @ P).add_((q @ k.mT).tril_() @ v1).view(B, H, N * C, D + 1)[:, :, :T]   # (B, H, T, D+1)
-    y = out[..., :D] / out[..., D:].clamp_min(torch.finfo(dt).tiny)                    # (B, H, T, D)
+    y = out[..., :D] / out[..., D:].clamp_min(eps)                                     # (B, H, T, D)
     if not return_state:
         return y
     last = P[:, :, -1] + U[:, :, -1]                                                   # (B, H, M, D+1) after the last
     return y, last[..., :D], last[..., D]
 
 
-def linear_attention_step(phi_q, phi_k, v, S, s):
+def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
     """One token (decoding): S += phi_k v^T, s += phi_k, y = phi_q S / phi_q.s; phi (B, H, M), v, y (B, H, D)."""
     S, s = S + phi_k[..., :, None] * v[..., None, :], s + phi_k                         # (B, H, M, D), (B, H, M)
     num = (phi_q[..., :, None] * S).sum(-2)  # a tiny product: elementwise beats a threaded bmm on CPU
-    return num / (phi_q * s).sum(-1, keepdim=True).clamp_min(torch.finfo(num.dtype).tiny), S, s   # y (B, H, D)
+    return num / (phi_q * s).sum(-1, keepdim=True).clamp_min(eps), S, s                # y (B, H, D)
 
 
 def repeat_kv(x, H):
