@@ -1289,6 +1289,14 @@ def test_performer_rows_orthogonal_within_a_block():
     assert not any(p.requires_grad for p in Performer(2, d, M).parameters())
 
 
+def test_performer_directions_are_haar_with_no_sign_preferred():
+    """QR's Q alone prefers signs (its first column's first entry is never positive); with the sign fix every
+    coordinate of every row direction averages 0 over 512 heads (each has sd 1/4 at d = 16: 0.011 for the mean)."""
+    torch.manual_seed(23)
+    z = Performer(512, 16, 32).z
+    assert (z / z.norm(dim=-1, keepdim=True)).mean(0).abs().max() < 0.06          # (M, d) means over the heads
+
+
 def test_performer_rows_are_gaussian_draws_not_unit_rows():
     """Each row of Performer's z has the norm of an N(0, I_d) draw (chi(d): mean sqrt(2) G((d+1)/2) / G(d/2), std
     ~0.70 at d = 16), not one fixed norm; rows of one block are orthogonal directions."""
@@ -1696,6 +1704,11 @@ def test_collect_qk_llama_gqa_after_rotary(tmp_path):
     full = dof.collect_qk(m, [idx], J=40)
     for h in range(4):                                             # query head h pools with KV head h // 2
         match_all(full[0, h], torch.cat((q[0, h], k[0, h // 2])))
+    mu = dof.key_means(m, [idx])                                   # (L, H, D): KV head h // 2's mean key
+    assert torch.allclose(mu[0], k[0].mean(1).repeat_interleave(2, 0), atol=1e-5)
+    centred = dof.collect_qk(m, [idx], J=40, key_means=mu)         # keys centred, queries as they are
+    for h in range(4):
+        match_all(centred[0, h], torch.cat((q[0, h], k[0, h // 2] - mu[0, h])))
 
 
 def test_collect_qk_sample_is_uniform_over_the_stream(tmp_path):
@@ -3086,6 +3099,8 @@ def test_learning_rate_warms_up_then_falls_by_a_cosine_to_its_floor():
     assert f[0] == pytest.approx(0.1) and f[4] == pytest.approx(0.5) and f[9] == pytest.approx(1.0)
     assert f[10] == pytest.approx(1.0) and f[55] == pytest.approx(0.1 + 0.9 * 0.5) and f[100] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(f[9:], f[10:]))                   # falling after the warm-up, never below 0.1
+    capped = distill.DistillConfig(max_steps=100, warmup_steps=50, min_lr_frac=0.1)    # warm-up: at most a tenth
+    assert distill.lr_factor(9, capped) == pytest.approx(1.0) and distill.lr_factor(4, capped) == pytest.approx(0.5)
 
 
 def test_center_keys_dims_are_the_centred_kernels_and_dof_py_gives_the_same(setup, tmp_path, capsys):
@@ -3677,6 +3692,22 @@ def test_every_scorer_on_a_linear_student(enc, ckpt):
     for plain in (False, True):
         for ref, res in zip(naive, E.score_requests(student, docs, batch_size=3, plain=plain), strict=True):
             assert [ll for ll, _ in res] == pytest.approx(ref, abs=1e-3)
+
+
+def test_is_greedy_needs_every_continuation_token_to_be_the_argmax(model, hf_model):
+    """A two-token continuation whose first token is not transformers' argmax and whose second is: not greedy, in
+    every scorer (a scorer that kept the last token's verdict would say greedy); both argmaxes: greedy."""
+    from fast_scorer import score_windows
+    ctx = [464, 2068, 7586, 21831]
+    with torch.no_grad():
+        first = hf_model(torch.tensor([ctx])).logits[0, -1].argmax().item()
+        other = (first + 1) % 50257
+        after = [hf_model(torch.tensor([ctx + [t]])).logits[0, -1].argmax().item() for t in (first, other)]
+    docs = [[(ctx, [other, after[1]]), (ctx, [first, after[0]])]]
+    windows = [[E.harness_window(c, t, N_POS) for c, t in doc] for doc in docs]
+    for res in (E.score_requests(model, docs, plain=True), E.score_requests(model, docs, 2),
+                score_windows(model, windows, batch_size=1, share_prefix=False)):
+        assert [g for _, g in res[0]] == [False, True]
 
 
 def test_truncation_like_the_harness(model, enc, hf_model):
