@@ -12,7 +12,6 @@ Run from the repository root; matplotlib draws them (pip install matplotlib). Un
                           and for Gaussian queries and keys of norm |x| = d^(1/4), with a slope -1/2 guide
     fig-attention.png     the high-DoF head's causal attention: teacher softmax, untrained and trained (--ckpt) student
     fig-dof.png           N per layer and head, each layer's maximum marked, and the dims that gives each layer
-    fig-curves.png        held-out loss of Fix and DoF while distilling (from --results, when there are any)
 """
 
 import math
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "docs")]
+sys.path.insert(0, str(ROOT))
 import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
@@ -32,17 +31,16 @@ from common import (ModelError, atomic_path, check_out, check_positive, opt, par
 from tokenizer import load_tokenizer  # noqa: E402
 
 COLORS = ("C0", "C3")                                   # the low-DoF head, the high-DoF head
-FIGURES = [f"fig-{name}.png" for name in ("spectrum", "kernel-error", "attention", "dof", "curves")]
+FIGURES = [f"fig-{name}.png" for name in ("spectrum", "kernel-error", "attention", "dof")]
 
 
 @dataclass
 class FigConfig:
-    """Draw the README's figures (eigenvalue spectra, random-feature error, attention maps, DoF heatmap, learning
-    curves) from a model's queries and keys on a text."""
+    """Draw the README's figures (eigenvalue spectra, random-feature error, attention maps, DoF heatmap) from a
+    model's queries and keys on a text."""
     model: str = opt("smollm2-135m", "checkpoint: smollm2-135m, a hub id (gpt2), a local directory or a .gguf file")
     text: str = opt("data/wikitext2/wiki.test.raw", "UTF-8 text the queries and keys are computed on")
     ckpt: str | None = opt(None, "a distill.py checkpoint of --model: its trained student joins the attention maps")
-    results: str = opt("docs/results/claim", "folder of docs/experiments.py JSON results for the learning curves")
     out: str = opt("docs", "folder the fig-*.png files are written to")
     tokens: int = opt(4096, "tokens of --text used; the last --block-size of them are held out for the error figure")
     block_size: int = opt(512, "tokens per forward pass (capped at the model's context)")
@@ -58,8 +56,6 @@ class FigConfig:
         check_positive(self, ("tokens", "block_size", "J", "budget", "draws", "window"))
         check_positive(self, ("lam",), 0, above=True)
         check_out(self.out, FIGURES)
-        if not Path(self.results).is_dir():
-            raise ModelError(f"--results {self.results} is not a folder; pass a folder of docs/experiments.py results")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -206,13 +202,6 @@ def fig_dof(plt, path, N, heads, cfg):
     save(plt, fig, path)
 
 
-def fig_curves(path, results):
-    """Fix and DoF learning curves through docs/experiments.py's `curves`; False without results of both."""
-    from experiments import curves, load
-    records = [r for r in load(Path(results).name, Path(results).parent) if r["group"].split("/")[1] in ("Fix", "DoF")]
-    return {r["group"].split("/")[1] for r in records} == {"Fix", "DoF"} and curves(records, path)
-
-
 def save(plt, fig, path):
     if fig.get_layout_engine() is None:
         fig.tight_layout()
@@ -262,8 +251,6 @@ def main(argv=None):
             print("no --ckpt: the attention maps show the teacher and the untrained student only")
         fig_attention(plt, out / "fig-attention.png", model, ckpt, tokens, heads[1], cfg)
         fig_dof(plt, out / "fig-dof.png", N, heads, cfg)
-        if not fig_curves(out / "fig-curves.png", cfg.results):
-            print(f"no results of both Fix and DoF under {cfg.results}: fig-curves.png not drawn")
     except OSError as e:                                          # a full disk: each figure is whole or not there
         raise ModelError(f"cannot write the figures into {out} ({e.strerror}); make room or pass another --out") \
             from None

@@ -47,7 +47,7 @@ def with_fla(load=load_student):
 
 
 def main(argv=None):
-    cfg = parse_config(evaluate.EvalConfig, argv)
+    cfg = parse_config(evaluate.EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
     if not (cfg.ckpt and cfg.device.startswith(("auto", "cuda")) and torch.cuda.is_available()
             and importlib.util.find_spec("fla")):
         raise ModelError("experiments/fla_scan.py runs a student's scan on CUDA: it needs --ckpt, a CUDA --device and "
