@@ -318,8 +318,9 @@ def from_checkpoint(cfg):
                 a, b = Path(a).resolve(), Path(b).resolve()
             if a is not None and a != b:                                    # torchrun's flag, or the script's
                 flag = "torchrun --nproc_per_node" if name == "nproc_per_node" else "--" + name.replace("_", "-")
-                raise ModelError(f"{ckpt} was started with {flag} {was[name]!r}, not {now[name]!r}; resume it with "
-                                 "the flags it was started with")
+                todo = f"pass --decay-steps {a} to keep its schedule's length" if name == "decay_steps" else \
+                    "resume it with the flags it was started with"
+                raise ModelError(f"{ckpt} was started with {flag} {was[name]!r}, not {now[name]!r}; {todo}")
     if cfg.dims and dof.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
         raise ModelError(f"{ckpt} was trained with dims {prev['dims']}, not --dims {cfg.dims}; drop --dims")
     for name in FROM_CHECKPOINT:                                               # so that config.json records them

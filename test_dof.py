@@ -2436,8 +2436,8 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
     run_bad(args + ["--resume", "--batch-size", "2"],
             r"was started with --batch-size 4, not 2; resume it with the flags it was started with")
     run_bad(args + ["--resume", "--loss", "l2"], r"was started with --loss 'softmax', not 'l2'")
-    run_bad(args + ["--resume", "--max-steps", "60"],
-            r"was started with --decay-steps 50, not 60; resume it with the flags it was started with")
+    run_bad(args + ["--resume", "--max-steps", "60"],                 # --max-steps alone: the schedule's length
+            r"was started with --decay-steps 50, not 60; pass --decay-steps 50 to keep its schedule's length$")
     run_bad(args + ["--resume", "--max-steps", "10", "--decay-steps", "50"],
             r"is at step 50, past --max-steps 10; pass --max-steps 50 or more")
     run_bad(["--model", ckpt, "--data", data, "--out-dir", tmp_path / "none", "--resume", *FAST], r"no checkpoint to resume")
