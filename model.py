@@ -343,8 +343,9 @@ class GPT(nn.Module):
         """The student: all weights shared, layer l's core a LinearAttention (or `core`) of dims[l] features a head."""
         c = self.config
         if len(dims) != c.n_layer or core is None and any(isinstance(m, (list, tuple)) for m in dims):
-            raise ModelError(f"dims {dims} are not one per layer of this {c.n_layer}-layer teacher; pass a checkpoint "
-                             "of it (per-head dims: train with experiments/per_head.py, score with its evaluate)")
+            raise ModelError(f"the dims ({len(dims)}, the first {dims[0] if dims else None}) are not a number per layer "
+                             f"of this {c.n_layer}-layer teacher; pass a checkpoint of it (per-head dims: train with "
+                             "experiments/per_head.py, score with its evaluate)")
         student = copy.deepcopy(self, {id(t): t for t in (*self.parameters(), *self.buffers())})   # shared
         for block, m in zip(student.h, dims):
             block.attn.core = (core or LinearAttention)(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)

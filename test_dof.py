@@ -3362,8 +3362,9 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     student, _ = per_head.load_student(out)
     assert [c.dims for c in student.cores()] == cfg["dims"]
     assert sum(g.feature_map.z.shape[0] * g.M for c in student.cores() for g in c.groups) == 6 * 4 * 4
-    with pytest.raises(ModelError, match=r"per-head dims: train with experiments/per_head.py, score with its evaluate"):
-        M.load_student(out)
+    with pytest.raises(ModelError, match=r"^the dims \(4, the first \[\d+, \d+, \d+, \d+\]\) are not a number per "
+                       r"layer of this 4-layer teacher; .* \(per-head dims: train with experiments/per_head.py, score"):
+        M.load_student(out)                                            # the first layer's dims, not all of them
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
     assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-3000:]
@@ -3852,7 +3853,7 @@ def test_a_checkpoint_with_a_dim_short_is_refused(ckpt, student, tmp_path):
     """Dims for fewer layers than the teacher has: a sentence that says what to pass, not linearize's words."""
     shutil.copytree(student, bad := tmp_path / "short")
     edit_json(bad / "config.json", dims=[8])
-    with pytest.raises(ModelError, match=r"^dims \[8\] are not one per layer of this 2-layer teacher; pass a checkpoint"):
+    with pytest.raises(ModelError, match=r"^the dims \(1, the first 8\) are not a number per layer of this 2-layer teacher; pass a checkpoint"):
         M.load_student(bad)
 
 
