@@ -4483,3 +4483,7 @@ def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, t
     assert first.startswith("text\n") and "\nmore\n" in first and first.endswith("end\n")
     X.report(docs=[doc], results=res, figures=tmp_path)
     assert doc.read_text() == first and (tmp_path / "curves-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    later = X.Run("tiny", "later", "4/Later", 0, runs[0].flags + ["--init-from", str(scratch / "tiny" / "gone")])
+    with pytest.raises(ModelError, match=r"^run tiny/later continues the checkpoint \S+gone, which is not here "):
+        X.run_grid([later], results=res, scratch=scratch)                # refused before any run, not in a log
+    assert not (scratch / "tiny" / "later.log").exists()

@@ -23,8 +23,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]                 # the core, and experiments/ (gpu_check, heads)
-from common import (ModelError, atomic_path, check_positive, opt, parse_config, read_json, run_main,  # noqa: E402
-                    write_text_atomic)
+from common import (ModelError, atomic_path, check_positive, is_checkpoint, opt, parse_config, read_json,  # noqa: E402
+                    run_main, write_text_atomic)
 
 RESULTS = ROOT / "docs" / "results"
 SCRATCH = ROOT / "out-experiments"           # checkpoints and logs of the runs (not committed)
@@ -222,6 +222,11 @@ def relative(x, root=ROOT):
 
 def run_grid(runs, jobs=2, results=RESULTS, scratch=SCRATCH):
     todo = [r for r in runs if not result_path(r, results).is_file()]
+    for r in todo:                                              # a continuation starts from a checkpoint, not a JSON
+        if "--init-from" in r.flags and not is_checkpoint(ROOT / (ckpt := r.flags[r.flags.index("--init-from") + 1])):
+            raise ModelError(f"run {r.grid}/{r.name} continues the checkpoint {ckpt}, which is not here (result files "
+                             f"are committed, checkpoints are not); make it first: move that run's JSON out of "
+                             f"docs/results and run its grid with --match {Path(ckpt).name}")
     print(f"{len(runs) - len(todo)} of {len(runs)} runs done; running {len(todo)}, {jobs} at a time")
     with ThreadPoolExecutor(jobs) as pool:
         for path in pool.map(lambda r: execute(r, results, scratch), todo):
