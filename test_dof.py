@@ -144,10 +144,22 @@ def test_llama_gqa_matches_transformers(tmp_path, tied):
     assert m.config.n_kv_head == 2 and (m.lm_head.weight is m.wte.weight) == tied
 
 
+def test_llama_head_dim_other_than_hidden_over_heads_matches_transformers(tmp_path):
+    """config.json's head_dim (Llama 3.2, Gemma) wins over hidden_size / heads, and rotary spans all of it."""
+    hf = save_hf(hf_llama(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=32,
+                          intermediate_size=96, vocab_size=1000, max_position_embeddings=128), tmp_path)
+    m = assert_parity(hf, tmp_path)
+    assert (m.config.head_dim, m.config.rotary_dim) == (32, 32)
+
+
 def test_hub_layout_without_transformer_prefix(tmp_path):
-    """The hub's gpt2 model.safetensors has no "transformer." prefix and no lm_head.weight."""
+    """The hub's gpt2 model.safetensors has no "transformer." prefix and no lm_head.weight, and its config.json no
+    tie_word_embeddings (GPT-2 ties its head whatever transformers' default)."""
     from safetensors.torch import load_file, save_file
     hf = save_hf(hf_gpt2(**SMALL), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
     sd = load_file(tmp_path / "model.safetensors")
     save_file({k.removeprefix("transformer."): v.contiguous() for k, v in sd.items() if k != "lm_head.weight"},
               tmp_path / "model.safetensors")
@@ -1906,6 +1918,12 @@ def test_prepare_text_keeps_the_files_line_endings(setup, tmp_path):
     ids = np.concatenate([np.fromfile(tmp_path / "out" / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
     assert ids.tolist() == enc.encode_ordinary(raw.decode()) + [enc.eot_token]
     assert E.read_tokens(tmp_path / "crlf.txt", enc).tolist() == enc.encode_ordinary(raw.decode())
+    (tmp_path / "second.txt").write_text("Second file, one line. " * 30)     # two files: an end-of-text after each
+    r = cli("data/text/prepare.py", "--model", ckpt, "--out", tmp_path / "two", "--val-fraction", "0.1",
+            tmp_path / "crlf.txt", tmp_path / "second.txt")
+    ids = np.concatenate([np.fromfile(tmp_path / "two" / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
+    assert r.returncode == 0 and ids.tolist() == enc.encode_ordinary(raw.decode()) + [enc.eot_token] + \
+        enc.encode_ordinary("Second file, one line. " * 30) + [enc.eot_token]
     (tmp_path / "latin.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
     with pytest.raises(ModelError, match=r"latin.txt is neither a .bin token file nor UTF-8 text; convert it to UTF-8 "
                                          r"\(iconv -t utf-8\) or pass a .bin of data/\*/prepare.py$"):
@@ -2570,6 +2588,19 @@ def test_teacher_and_tokenizer_from_the_hub_cache_without_the_hub(setup, tmp_pat
     distill.main([str(a) for a in ["--model", "tiny/gpt2", "--data", data, "--alloc", "fix", "--budget", "4",
                                    "--max-steps", "0", "--prompt", "", "--out-dir", tmp_path / "out", *FAST]])
     assert json.loads((tmp_path / "out" / "config.json").read_text())["teacher"] == "tiny/gpt2"
+
+
+def test_init_from_takes_the_student_settings_of_the_checkpoint(tmp_path):
+    """--init-from: the checkpoint's feature map, chunk size, key centring, budget, ... (FROM_CHECKPOINT) replace the
+    flags' defaults, so that config.json records the student it trains."""
+    from safetensors.torch import save_file
+    (src := tmp_path / "made").mkdir()
+    save_file({"x": torch.zeros(1)}, str(src / "features.safetensors"))
+    (src / "config.json").write_text(json.dumps({"teacher": "gpt2", "dims": [6, 6], "feature_map": "performer",
+                                                 "chunk_size": 32, "center_keys": True, "budget": 6}))
+    cfg = distill.parse_args(["--data", "d", "--init-from", src, "--out-dir", tmp_path / "out"])
+    distill.from_checkpoint(cfg)
+    assert (cfg.feature_map, cfg.chunk_size, cfg.center_keys, cfg.budget) == ("performer", 32, True, 6)
 
 
 def test_init_from_starts_at_the_checkpoint_then_trains_and_resumes(trained, setup, tmp_path):
@@ -3323,16 +3354,18 @@ def test_leverage_features_beat_gaussian_draws_on_a_known_kernel_at_m_equal_dof(
     assert mean["leverage"] < 0.8 * mean["gaussian"] and median["leverage"] < median["gaussian"], (mean, median)
 
 
-def test_forks_start_every_process_from_rank_0s_dims_and_features(setup, monkeypatch):
-    """Under torchrun per_head.py and leverage.py take rank 0's dims and features, as the core's make_student does
-    (each process's own DoF pass and draws may differ across devices): here a process other than rank 0, handed
-    rank 0's dims, and every feature tensor of its student handed to broadcast to be filled with rank 0's."""
+def test_core_and_forks_start_every_process_from_rank_0s_dims_and_features(setup, monkeypatch):
+    """Under torchrun distill.py, per_head.py and leverage.py take rank 0's dims and features (each process's own DoF
+    pass and draws may differ across devices): here a process other than rank 0, handed rank 0's dims, and every
+    feature tensor of its student handed to broadcast to be filled with rank 0's."""
     d, ckpt, data = setup
     teacher = M.GPT.from_pretrained(ckpt)
     calib = dof.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), 2, 2, 64, 0, "cpu")
     L, H = teacher.config.n_layer, teacher.config.n_head
-    rank0 = ([[3] + [5] * (H - 1)] * L, [[1.0] * H] * L)                            # per-head dims and DoF
-    for fork, config, alloc in ((per_head, per_head.PerHeadConfig, "dof"), (leverage, leverage.LeverageConfig, "fix")):
+    heads = ([[3] + [5] * (H - 1)] * L, [[1.0] * H] * L)                            # per-head dims and DoF
+    for fork, config, alloc, rank0 in ((per_head, per_head.PerHeadConfig, "dof", heads),     # the core last: the
+                                       (leverage, leverage.LeverageConfig, "fix", None),     # forks call its own
+                                       (distill, distill.DistillConfig, "dof", ([3] + [5] * (L - 1), [1.0] * L))):
         filled = []
 
         def other_rank(obj, tensors=()):
@@ -3343,7 +3376,7 @@ def test_forks_start_every_process_from_rank_0s_dims_and_features(setup, monkeyp
         cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", alloc, "--J", "64"], config)
         student, dims, N = fork.make_student(cfg, teacher, calib)
         assert {t.data_ptr() for t in M.feature_state(student).values()} <= set(filled)
-        assert (dims, N) == rank0 if fork is per_head else dims == [4] * L
+        assert (dims, N) == rank0 if rank0 else dims == [4] * L
 
 
 def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp_path):
@@ -3810,6 +3843,21 @@ def test_ppl_max_tokens_are_the_first_tokens_of_the_whole_file(enc, tmp_path):
         full = enc.encode_ordinary(text)
         for n in (10, 100, len(full) - 1):
             assert E.read_tokens(tmp_path / f"{i}.txt", enc, n).tolist() == full[:n], (i, n)
+    text = "".join("#" * (40 + 7 * i % 50) + "\n" for i in range(60))          # cuts inside many-token words
+    (tmp_path / "runs.txt").write_text(text, encoding="utf-8")
+    full = enc.encode_ordinary(text)
+    assert all(E.read_tokens(tmp_path / "runs.txt", enc, n).tolist() == full[:n] for n in range(1, len(full)))
+
+
+def test_token_files_of_a_tokenizer_of_the_same_size_are_refused_by_the_probe(enc):
+    """meta.json's probe ids, not only its vocabulary size, identify the tokenizer (GPT-2's and another of 50,257)."""
+    probe = "Hello world! 13 dogs."
+    meta = {"tokenizer": {"model": "other", "n_vocab": enc.n_vocab, "probe": probe, "probe_ids": enc.encode_ordinary(
+        probe)}}
+    common.check_tokenizer(meta, enc, "data", "gpt2", "prepare them again")
+    meta["tokenizer"]["probe_ids"] = meta["tokenizer"]["probe_ids"][::-1]
+    with pytest.raises(ModelError, match=r"^data was tokenized with the tokenizer of other \(50257 tokens\), not gpt2's"):
+        common.check_tokenizer(meta, enc, "data", "gpt2", "prepare them again")
 
 
 def test_ppl_refuses_token_files_of_another_tokenizer(ckpt, enc, tmp_path, capsys):
