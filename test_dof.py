@@ -146,8 +146,8 @@ def test_llama_gqa_matches_transformers(tmp_path, tied):
 
 def test_llama_head_dim_other_than_hidden_over_heads_matches_transformers(tmp_path):
     """config.json's head_dim (Llama 3.2, Gemma) wins over hidden_size / heads, and rotary spans all of it."""
-    hf = save_hf(hf_llama(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=32,
-                          intermediate_size=96, vocab_size=1000, max_position_embeddings=128), tmp_path)
+    hf = save_hf(hf_llama(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                          head_dim=32, intermediate_size=96, vocab_size=1000, max_position_embeddings=128), tmp_path)
     m = assert_parity(hf, tmp_path)
     assert (m.config.head_dim, m.config.rotary_dim) == (32, 32)
 
@@ -3856,7 +3856,7 @@ def test_token_files_of_a_tokenizer_of_the_same_size_are_refused_by_the_probe(en
         probe)}}
     common.check_tokenizer(meta, enc, "data", "gpt2", "prepare them again")
     meta["tokenizer"]["probe_ids"] = meta["tokenizer"]["probe_ids"][::-1]
-    with pytest.raises(ModelError, match=r"^data was tokenized with the tokenizer of other \(50257 tokens\), not gpt2's"):
+    with pytest.raises(ModelError, match=r"^data was tokenized with the tokenizer of other \(50257 tokens\), not gpt2"):
         common.check_tokenizer(meta, enc, "data", "gpt2", "prepare them again")
 
 
@@ -3901,7 +3901,8 @@ def test_a_checkpoint_with_a_dim_short_is_refused(ckpt, student, tmp_path):
     """Dims for fewer layers than the teacher has: a sentence that says what to pass, not linearize's words."""
     shutil.copytree(student, bad := tmp_path / "short")
     edit_json(bad / "config.json", dims=[8])
-    with pytest.raises(ModelError, match=r"^the dims \(1, the first 8\) are not a number per layer of this 2-layer teacher; pass a checkpoint"):
+    with pytest.raises(ModelError, match=r"^the dims \(1, the first 8\) are not a number per layer of this 2-layer "
+                                         r"teacher; pass a checkpoint"):
         M.load_student(bad)
 
 
