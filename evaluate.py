@@ -237,8 +237,9 @@ def doc_metrics(lls: list[float], gold: int, choices: list[str] | None) -> tuple
 def score_requests(model, tokenized, batch_size=16, device="cpu", desc=None, plain=False):
     """(log-likelihood, is_greedy) of every request of every document (lists of (context, continuation) tokens), by
     loglikelihood() or fast_scorer.py; under torchrun each scores a share (None elsewhere) and all get every score."""
-    windows = [[harness_window(c, t, model.config.block_size) for c, t in doc] for doc in tokenized]  # all checked
-    if plain:                                                                          # by every process
+    # every process checks every request (one raised by one process alone would stop without its sentence)
+    windows = [[harness_window(c, t, model.config.block_size) for c, t in doc] for doc in tokenized]
+    if plain:
         mine = set(shard(range(len(tokenized))))
         scored = [[loglikelihood(model, c, t, device) for c, t in doc] if d in mine else [None] * len(doc)
                   for d, doc in enumerate(tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False))]
