@@ -39,6 +39,7 @@ def run_main(main):
     signal.signal(signal.SIGINT, signal.default_int_handler)     # also where a shell started us with it ignored
     try:
         main()
+        barrier()                                                # no process tears gloo down while another works
     except ModelError as e:
         if get_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
