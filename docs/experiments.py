@@ -371,15 +371,6 @@ def curves(records, path):
     return True
 
 
-def headline(records):
-    """The README's short form of summary_table."""
-    rows = ["| budget | allocation | held-out next-token loss | attention KL |", "|---:|---|---|---|"]
-    for g, rs in groups(records).items():
-        loss, kl = mean_std([final(r)[0] for r in rs]), mean_std([final(r)[1] for r in rs])
-        rows.append(f"| {g.split('/')[0]} | {g.split('/')[1]} | {loss[0]:.3f} ± {loss[1]:.3f} | {kl[0]:.3f} ± {kl[1]:.3f} |")
-    return "\n".join(rows) + f"\n\nMean ± std over {min(len(rs) for rs in groups(records).values())}+ seeds."
-
-
 def continuations(records):
     """The greedy continuations a run printed at its end (teacher and student, side by side)."""
     r = next((r for r in records if r.get("continuations")), None)
@@ -406,7 +397,7 @@ def zeroshot_table(report):
 def blocks(grid, records):
     """The generated markdown blocks of one grid: name -> text."""
     return {f"{grid}:summary": summary_table(records), f"{grid}:paired": paired_table(records),
-            f"{grid}:layers": layer_table(records), f"{grid}:headline": headline(records)}
+            f"{grid}:layers": layer_table(records)}
 
 
 def splice(text, name, body):
