@@ -4536,3 +4536,165 @@ def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, t
     with pytest.raises(ModelError, match=r"^run tiny/later continues the checkpoint \S+gone, which is not here "):
         X.run_grid([later], results=res, scratch=scratch)                # refused before any run, not in a log
     assert not (scratch / "tiny" / "later.log").exists()
+
+
+# ==================================================================================================================
+# experiments/ and docs/experiments.py: the forks' allocations, predictors and tables, each pinned to a known answer
+
+def test_per_head_dims_pool_every_head_of_every_layer_and_clip_caps_at_the_head_size(monkeypatch):
+    """per_head.per_head_dims on a known per-head DoF (L = 2, H = 4): M_lh = C N_lh / mean(N) over all 8 heads (one
+    pool: layer 1's flat DoF gets less than C a head), and --alloc clip caps each at the teacher's head size (16)."""
+    N = torch.tensor([[1.0, 3.0, 0.0, 4.0], [0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)      # (L, H)
+    monkeypatch.setattr(dof, "collect_qk", lambda *a, **k: None)
+    monkeypatch.setattr(dof, "degrees_of_freedom", lambda *a, **k: N)
+    teacher = types.SimpleNamespace(config=types.SimpleNamespace(head_dim=16))
+    got = {}
+    for alloc in ("dof", "clip"):
+        cfg = types.SimpleNamespace(J=8, seed=0, lam=1e-3, lam_relative=True, alloc=alloc, budget=8)
+        got[alloc], dofs = per_head.per_head_dims(cfg, teacher, None, None)
+        assert dofs == N.tolist()
+    assert got["dof"] == [[7, 19, 1, 25], [3, 3, 3, 3]]            # 6.4 N, the 0 pinned at 1, 64 in all
+    assert got["clip"] == [[7, 16, 1, 16], [3, 3, 3, 3]]
+
+
+def test_fork_students_centre_each_head_by_its_own_key_mean_and_draw_leverage_features_from_its_points(setup,
+                                                                                                    monkeypatch):
+    """per_head.make_student --center-keys: each group's key_mean holds the key means of its own heads (not the
+    first len(heads) of the layer); leverage.make_student: head h of layer l draws its features by leverage_features
+    from that head's J calibration points, keys centred as the student centres them, from --seed's generator, layer
+    by layer and head by head."""
+    d, ckpt, data = setup
+    teacher = M.GPT.from_pretrained(ckpt)
+    calib = dof.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), 2, 2, 64, 0, "cpu")
+    mu = dof.key_means(teacher, calib)                                                    # (L, H, D)
+    cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--center-keys", "--J", "64"],
+                             per_head.PerHeadConfig)
+    monkeypatch.setattr(per_head, "per_head_dims", lambda *a: ([[5, 3, 5, 3]] * 4, [[1.0] * 4] * 4))   # heads 1, 3
+    student, _, _ = per_head.make_student(cfg, teacher, calib)
+    assert [core.heads for core in student.cores()] == [[[1, 3], [0, 2]]] * 4
+    for core, m in zip(student.cores(), mu):
+        for c, hs in zip(core.groups, core.heads):
+            assert torch.equal(c.key_mean, m[hs])
+    cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", "fix", "--center-keys",
+                              "--J", "64", "--seed", "3", "--pool", "4"], leverage.LeverageConfig)
+    student, _, _ = leverage.make_student(cfg, teacher, calib)
+    x, gen = dof.collect_qk(teacher, calib, 64, 3, mu), torch.Generator().manual_seed(3)          # (L, H, J, D)
+    for core, xl in zip(student.cores(), x):
+        for h in range(core.n_head):
+            z, log_alpha = leverage.leverage_features(xl[h].double(), 4, cfg.lam, cfg.lam_relative, 4, gen)
+            assert torch.equal(core.feature_map.z[h], z) and torch.equal(core.feature_map.log_alpha[h], log_alpha)
+
+
+def test_per_head_refuses_dims_and_direct_finetune_takes_a_schedule_all_direct(setup, tmp_path):
+    """per_head.py --dims (one dimension per layer) is refused, not silently replaced by the per-head DoF dims;
+    direct_finetune.py --direct-steps equal to the schedule's steps is allowed: every step trains the direct loss."""
+    d, ckpt, data = setup
+    with pytest.raises(ModelError, match="^--dims sets one dimension per layer; per-head dims come from the DoF"):
+        per_head.main(distill_args(ckpt, data, tmp_path / "x", "--dims", "4,4,4,4", "--max-steps", "0"))
+    assert not (tmp_path / "x").exists()
+    cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "5", "--direct-steps", "5"),
+                             direct_finetune.DirectFinetuneConfig)
+    assert [cfg.step_loss(s) for s in range(5)] == ["direct"] * 5
+
+
+def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untrained_students_kl(setup):
+    """experiments/allocation.py's predictors on the tiny GPT-2: entropy is the teacher's causal attention entropy
+    (mean over sequences, heads and queries, then batches); dof-max above dof-mean layer by layer; untrained-kl is the
+    layerwise softmax loss of a student of M = budget drawn from --seed with its keys centred by the key means."""
+    import allocation as A
+    d, ckpt, data = setup
+    teacher = GPT.from_pretrained(ckpt)
+    L, H = teacher.config.n_layer, teacher.config.n_head
+    calib = dof.calibration_batches(common.read_tokens(data / "train.bin"), 2, 2, 64, 0, "cpu")
+    cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"], A.AllocationConfig)
+    P = A.predictors(cfg, teacher, calib)
+    mask, ent = torch.ones(64, 64, dtype=torch.bool).tril(), np.zeros(L)
+    for idx in calib:
+        for l, (q, k) in enumerate(dof.teacher_qk(teacher, idx)):
+            p = torch.softmax((q.double() @ repeat_kv(k, H).double().mT / 4).masked_fill(~mask, -math.inf), -1)
+            ent[l] += -(p * p.clamp_min(1e-300).log()).sum(-1).mean().item() / len(calib)
+    assert P["entropy"] == pytest.approx(ent, rel=1e-4)
+    assert all(a > b for a, b in zip(P["dof-max"], P["dof-mean"]))
+    torch.manual_seed(cfg.seed)
+    fresh = teacher.linearize([4] * L, "prf", cfg.chunk_size)
+    for c, m in zip(fresh.cores(), dof.key_means(teacher, calib)):
+        c.key_mean.copy_(m)
+    kl = np.mean([distill.layer_losses(fresh.cores(), dof.teacher_qk(teacher, idx), "softmax").numpy()
+                  for idx in calib], 0)
+    assert P["untrained-kl"] == pytest.approx(kl, rel=1e-4)
+
+
+def test_heads_per_head_kl_is_a_mean_over_sequences_and_untrained_maps_over_draws():
+    """experiments/heads.py's pieces on random GQA queries and keys (4 heads, 2 KV heads): calibration_points' mu is
+    each head's mean key and its points pool queries with centred keys (so they sum to the queries' sum when J takes
+    them all); make_core centres each group by its own heads' mu; head_kl of two sequences is the mean of each one's;
+    an untrained map's KL is the mean over --seeds draws s = 0, 1, 2 of make_core's draw s."""
+    heads = load_script("experiments/heads.py")
+    B, H, Hkv, T, D = 2, 4, 2, 24, 8
+    g = torch.Generator().manual_seed(0)
+    qc, kc, qh, kh = (torch.randn(B, h, T, D, generator=g) + 0.5 for h in (H, Hkv, H, Hkv))
+    mu, x = heads.calibration_points(qc, kc, H, 2 * B * T)
+    assert torch.allclose(mu, repeat_kv(kc.mean((0, 2))[None, :, None], H)[0, :, 0])
+    assert torch.allclose(x.sum(1), qc.sum((0, 2)), atol=1e-4)
+    cfg, dims = types.SimpleNamespace(lam=1e-3, seeds=3), [3, 5, 3, 2]
+    mc = types.SimpleNamespace(n_head=H, n_kv_head=Hkv, head_dim=D)
+    core = heads.make_core(cfg, mc, dims, "gaussian", mu, x, 0)
+    assert all(torch.equal(c.key_mean, mu[hs]) for c, hs in zip(core.groups, core.heads))
+    assert torch.allclose(heads.head_kl(core, qh, kh), (heads.head_kl(core, qh[:1], kh[:1]) +
+                                                        heads.head_kl(core, qh[1:], kh[1:])) / 2)
+    draws = torch.stack([heads.head_kl(heads.make_core(cfg, mc, dims, "gaussian", mu, x, s), qh, kh) for s in range(3)])
+    assert not torch.equal(draws[0], draws[1])
+    assert torch.allclose(heads.map_kl(cfg, mc, dims, "gaussian", mu, x, (qc, kc), (qh, kh)), draws.mean(0))
+
+
+def test_allocation_table_gives_no_share_of_a_gain_between_one_and_two_standard_errors():
+    """The measured rule's gain in KL over Fix is 0.011 ± 0.0095 here: above one standard error, within two, so no
+    share of it is given."""
+    X = docs_experiments()
+    rec = lambda rule, s, kl: {"group": f"32/{rule}", "seed": s, "allocation": rule.lower(),
+                               "val": [{"student_loss": 5.0, "attn_kl": [kl, kl], "teacher_loss": 3.0}]}
+    table = X.allocation_table([rec("Fix", s, 0.8) for s in (1, 2, 3)] +
+                               [rec("Measured", s, 0.8 + e) for s, e in ((1, -0.03), (2, 0.0), (3, -0.003))])
+    assert "| -0.0110 ± 0.0095 | – |" in table and "is within two standard errors of zero" in table, table
+
+
+def test_heads_proportional_dims_are_one_pool_of_every_measured_head(setup, monkeypatch):
+    """experiments/heads.py's equal-error comparison: M ~ N_lam over the heads of every measured layer together (mean
+    M = --budget over all of them), not layer by layer; here layer 2's heads, of little DoF, get fewer than 4."""
+    d, ckpt, data = setup
+    heads = load_script("experiments/heads.py")
+    N = iter([torch.tensor([1.0, 3.0, 0.5, 4.0], dtype=torch.float64), torch.full((4,), 0.5, dtype=torch.float64)])
+    monkeypatch.setattr(dof, "degrees_of_freedom", lambda *a, **k: next(N))
+    cfg = common.parse_config(heads.HeadsConfig, [str(a) for a in ["--model", ckpt, "--data", data, "--layers", 0, 2,
+                              "--block-size", 32, "--J", 64, "--Ms", 4, "--budget", 4, "--steps", 0, "--seeds", 1,
+                              "--calib-seqs", 1, "--eval-seqs", 1, "--out", d / "heads-pool"]])
+    res = heads.measure(cfg)
+    assert res["equal"]["proportional_M"] == np.reshape(dof.allocate([1, 3, 0.5, 4, 0.5, 0.5, 0.5, 0.5], 4),
+                                                        (2, 4)).tolist() == [[3, 9, 2, 12], [2, 2, 1, 1]]
+
+
+def test_synthetic_table_counts_only_draws_where_leverage_is_strictly_lower():
+    """experiments/heads.py's synthetic table: "leverage lower" counts the draws where leverage's error is below the
+    Gaussian one's; a tie is not a win."""
+    heads = load_script("experiments/heads.py")
+    m = lambda errors: {"kernel_error": float(np.mean(errors)), "kernel_error_median": float(np.median(errors)),
+                        "kl": 0.5, "errors": errors, "kls": [0.5, 0.5, 0.5]}
+    res = {"rows": [{"scale": 1.0, "dof": 2.0, "M": 2, "gaussian": m([1.0, 2.0, 3.0]), "leverage": m([1.0, 1.0, 4.0])}],
+           "settings": {"J": 8, "d": 2, "draws": 3, "lam": 1e-3, "pool": 16}}
+    row = heads.synthetic_table(res).splitlines()[2]
+    assert row.split(" | ")[4] == "1 of 3" and row.endswith("| 0 of 3 |"), row
+
+
+def test_learning_curve_figure_shades_the_mean_plus_minus_the_seeds_sd(tmp_path, monkeypatch):
+    """docs/experiments.py's curves: one line per configuration, shaded mean ± sd (n − 1) over its seeds, as the
+    tables' spread."""
+    import matplotlib.axes
+    X, shaded = docs_experiments(), []
+    monkeypatch.setattr(matplotlib.axes.Axes, "fill_between", lambda self, x, lo, hi, **k: shaded.append((x, lo, hi)))
+    losses = [[5.0, 4.0], [6.0, 4.5], [7.0, 5.5]]                                       # (seeds, steps)
+    X.curves([{"name": f"r{s}", "group": "4/Fix", "seed": s, "val": [{"step": 2 * i, "student_loss": v,
+               "teacher_loss": 3.0, "attn_kl": [0.1]} for i, v in enumerate(ls)]} for s, ls in enumerate(losses)],
+             tmp_path / "c.png")
+    (x, lo, hi), = shaded
+    sd = np.std(losses, 0, ddof=1)
+    assert list(x) == [0, 2] and np.allclose(lo, np.mean(losses, 0) - sd) and np.allclose(hi, np.mean(losses, 0) + sd)
