@@ -333,7 +333,11 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens):
         """Greedy decoding of max_new_tokens after idx (B, T): one forward pass per token through a Cache."""
-        cache, x = Cache(self.config.n_layer), idx
+        c, need = self.config, idx.size(1) + max_new_tokens - 1                          # the last token is not fed
+        if c.family == "gpt2" and need > c.block_size:                                    # refused before any token
+            raise ModelError(f"{idx.size(1)} tokens and {max_new_tokens} new ones need {need} of GPT-2's "
+                             f"{c.block_size} learned positions; generate fewer or shorten the prompt")
+        cache, x = Cache(c.n_layer), idx
         for _ in range(max_new_tokens):
             x = self.lm_head(self.hidden(x, cache)[:, -1]).argmax(-1, keepdim=True)          # (B, 1)
             idx = torch.cat((idx, x), dim=1)

@@ -3166,13 +3166,20 @@ def test_resume_takes_dims_key_means_and_features_from_the_checkpoint(setup, tmp
     assert cfg["step"] == 4 and cfg["dims"] == dims and cfg["budget"] == 8 and "come from" in capsys.readouterr().out
 
 
-def test_generate_runs_one_forward_pass_per_new_token():
+def test_generate_runs_one_forward_pass_per_new_token_within_gpt2s_positions():
+    """One forward pass for the prompt, then one per new token; on GPT-2 a generation past its learned positions is
+    refused before the first pass, not when it reaches them with the tokens made so far lost."""
     cfg = M.GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, block_size=64)
     model, calls = GPT(cfg).eval(), []
     hidden = model.hidden
     model.hidden = lambda *a, **k: calls.append(a[0].size(1)) or hidden(*a, **k)
     out = model.generate(torch.zeros(1, 5, dtype=torch.long), 4)
     assert out.shape == (1, 9) and calls == [5, 1, 1, 1]                # the prompt, then one token each
+    assert model.generate(out[:, :5], 60).shape == (1, 65)              # the last token needs no position: 64 of 64
+    calls.clear()
+    with pytest.raises(ModelError, match=r"^5 tokens and 61 new ones need 65 of GPT-2's 64 learned positions; "):
+        model.generate(out[:, :5], 61)
+    assert calls == []                                                  # refused before any token is made
 
 
 def test_get_batch_draws_every_window_the_tokens_hold():
