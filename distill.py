@@ -116,7 +116,7 @@ def parse_args(argv=None, config=DistillConfig):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     if preset := parse_config(config, argv).preset:
         if launch()[0] == 0:                                          # under torchrun, once
-            print(f"--preset {preset}: {PRESETS[preset]}")
+            print(f"--preset {preset}: {PRESETS[preset]} (flags given win)")
         argv = PRESETS[preset].split() + argv
     return parse_config(config, argv)
 

@@ -2688,7 +2688,7 @@ def test_summary_says_when_the_prompt_was_cut_to_the_context(setup, capsys):
 def test_preset_prints_its_flags_and_flags_given_win(capsys, monkeypatch):
     cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
     assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)
-    assert distill.PRESETS["cpu"] in capsys.readouterr().out
+    assert f"--preset cpu: {distill.PRESETS['cpu']} (flags given win)\n" == capsys.readouterr().out   # --max-steps 7
     for k, v in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(k, v)                                      # torchrun's other processes: not again
     assert distill.parse_args(["--preset", "cpu"]).budget == 32 and capsys.readouterr().out == ""
