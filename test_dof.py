@@ -4903,10 +4903,7 @@ def test_kv_cache_is_preallocated_and_doubles_its_capacity_when_full():
     """A softmax teacher decoding 20 tokens one at a time after a 3-token prompt: its KV cache holds the prompt, then
     doubles when full (capacity 3, then 6 from the 4th token, 12 from the 7th, 24 from the 13th: a few allocations,
     not one a token), and the logits are those of one forward pass over the 23 tokens."""
-    cfg = M.GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, block_size=64,
-                      mlp_hidden=32)
-    torch.manual_seed(0)
-    model, idx, cache = GPT(cfg).eval(), torch.randint(0, 50, (1, 23)), M.Cache(2)
+    (model, _), idx, cache = small_pair(), torch.randint(0, 50, (1, 23)), M.Cache(2)
     with torch.no_grad():
         full, parts = model(idx), [model(idx[:, :3], cache)]
         caps = [{c["k"].size(2) for c in cache}]
