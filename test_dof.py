@@ -4022,6 +4022,26 @@ def test_heads_measures_every_map_at_every_M_and_reports_at_the_M_nearest_the_bu
     assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_heads_refuses_data_of_another_tokenizer_and_reports_one_draw_without_an_error(setup, tmp_path, capsys):
+    """experiments/heads.py checks --data's meta.json against the teacher's tokenizer, as distill.py does (it had
+    measured a GPT-2 teacher on SmolLM2's token ids); with --seeds 1 the paired difference of the trained maps is one
+    draw, printed without the standard error (it had printed "± nan")."""
+    d, ckpt, data = setup
+    heads = load_script("experiments/heads.py")
+    other = tmp_path / "other"
+    shutil.copytree(data, other)
+    (other / "meta.json").write_text(json.dumps({"tokenizer": {"model": "smollm2-135m", "n_vocab": 49152}}))
+    flags = ["--model", str(ckpt), "--layers", "0", "--block-size", "64", "--J", "128", "--Ms", "2", "--budget", "2",
+             "--steps", "1", "--seeds", "1", "--out", str(tmp_path / "out")]
+    with pytest.raises(ModelError, match=r"^.*other was tokenized with the tokenizer of smollm2-135m \(49152 tokens\)"):
+        heads.main(flags + ["--data", str(other)])
+    assert not (tmp_path / "out").exists()
+    heads.main(flags + ["--data", str(data)])
+    out = capsys.readouterr().out
+    assert "paired draw by draw over draws 0–0: " in out and " (one draw: no error; the draws " in out
+    assert "nan" not in out
+
+
 def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, student, tmp_path, capsys):
     """experiments/bench_scorer.py: harness tokens (a window's worth for a truncated request) over the fast scorer's
     time against the plain forward rate; run as a script it finds the core from experiments/; a bad option is one

@@ -36,10 +36,11 @@ sys.path.insert(0, str(ROOT))
 import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
-from common import (ModelError, atomic_path, check_free_memory, check_out, check_positive, opt, parse_config,  # noqa
-                    read_tokens, run_main, write_text_atomic)
+from common import (ModelError, atomic_path, check_free_memory, check_out, check_positive, check_tokenizer, opt,  # noqa
+                    parse_config, read_json, read_tokens, run_main, write_text_atomic)
 from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
 from per_head import GroupedLinearAttention  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
 METHODS = ("gaussian", "orthogonal", "leverage", "trained", "trained-leverage")
 EQUAL = ("gaussian", "leverage", "trained")
@@ -151,6 +152,9 @@ def measure(cfg):
     check_free_memory(4 * n * T * (mc.n_layer * (H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + 6 * H * (T + m))
                       + 8 * 16 * m * (mc.head_dim + 3 * cfg.J), "cpu", f"{n} sequences (--calib-seqs + --eval-seqs) of "
                       f"{T} tokens with up to {m:,} features a head", "lower them, --Ms or --budget")
+    if (meta := Path(cfg.data) / "meta.json").is_file():                    # prepare.py's: as distill.py checks it
+        check_tokenizer(read_json(meta, "prepare the token files again", dict), load_tokenizer(cfg.model), cfg.data,
+                        cfg.model, "prepare them with this model's tokenizer (data/*/prepare.py)")
     calib = sequences(Path(cfg.data) / "train.bin", cfg.calib_seqs, cfg.block_size, 0, mc.vocab_size)
     held = sequences(Path(cfg.data) / "val.bin", cfg.eval_seqs, cfg.block_size, 1, mc.vocab_size)
     qk_c, qk_h = dof.teacher_qk(model, calib), dof.teacher_qk(model, held)
@@ -262,9 +266,10 @@ def table(res):
              f"averaged over draws (seeds) 0–{st['seeds'] - 1}, trained maps one run from draw 0, {st['steps']} steps."]
     if "trained_draws" in res:                                   # (draws, layers) -> a mean over the heads per draw
         d = np.mean(res["trained_draws"]["trained-leverage"], 1) - np.mean(res["trained_draws"]["trained"], 1)
+        se = f" ± {d.std(ddof=1) / np.sqrt(len(d)):.3f} (standard error;" if len(d) > 1 else " (one draw: no error;"
         rows += ["", f"Trained from the leverage init minus trained from the Gaussian one, M = {budget_M(st)}, paired "
-                 f"draw by draw over draws 0–{len(d) - 1}: {d.mean():+.3f} ± {d.std(ddof=1) / np.sqrt(len(d)):.3f} "
-                 f"(standard error; the draws {', '.join(f'{v:+.3f}' for v in d)})."]
+                 f"draw by draw over draws 0–{len(d) - 1}: {d.mean():+.3f}{se} the draws "
+                 f"{', '.join(f'{v:+.3f}' for v in d)})."]
     at = {k: np.concatenate([r["at_dof"][k] for r in res["layers"]]) for k in ("gaussian", "leverage")}
     wins = int((at["leverage"] < at["gaussian"]).sum())
     rows += ["", f"At M = N_lam (each head its own, rounded; {len(at['gaussian'])} heads): mean KL gaussian "
