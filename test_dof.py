@@ -4485,6 +4485,13 @@ def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core
     assert e.value.code == 0
     P = json.loads((tmp_path / "p.json").read_text())["predictors"]
     assert "entropy" in P and all(len(v) == 4 for v in P.values()) and not (tmp_path / "none").exists()
+    (tmp_path / "busy").mkdir()                          # an out-dir --predict never writes is not refused, nor locked
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        A.main(distill_args(ckpt, data, tmp_path / "busy", "--predict", tmp_path / "q.json"))
+    assert e.value.code == 0 and json.loads((tmp_path / "q.json").read_text())["predictors"] == P
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("busy")) == ["busy"]
+    assert [p.name for p in (tmp_path / "busy").iterdir()] == ["notes.txt"]
 
 
 def test_allocation_curves_damaged_or_not_positive_are_one_sentence(tmp_path):
@@ -4506,8 +4513,12 @@ def test_allocation_curves_damaged_or_not_positive_are_one_sentence(tmp_path):
     (tmp_path / "fix-m4-s0.json").write_text(json.dumps({"args": {"budget": 4}, "val": [{"attn_kl": [0.2, 0.1]}]}))
     assert A.load_curves(tmp_path)[0].tolist() == [4, 8]
     (tmp_path / "fix-m4-s1.json").write_text(json.dumps({"args": {"budget": 4}, "val": [{"attn_kl": [0.2, 0.1]}]}))
-    with pytest.raises(ModelError, match=r"fewer than two fix-m\*.json curve runs of distinct budgets"):   # 0 / 0
+    with pytest.raises(ModelError, match=r"fewer than two fix-m\*.json curve runs of distinct finite budgets"):   # 0 / 0
         A.load_curves(tmp_path)
+    (tmp_path / "fix-m4-s1.json").write_text(json.dumps({"args": {"budget": float("inf")}, "val": [{"attn_kl": [
+        0.1, 0.05]}]}))
+    with pytest.raises(ModelError, match=r"fewer than two fix-m\*.json curve runs of distinct finite budgets"):
+        A.load_curves(tmp_path)                                                      # it had given dims of 208, 16 ...
     (tmp_path / "fix-m4-s1.json").unlink()
     with pytest.raises(ModelError, match=r"^--curves \S+nowhere is not a folder; pass the --curves of docs/exp"):
         A.load_curves(tmp_path / "nowhere")

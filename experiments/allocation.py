@@ -48,10 +48,10 @@ def load_curves(curves, prefix="fix"):
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise ModelError(f"a curve run in {curves} lacks its budget or held-out KL ({type(e).__name__}); {todo}") \
             from None
-    if len(runs) < 2 or len(set(Ms)) < len(Ms) or Ms[0] < 1 or KL.ndim != 2 or not (
+    if len(runs) < 2 or len(set(Ms)) < len(Ms) or Ms[0] < 1 or not np.isfinite(Ms[-1]) or KL.ndim != 2 or not (
             np.isfinite(KL) & (KL > 0)).all():
-        raise ModelError(f"{curves} holds fewer than two {prefix}-m*.json curve runs of distinct budgets of at least "
-                         f"1, or a KL that is not a list of finite positive numbers; {todo}")
+        raise ModelError(f"{curves} holds fewer than two {prefix}-m*.json curve runs of distinct finite budgets of at "
+                         f"least 1, or a KL that is not a list of finite positive numbers; {todo}")
     return Ms, KL
 
 
@@ -187,7 +187,11 @@ def make_student(cfg, teacher, calib, prev=None):
 
 
 def main(argv=None):
-    distill.main(distill.parse_args(argv, AllocationConfig), make=make_student)
+    cfg = distill.parse_args(argv, AllocationConfig)
+    if cfg.predict:                                  # writes --predict alone: --out-dir is neither checked nor locked
+        distill.run(cfg, make_student)
+    else:
+        distill.main(cfg, make=make_student)
 
 
 if __name__ == "__main__":
