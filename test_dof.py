@@ -4638,7 +4638,8 @@ def test_fork_students_centre_each_head_by_its_own_key_mean_and_draw_leverage_fe
 
 def test_per_head_refuses_dims_and_direct_finetune_takes_a_schedule_all_direct(setup, tmp_path):
     """per_head.py --dims (one dimension per layer) is refused, not silently replaced by the per-head DoF dims;
-    direct_finetune.py --direct-steps equal to the schedule's steps is allowed: every step trains the direct loss."""
+    direct_finetune.py --direct-steps equal to the schedule's steps is allowed: every step trains the direct loss;
+    steps past a --decay-steps schedule's end train it too, as its help says."""
     d, ckpt, data = setup
     with pytest.raises(ModelError, match="^--dims sets one dimension per layer; per-head dims come from the DoF"):
         per_head.main(distill_args(ckpt, data, tmp_path / "x", "--dims", "4,4,4,4", "--max-steps", "0"))
@@ -4646,6 +4647,9 @@ def test_per_head_refuses_dims_and_direct_finetune_takes_a_schedule_all_direct(s
     cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "5", "--direct-steps", "5"),
                              direct_finetune.DirectFinetuneConfig)
     assert [cfg.step_loss(s) for s in range(5)] == ["direct"] * 5
+    cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "6", "--decay-steps", "4",
+                                          "--direct-steps", "1"), direct_finetune.DirectFinetuneConfig)
+    assert [cfg.step_loss(s) for s in range(6)] == ["softmax"] * 3 + ["direct"] * 3    # the last and past the end
 
 
 def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untrained_students_kl(setup):

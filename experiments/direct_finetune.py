@@ -6,8 +6,9 @@ Beyond the paper: layerwise training whose last steps fine-tune the whole studen
         --max-steps 360 --direct-steps 60 --warmup-steps 30 --eval-interval 120
 
 How it forks the core: its config's step_loss, the loss each optimizer step trains, is the direct loss for the
-last --direct-steps steps of the schedule (--decay-steps, or --max-steps), which --resume keeps, as it keeps
---direct-steps: a run stopped early and resumed trains its direct steps where the uninterrupted run does.
+last --direct-steps steps of the schedule (--decay-steps, or --max-steps) and any step past its end; --resume keeps
+the schedule, as it keeps --direct-steps: a run stopped early and resumed trains its direct steps where the
+uninterrupted run does.
 Measured with --preset cpu on SmolLM2 (docs/results.md, the preset grid's "360 steps, the last 60 direct").
 """
 
@@ -23,8 +24,8 @@ from common import ModelError, check_positive, opt, run_main  # noqa: E402
 @dataclass
 class DirectFinetuneConfig(distill.DistillConfig):
     """distill.py whose last --direct-steps steps train the direct loss (experiments/direct_finetune.py)."""
-    direct_steps: int = opt(0, "the schedule's last this many steps train the direct loss after --loss's (a short "
-                            "fine-tune)")
+    direct_steps: int = opt(0, "the schedule's last this many steps, and any past its end (--max-steps above "
+                            "--decay-steps), train the direct loss after --loss's (a short fine-tune)")
 
     RESUMED = distill.DistillConfig.RESUMED + ("direct_steps",)
 
