@@ -11,6 +11,7 @@ import filecmp
 import importlib.util
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import random
@@ -4347,6 +4348,40 @@ def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadlin
     res = json.loads(out.read_text())
     assert {r["status"] for k in ("distill", "scan", "decode") for r in res[k]} | {res["dof"]["status"]} == {"skipped"}
     assert len(res["distill"]) == 5 and len(res["scan"]) == 2 and len(res["decode"]) == 2 and res["ops"] == []
+
+
+def test_gpu_check_stopped_while_a_distillation_runs_kills_it(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM while gpu_check.py waits for its distill.py process: the process is killed and joined, not
+    left to run on (the stopped check had waited for it over a minute). Forked here, and sleeping, for speed."""
+    import gpu_check
+    started, fork = [], multiprocessing.get_context("fork")
+
+    class Fork:                                       # the forkserver's context, as a plain fork
+        def set_forkserver_preload(self, names):
+            pass
+
+        def Process(self, **kwargs):
+            started.append(fork.Process(**kwargs))
+            return started[-1]
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+    monkeypatch.setattr(gpu_check.multiprocessing, "get_context", lambda kind: Fork())
+    monkeypatch.setattr(gpu_check, "distill_child", lambda *args: time.sleep(60))
+    cfg = gpu_check.parse_config(gpu_check.CheckConfig, ["--out", str(tmp_path / "check.json")])
+    old = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)
+        t0 = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            gpu_check.distill_run(cfg, tmp_path, "gpt2", "softmax", 1, "cpu", 100.0)
+        assert time.perf_counter() - t0 < 10 and not started[0].is_alive() and started[0].exitcode is not None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        for p in started:                             # before the fix: still running
+            p.kill()
+            p.join()
 
 
 # ==================================================================================================================

@@ -205,10 +205,14 @@ def distill_run(cfg, work, kind, loss, batch, device, left):
     p = forks.Process(target=distill_child, args=(flags, device, work / "distill.log",
                                                   "per_head" if per_head else "distill"))
     p.start()
-    p.join(min(cfg.distill_timeout, left - 5))
-    rec["status"] = "timeout" if p.is_alive() else "error" if p.exitcode else "ok"
-    p.kill()
-    p.join()
+    try:
+        p.join(min(cfg.distill_timeout, left - 5))
+        rec["status"] = "timeout" if p.is_alive() else "error" if p.exitcode else "ok"
+    finally:                                             # Ctrl-C or SIGTERM here too: no run left behind
+        p.terminate()                                    # its run_main stops it, releasing its semaphores (tqdm's)
+        p.join(3)
+        p.kill()
+        p.join()
     log = (work / "distill.log").read_text(errors="replace")
     if rec["status"] == "error":
         rec["error"] = ([l for l in log.splitlines() if l.strip()] or ["(no message)"])[-1]
