@@ -4350,6 +4350,23 @@ def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadlin
     assert len(res["distill"]) == 5 and len(res["scan"]) == 2 and len(res["decode"]) == 2 and res["ops"] == []
 
 
+def test_gpu_check_work_dir_of_another_shape_is_built_again(tmp_path, monkeypatch):
+    """--work-dir of an earlier run of other shapes (--tiny's, then a full run's): its checkpoint and tokens are built
+    again for this run (its tables labelled gpt2 had measured the earlier run's 2-layer checkpoint)."""
+    import gpu_check
+    monkeypatch.setattr(gpu_check, "distill_run", lambda cfg, work, kind, *args: {   # what the run would train
+        "config": json.loads((work / f"{kind}-checkpoint" / "config.json").read_text()),
+        "tokens": json.loads((work / f"{kind}-tokens" / "meta.json").read_text())["tokens"]["val"]})
+    args = ["--out", str(tmp_path / "check.json"), "--block-size"]
+    small, other, built = gpu_check.TINY_SHAPES, {"gpt2": dict(gpu_check.TINY_SHAPES["gpt2"], n_layer=3)}, []
+    for shapes, block in ((small, 64), (small, 64), (other, 64), (other, 32)):
+        cfg = gpu_check.parse_config(gpu_check.CheckConfig, args + [str(block)])
+        (r,) = gpu_check.distill_section(cfg, shapes, tmp_path, "cpu", lambda: 100.0, [("gpt2", "softmax")])
+        assert r == {"config": shapes["gpt2"], "tokens": 8 * block + 2}, r
+        built.append((tmp_path / "gpt2-checkpoint" / "model.safetensors").stat().st_mtime_ns)
+    assert built[0] == built[1] != built[2]                     # one of this shape is reused
+
+
 def test_gpu_check_stopped_while_a_distillation_runs_kills_it(tmp_path, monkeypatch):
     """Ctrl-C or SIGTERM while gpu_check.py waits for its distill.py process: the process is killed and joined, not
     left to run on (the stopped check had waited for it over a minute). Forked here, and sleeping, for speed."""

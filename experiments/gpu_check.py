@@ -144,11 +144,11 @@ def random_checkpoint(path, hf_config, tokenizer_files, device, seed=0):
             w = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
         sd[name] = w.to(torch.float16).cpu().contiguous()
     save_file(sd, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     for src, dst in tokenizer_files.items():
         if not (TOKENIZERS / src).is_file():
             raise ModelError(f"{TOKENIZERS / src} is missing; the check needs the tokenizer files in tests/data")
         shutil.copy(TOKENIZERS / src, path / dst)
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")      # last: the checkpoint is whole
     return path
 
 
@@ -158,14 +158,28 @@ def random_tokens(path, ckpt, block_size, seed=0):
     path.mkdir(parents=True)
     enc = load_tokenizer(ckpt)
     rng = np.random.default_rng(seed)
-    sizes = {"train": 256 * block_size + 2, "val": 8 * block_size + 2}
+    sizes = token_sizes(block_size)
     for split, n in sizes.items():
         rng.integers(0, enc.n_vocab, n).astype(np.uint16).tofile(path / f"{split}.bin")
     meta = {"tokenizer": {"model": str(ckpt), "name": enc.name, "n_vocab": enc.n_vocab, "probe": PROBE,
                           "probe_ids": enc.encode_ordinary(PROBE)},
             "dtype": "uint16", "tokens": sizes, "source": "random tokens (gpu_check.py)"}
-    (path / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (path / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")             # last: the tokens are whole
     return path
+
+
+def token_sizes(block_size):
+    return {"train": 256 * block_size + 2, "val": 8 * block_size + 2}
+
+
+def built(ckpt, tokens, hf_config, block_size):
+    """Whether `ckpt` and `tokens` are whole and of this shape and block size: a --work-dir may hold another run's
+    (--tiny, say), or a build that was stopped."""
+    try:
+        meta = json.loads((tokens / "meta.json").read_text())
+        return json.loads((ckpt / "config.json").read_text()) == hf_config and meta["tokens"] == token_sizes(block_size)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -234,15 +248,19 @@ def distill_section(cfg, shapes, work, device, left, runs):
     for kind, loss in runs:
         model = kind.split("-")[0]
         batch = cfg.batch_size if model == "gpt2" else cfg.pythia_batch_size
-        need = 60 if model == "pythia" and not (work / f"{model}-checkpoint").exists() else 20
+        ckpt, tokens = work / f"{model}-checkpoint", work / f"{model}-tokens"
+        have = built(ckpt, tokens, shapes[model], cfg.block_size)
+        need = 60 if model == "pythia" and not have else 20
         if left() < need:
             out.append({"model": kind, "loss": loss, "batch": batch, "status": "skipped",
                         "reason": f"{left():.0f} s left of --budget-seconds"})
             continue
         try:
-            if not (work / f"{model}-checkpoint").exists():
-                ckpt = random_checkpoint(work / f"{model}-checkpoint", shapes[model], TOKENIZER_FILES[model], device)
-                random_tokens(work / f"{model}-tokens", ckpt, cfg.block_size)
+            if not have:                                        # built again, not another shape's reused
+                remove(ckpt)
+                remove(tokens)
+                random_checkpoint(ckpt, shapes[model], TOKENIZER_FILES[model], device)
+                random_tokens(tokens, ckpt, cfg.block_size)
             out.append(distill_run(cfg, work, kind, loss, batch, device, left()))
         except (ModelError, RuntimeError, OSError) as e:
             out.append({"model": kind, "loss": loss, "batch": batch, "status": "error", "error": str(e)})
