@@ -4367,6 +4367,31 @@ def test_gpu_check_work_dir_of_another_shape_is_built_again(tmp_path, monkeypatc
     assert built[0] == built[1] != built[2]                     # one of this shape is reused
 
 
+def test_gpu_check_forkserver_ignores_a_ctrl_c_while_it_starts(tmp_path):
+    """A Ctrl-C in the first seconds reaches the forkserver too, importing torch: it had printed a KeyboardInterrupt
+    traceback of its own (and the check's process creation failed). Here the SIGINT goes to the server alone, and the
+    distill.py run, with no checkpoint to read, fails as such."""
+    code = """if True:
+        import os, signal, sys, threading, time
+        from multiprocessing import forkserver
+        from pathlib import Path
+        sys.path.insert(0, "experiments")
+        import gpu_check
+
+        def interrupt():
+            while not forkserver._forkserver._forkserver_pid:
+                time.sleep(0.01)
+            time.sleep(0.5)                                     # into its imports
+            os.kill(forkserver._forkserver._forkserver_pid, signal.SIGINT)
+        threading.Thread(target=interrupt, daemon=True).start()
+        cfg = gpu_check.parse_config(gpu_check.CheckConfig, ["--out", sys.argv[1] + "/check.json"])
+        print(gpu_check.distill_run(cfg, Path(sys.argv[1]), "gpt2", "softmax", 1, "cpu", 60.0)["status"])"""
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env=script_env())
+    assert run.returncode == 0 and run.stdout == "error\n" and "KeyboardInterrupt" not in run.stderr, run.stderr[-2000:]
+    assert "gpt2-checkpoint does not exist" in (tmp_path / "distill.log").read_text()
+
+
 def test_gpu_check_stopped_while_a_distillation_runs_kills_it(tmp_path, monkeypatch):
     """Ctrl-C or SIGTERM while gpu_check.py waits for its distill.py process: the process is killed and joined, not
     left to run on (the stopped check had waited for it over a minute). Forked here, and sleeping, for speed."""
@@ -4383,7 +4408,7 @@ def test_gpu_check_stopped_while_a_distillation_runs_kills_it(tmp_path, monkeypa
 
     def stop(signum, frame):
         raise KeyboardInterrupt("SIGTERM")
-    monkeypatch.setattr(gpu_check.multiprocessing, "get_context", lambda kind: Fork())
+    monkeypatch.setattr(gpu_check, "start_forkserver", lambda preload: Fork())
     monkeypatch.setattr(gpu_check, "distill_child", lambda *args: time.sleep(60))
     cfg = gpu_check.parse_config(gpu_check.CheckConfig, ["--out", str(tmp_path / "check.json")])
     old = signal.signal(signal.SIGALRM, stop)

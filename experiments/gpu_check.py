@@ -32,10 +32,12 @@ import importlib
 import importlib.util
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import resource
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -198,6 +200,20 @@ def distill_child(flags, device, log, script="distill"):
           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
+def start_forkserver(preload):
+    """The forkserver context (a fresh process each run, without re-importing torch), its server started once with
+    SIGINT ignored, as it keeps it: a Ctrl-C while it imports `preload` is no traceback of its own. Its children take
+    Ctrl-C again through run_main."""
+    forks = multiprocessing.get_context("forkserver")
+    forks.set_forkserver_preload(preload)
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, old)
+    return forks
+
+
 def distill_run(cfg, work, kind, loss, batch, device, left):
     """One `distill.py` run -> its record: ms/step (the median of the log intervals after the first), ms per
     1024-token sample, peak memory in MiB, wall seconds; "timeout" keeps the intervals logged before it."""
@@ -213,8 +229,7 @@ def distill_run(cfg, work, kind, loss, batch, device, left):
     rec = {"model": kind, "loss": loss, "batch": batch, "block": cfg.block_size, "steps": cfg.steps,
            "command": f"python {'experiments/per_head.py' if per_head else 'distill.py'} " +
                       " ".join(flags).replace(str(work), "<work>")}          # the check's scratch folder
-    forks = multiprocessing.get_context("forkserver")    # a fresh process each run, without re-importing torch
-    forks.set_forkserver_preload(["distill", "torch._dynamo"])   # GPT() on the meta device imports torch._dynamo
+    forks = start_forkserver(["distill", "torch._dynamo"])   # GPT() on the meta device imports torch._dynamo
     t0 = time.perf_counter()
     p = forks.Process(target=distill_child, args=(flags, device, work / "distill.log",
                                                   "per_head" if per_head else "distill"))
