@@ -2380,6 +2380,16 @@ def test_bench_measurement_that_fails_is_one_sentence(monkeypatch):
         bench.measure(bench.parse_config(bench.BenchConfig, []), "sdpa", 64, 16)
 
 
+def test_bench_refuses_more_threads_than_cpus():
+    """--threads above the machine's CPUs is one sentence (libgomp had crashed creating them: a segfault)."""
+    import bench
+    n = os.cpu_count()
+    assert bench.parse_config(bench.BenchConfig, ["--threads", str(n)]).threads == n
+    with pytest.raises(ModelError, match=f"^--threads 100000 is more than the {n} CPUs of this machine; pass at most "
+                                         f"{n}$"):
+        bench.parse_config(bench.BenchConfig, ["--threads", "100000"])
+
+
 def run_bad(argv, match):
     with pytest.raises(ModelError, match=match) as e:
         distill.main([str(a) for a in argv])

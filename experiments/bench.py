@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import ModelError, check_positive, opt, parse_config, pick_device, read_json, run_main, sync  # noqa: E402
+from common import (ModelError, check_free_memory, check_positive, opt, parse_config, pick_device,  # noqa: E402
+                    read_json, run_main, sync)
 from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention  # noqa: E402
 
 
@@ -62,7 +63,7 @@ class BenchConfig:
     chunk: int = opt(64, "chunk size of the scan in the main table")
     chunks: list[int] = opt([32, 64, 128, 256], "chunk sizes of the tuning sweep (second table); none to skip it")
     repeats: int = opt(3, "timed calls per measurement (the median is reported)")
-    threads: int = opt(torch.get_num_threads(), "torch intra-op threads")
+    threads: int = opt(min(torch.get_num_threads(), os.cpu_count() or 1), "torch intra-op threads")
     device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ... or auto (cuda if there is one)")
     decode_ctx: list[int] = opt([256, 512, 1024, 2048], "context lengths for the decoding table (Pythia-160M shape, "
                                 "random weights); none to skip it")
@@ -79,6 +80,9 @@ class BenchConfig:
     def __post_init__(self):
         check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block",
                               "step_tokens"))
+        if self.threads > (cpus := os.cpu_count() or 1):           # libgomp crashes creating that many
+            raise ModelError(f"--threads {self.threads} is more than the {cpus} CPUs of this machine; pass at most "
+                             f"{cpus}")
         if bad := sorted(set(self.step) - {"softmax", "l2", "direct"}):
             raise ModelError(f"--step {' '.join(bad)}: the losses are softmax, l2 and direct")
         for name in ("T", "chunks", "decode_ctx", "heads_T"):
