@@ -2390,6 +2390,16 @@ def test_bench_refuses_more_threads_than_cpus():
         bench.parse_config(bench.BenchConfig, ["--threads", "100000"])
 
 
+def test_bench_refuses_step_tokens_beyond_the_gpt2_positions():
+    """--step-tokens beyond GPT-2's 1024 learned positions is refused with the config, not after the step table's
+    header has printed."""
+    import bench
+    assert bench.parse_config(bench.BenchConfig, ["--step", "softmax", "--step-tokens", "1024"]).step_tokens == 1024
+    with pytest.raises(ModelError, match="^--step-tokens 5000 is more than the 1024 positions of the step table's "
+                                         "GPT-2 shape; pass at most 1024$"):
+        bench.parse_config(bench.BenchConfig, ["--step", "softmax", "--step-tokens", "5000"])
+
+
 def run_bad(argv, match):
     with pytest.raises(ModelError, match=match) as e:
         distill.main([str(a) for a in argv])

@@ -83,6 +83,9 @@ class BenchConfig:
         if self.threads > (cpus := os.cpu_count() or 1):           # libgomp crashes creating that many
             raise ModelError(f"--threads {self.threads} is more than the {cpus} CPUs of this machine; pass at most "
                              f"{cpus}")
+        if self.step_tokens > (n := GPTConfig().block_size):        # step_row's GPT-2 shape: learned positions
+            raise ModelError(f"--step-tokens {self.step_tokens} is more than the {n} positions of the step table's "
+                             f"GPT-2 shape; pass at most {n}")
         if bad := sorted(set(self.step) - {"softmax", "l2", "direct"}):
             raise ModelError(f"--step {' '.join(bad)}: the losses are softmax, l2 and direct")
         for name in ("T", "chunks", "decode_ctx", "heads_T"):
