@@ -2371,6 +2371,24 @@ def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys
     assert "| 16 | per head / per layer |" in capsys.readouterr().out
 
 
+def test_bench_tables_larger_than_memory_are_refused_before_any_work(tmp_path, capsys):
+    """A per-head or decoding table too large for the free memory is one sentence before anything is allocated or
+    printed (they had died in DefaultCPUAllocator, after the table's header)."""
+    import bench
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"args": {"budget": 4, "dof": [[1.0, 2.0, 9.0, 2.0, 1.0, 3.0], [5.0] * 6]}}))
+    with pytest.raises(ModelError, match=r"^the per-head table at --B 100000000 and --heads-T 16 \(budget 4\) needs "
+                                         r"about [\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; lower --B or "
+                                         r"--heads-T$"):
+        bench.main(["--T", "--decode-ctx", "--heads", str(run), "--heads-T", "16", "--B", "100000000",
+                    "--threads", "1"])
+    with pytest.raises(ModelError, match=r"^the decoding table at --M 100000000 and --decode-ctx 16 needs about "
+                                         r"[\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; lower --M or "
+                                         r"--decode-ctx$"):
+        bench.main(["--T", "--decode-ctx", "16", "--M", "100000000", "--threads", "1"])
+    assert capsys.readouterr().out == ""
+
+
 def test_bench_measurement_that_fails_is_one_sentence(monkeypatch):
     """A scan measurement's process failing (out of memory, say) ends bench.py with its last line, not its traceback."""
     import bench

@@ -242,6 +242,14 @@ def decode_table(cfg, device):
     torch.manual_seed(0)
     mc = GPTConfig(family="neox", vocab_size=50304, n_layer=12, n_head=12, n_kv_head=12, n_embd=768, head_dim=64,
                    block_size=2048, rotary_dim=16, parallel_residual=True, tie_embeddings=False, mlp_hidden=3072)
+    with torch.device("meta"):
+        weights = sum(p.numel() for p in GPT(mc).parameters())
+    ctx, L, H, D, M = max(cfg.decode_ctx), mc.n_layer, mc.n_head, mc.head_dim, cfg.M
+    # rough fp32 count: both models, the feature maps and states, the longest prefill's KV cache, activations,
+    # features and mask
+    check_free_memory(4 * (2 * weights + 2 * L * H * M * D + ctx * (2 * L * H * D + 4 * mc.mlp_hidden + 4 * H * M)
+                           + ctx * ctx), device, f"the decoding table at --M {M} and --decode-ctx {ctx}",
+                      "lower --M or --decode-ctx")
     softmax = GPT(mc).eval()
     linear = GPT(mc).eval()
     linear.load_state_dict(softmax.state_dict())
@@ -285,10 +293,17 @@ def heads_table(cfg, device, N, budget):
     from model import LinearAttention
     L, H = N.shape
     Hkv, D = 3 if H % 3 == 0 else H, 64                   # SmolLM2's 3 key/value heads (none shared otherwise)
+    dims = {"per layer": dof.allocate(N.amax(-1), budget),
+            "per head": torch.tensor(dof.allocate(N.flatten(), budget)).view(L, H).tolist()}
+    T, M = max(cfg.heads_T), max(dims["per layer"] + [m for row in dims["per head"] for m in row])
+    # rough fp32 count: both layouts' feature maps, every layer's q, k, v, one layer's features, scores and gradients
+    check_free_memory(4 * (D * (H * sum(dims["per layer"]) + sum(map(sum, dims["per head"])))
+                           + cfg.B * T * (L * (H + 2 * Hkv) * D + 8 * H * (cfg.query_block + M))), device,
+                      f"the per-head table at --B {cfg.B} and --heads-T {T} (budget {budget})",
+                      "lower --B or --heads-T")
     torch.manual_seed(0)
-    cores = {"per layer": [LinearAttention(H, Hkv, D, m).to(device) for m in dof.allocate(N.amax(-1), budget)],
-             "per head": [per_head.GroupedLinearAttention(H, Hkv, D, m).to(device)
-                          for m in torch.tensor(dof.allocate(N.flatten(), budget)).view(L, H).tolist()]}
+    cores = {"per layer": [LinearAttention(H, Hkv, D, m).to(device) for m in dims["per layer"]],
+             "per head": [per_head.GroupedLinearAttention(H, Hkv, D, m).to(device) for m in dims["per head"]]}
     loss = {"per layer": distill.layer_loss, "per head": per_head.GroupedLinearAttention.layer_loss}
     print(f"\nper-head against per-layer dims, {L} layers x {H} heads (SmolLM2-135M shape), B={cfg.B}, budget "
           f"{budget} from {cfg.heads}, query block {cfg.query_block}, on {device}, {cfg.threads} threads; ms for all "
