@@ -4112,6 +4112,24 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, st
     assert e.value.code == 0 and "--rounds" in capsys.readouterr().out
 
 
+def test_bench_scorer_plain_rate_is_no_wider_than_the_tokens_it_covers(model, monkeypatch):
+    """The plain forward rate runs batches of at most ceil(tokens / length) rows, and counts the tokens it ran (a
+    --batch-size of 10^9 had allocated 10^9 rows, 10^5 had run for minutes, to time 20 tokens)."""
+    bs = load_script("experiments/bench_scorer.py")
+    shapes, clock = [], iter([0.0, 2.0])
+
+    class Counted:
+        config = types.SimpleNamespace(vocab_size=10)
+
+        def __call__(self, x):
+            shapes.append(tuple(x.shape))
+    monkeypatch.setattr(bs, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    assert bs.plain_forward_rate(Counted(), 25, 10, 16) == 3 * 10 / 2.0           # one batch of 3 rows, in 2 s
+    assert shapes == [(1, 8), (3, 10)]
+    monkeypatch.undo()
+    assert bs.plain_forward_rate(model, 20, 10, 10 ** 9) > 0
+
+
 def run_cli(*args):
     p = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--device", "cpu", *map(str, args)], text=True,
                        capture_output=True, cwd=ROOT, timeout=120, env=script_env())

@@ -51,16 +51,18 @@ def harness_tokens(tokenized, max_len: int) -> int:
 
 @torch.inference_mode()
 def plain_forward_rate(model, n_tokens: int, seq_len: int, batch_size: int, device="cpu") -> float:
-    """Tokens per second of model(x) (full logits) on full (batch_size, seq_len) batches covering n_tokens tokens."""
-    n_batches = max(1, math.ceil(n_tokens / (batch_size * seq_len)))
-    x = torch.randint(0, int(model.config.vocab_size), (batch_size, seq_len), device=device)
+    """Tokens per second of model(x) (full logits) on full (rows, seq_len) batches covering n_tokens tokens: rows is
+    batch_size, or fewer where fewer cover them (no batch wider than the tokens it stands for)."""
+    rows = max(1, min(batch_size, math.ceil(n_tokens / seq_len)))
+    n_batches = max(1, math.ceil(n_tokens / (rows * seq_len)))
+    x = torch.randint(0, int(model.config.vocab_size), (rows, seq_len), device=device)
     model(x[:1, :8])  # warm-up
     sync(device)
     t0 = time.perf_counter()
     for _ in range(n_batches):
         model(x)
     sync(device)
-    return n_batches * batch_size * seq_len / (time.perf_counter() - t0)
+    return n_batches * rows * seq_len / (time.perf_counter() - t0)
 
 
 def bench(model, enc, task_prompts: dict, batch_size=16, device="cpu", rounds: int = 1, out=None) -> dict:
