@@ -2119,6 +2119,29 @@ def test_compiled_layerwise_loss_equals_the_eager_one(monkeypatch):
     assert torch.allclose(v0, v1, rtol=1e-5) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(g0, g1))
 
 
+def test_compiled_losses_without_a_cxx_compiler_are_one_sentence(monkeypatch):
+    """experiments/compiled.py where inductor finds no working C++ compiler (it compiles at the first call): one
+    sentence saying what it needs, or to run distill.py (it had been an InductorError traceback). The compiler's
+    failure is raised here as inductor raises it, without compiling."""
+    from torch._inductor.exc import InductorError, InvalidCxxCompiler
+
+    def no_compiler(fn, **kwargs):
+        def call(*args):
+            raise InductorError(InvalidCxxCompiler(), None)
+        return call
+    for name in ("softmax_loss_blockwise", "l2_loss_blockwise"):
+        monkeypatch.setattr(distill, name, getattr(distill, name))         # undone after the test
+    monkeypatch.setattr(compiled.torch, "compile", no_compiler)
+    compiled.compile_losses()
+    cores = [LinearAttention(2, 2, 8, 4)]
+    qk = [(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8))]
+    with pytest.raises(ModelError, match=r"^torch.compile could not compile the losses \(InvalidCxxCompiler: No "
+                                         r"working C\+\+ compiler found in .*\); it needs a working C\+\+ compiler "
+                                         r"\(or Triton on a GPU\): install one \(or point CXX at it\), or run "
+                                         r"distill.py, the same losses uncompiled$"):
+        distill.layer_losses(cores, qk, "softmax", 8, 1.0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
                     reason="FLA's kernel needs a CUDA device and flash-linear-attention (pip install "
                            "flash-linear-attention); without them the chunked scan runs")
