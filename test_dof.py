@@ -2911,6 +2911,8 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
                                           tmp_path / "out", *FAST], r"--pool 100000000 candidates for each of up to "
               r"\d+ features a head needs about [\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; lower --pool"),
              ("experiments/gpu_check.py", ["--budget-seconds", "-5"], r"--budget-seconds must be a number above 0"),
+             ("experiments/gpu_check.py", ["--block-size", "2048", "--out", tmp_path / "c.json"], r"--block-size 2048 "
+              r"is more than GPT-2's 1024 learned positions, which its distillation and ops rows use; pass at most"),
              ("experiments/gpu_check.py", ["--scan-T", "0", "--out", tmp_path / "c.json"], r"--scan-T and --decode-ctx "
               r"must list numbers of at least 1, got \[0\]"),
              ("experiments/gpu_check.py", ["--out", tmp_path / "no" / "such" / "c.json"], r"--out .*c.json is in "

@@ -88,6 +88,9 @@ class CheckConfig:
     def __post_init__(self):
         check_positive(self, ("budget_seconds", "distill_timeout"), 0, above=True)
         check_positive(self, ("steps", "batch_size", "block_size", "pythia_batch_size", "decode_steps", "J", "repeats"))
+        if self.block_size > GPT2_124M["n_positions"]:             # the GPT-2 rows: its learned positions
+            raise ModelError(f"--block-size {self.block_size} is more than GPT-2's {GPT2_124M['n_positions']} learned "
+                             "positions, which its distillation and ops rows use; pass at most that")
         if any(v < 1 for v in self.scan_T + self.decode_ctx):
             raise ModelError(f"--scan-T and --decode-ctx must list numbers of at least 1, got {self.scan_T} and "
                              f"{self.decode_ctx}")
