@@ -4510,25 +4510,34 @@ def test_gpu_check_stopped_while_a_distillation_runs_kills_it(tmp_path, monkeypa
 # ==================================================================================================================
 # docs/figures.py: the README's figures from a model, and one sentence without matplotlib
 
-def test_figures_script_writes_valid_pngs_and_needs_matplotlib(tmp_path, monkeypatch, capsys):
-    from common import run_main
+@pytest.fixture(scope="module")
+def figures_run(tmp_path_factory):
+    """docs/figures.py as a module; a tiny Llama with GPT-2's tokenizer, its --data folder (text.txt, and the
+    train.bin and meta.json distill.py prepared), a student distilled from it in two steps, and fast flags."""
     spec = importlib.util.spec_from_file_location("figures", ROOT / "docs" / "figures.py")
     figures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(figures)
+    d = tmp_path_factory.mktemp("figures")
     torch.manual_seed(0)
-    ckpt = tmp_path / "llama"
+    ckpt = d / "llama"
     save_hf(hf_llama(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
                      intermediate_size=96, vocab_size=50257, max_position_embeddings=128), ckpt)
     shutil.copy(DATA / "gpt2-tokenizer" / "encoder.json", ckpt / "vocab.json")
     shutil.copy(DATA / "gpt2-tokenizer" / "vocab.bpe", ckpt / "merges.txt")
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "text.txt").write_text(WIKITEXT.read_text(encoding="utf-8")[:12000], encoding="utf-8")
-    distill.main(["--model", str(ckpt), "--data", str(tmp_path / "data"), "--block-size", "32", "--batch-size", "1",
+    (d / "data").mkdir()
+    (d / "data" / "text.txt").write_text(WIKITEXT.read_text(encoding="utf-8")[:12000], encoding="utf-8")
+    distill.main(["--model", str(ckpt), "--data", str(d / "data"), "--block-size", "32", "--batch-size", "1",
                   "--max-steps", "2", "--eval-interval", "2", "--eval-iters", "1", "--J", "16", "--calib-batches",
-                  "1", "--budget", "4", "--center-keys", "--out-dir", str(tmp_path / "student")])
-    args = ["--model", str(ckpt), "--text", str(tmp_path / "data" / "text.txt"), "--tokens", "400", "--block-size",
+                  "1", "--budget", "4", "--center-keys", "--out-dir", str(d / "student")])
+    args = ["--model", str(ckpt), "--text", str(d / "data" / "text.txt"), "--tokens", "400", "--block-size",
             "64", "--J", "64", "--budget", "4", "--draws", "1", "--window", "16"]
-    figures.main(args + ["--ckpt", str(tmp_path / "student"), "--out", str(tmp_path / "figs")])
+    return types.SimpleNamespace(figures=figures, ckpt=ckpt, data=d / "data", student=d / "student", args=args)
+
+
+def test_figures_script_writes_valid_pngs_and_needs_matplotlib(figures_run, tmp_path, monkeypatch, capsys):
+    from common import run_main
+    figures, args = figures_run.figures, figures_run.args
+    figures.main(args + ["--ckpt", str(figures_run.student), "--out", str(tmp_path / "figs")])
     names = ["fig-spectrum.png", "fig-kernel-error.png", "fig-attention.png", "fig-dof.png"]
     assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == sorted(names)
     import matplotlib.pyplot as plt
@@ -4537,7 +4546,7 @@ def test_figures_script_writes_valid_pngs_and_needs_matplotlib(tmp_path, monkeyp
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plt.imread(path).ndim == 3
     assert "untrained student only" not in capsys.readouterr().out
     with pytest.raises(ModelError, match=r"data/config.json does not exist; \S+ is not a whole distill.py checkpoint"):
-        figures.main(args + ["--ckpt", str(tmp_path / "data"), "--out", str(tmp_path / "bad")])
+        figures.main(args + ["--ckpt", str(figures_run.data), "--out", str(tmp_path / "bad")])
     for flag in ("--J", "--draws", "--budget", "--window"):
         with pytest.raises(ModelError, match=f"^{flag} must be a number of at least 1, got 0$"):
             figures.main(args + [flag, "0", "--out", str(tmp_path / "bad")])
@@ -4558,6 +4567,18 @@ def test_figures_script_writes_valid_pngs_and_needs_matplotlib(tmp_path, monkeyp
         run_main(lambda: figures.main(args + ["--out", str(tmp_path / "none")]))
     assert e.value.code == 2 and not (tmp_path / "none").exists()
     assert capsys.readouterr().err == "error: the figures need matplotlib, which is not installed; pip install matplotlib\n"
+
+
+def test_figures_refuse_a_checkpoint_distilled_from_another_teacher(figures_run, tmp_path):
+    """--ckpt of a student of another teacher of the same config (here a copy of it elsewhere): one sentence, as
+    evaluate.py says it, before any figure; it had drawn the student of the other teacher."""
+    twin = tmp_path / "twin"
+    shutil.copytree(figures_run.ckpt, twin)
+    args = [str(twin) if a == str(figures_run.ckpt) else a for a in figures_run.args]
+    with pytest.raises(ModelError, match=r"^checkpoint \S+student was distilled from teacher '\S+llama' but --model "
+                                         r"is '\S+twin'; pass --model \S+llama$"):
+        figures_run.figures.main(args + ["--ckpt", str(figures_run.student), "--out", str(tmp_path / "figs")])
+    assert not (tmp_path / "figs").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
+from checkpoint import read_student  # noqa: E402
 from common import (ModelError, atomic_path, check_out, check_positive, opt, parse_config, read_tokens,  # noqa: E402
                     run_main)
 from tokenizer import load_tokenizer  # noqa: E402
@@ -92,10 +93,15 @@ def misplaced(q, k, Ms, draws, gen):
     return errors
 
 
-def load_ckpt(ckpt, model):
-    """--ckpt -> (the student, its config.json dict), checked to be --model's student; None without --ckpt."""
+def load_ckpt(ckpt, name, model):
+    """--ckpt -> (the student, its config.json dict), checked to be the student of --model (`name`, loaded as
+    `model`); None without --ckpt."""
     if not ckpt:
         return None
+    t = read_student(ckpt)[0]["teacher"]                       # as evaluate.py: the teacher it names, not its config
+    if Path(t).resolve() != Path(name).resolve():
+        raise ModelError(f"checkpoint {ckpt} was distilled from teacher '{t}' but --model is '{name}'; pass "
+                         f"--model {t}")
     student, cfg = M.load_student(ckpt)
     if student.config != model.config:
         raise ModelError(f"{ckpt} was distilled from {cfg['teacher']}, not from --model; pass its teacher")
@@ -228,7 +234,7 @@ def main(argv=None):
     plt, out = pyplot(), Path(cfg.out)
     torch.manual_seed(cfg.seed)
     model = M.GPT.from_pretrained(cfg.model)
-    ckpt = load_ckpt(cfg.ckpt, model)                          # checked before any work
+    ckpt = load_ckpt(cfg.ckpt, cfg.model, model)               # checked before any work
     tokens = torch.as_tensor(read_tokens(cfg.text, load_tokenizer(cfg.model), cfg.tokens), dtype=torch.long)
     T = min(cfg.block_size, model.config.block_size)
     if len(tokens) < 2 * T:
