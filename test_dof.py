@@ -4581,6 +4581,28 @@ def test_figures_refuse_a_checkpoint_distilled_from_another_teacher(figures_run,
     assert not (tmp_path / "figs").exists()
 
 
+def test_figures_text_of_token_files_is_checked_against_the_models_tokenizer(figures_run, tmp_path):
+    """--text a prepared .bin: its meta.json's tokenizer is checked (one sentence for another's, as evaluate.py's
+    --ppl), and the memory-mapped tokens give no warning of a non-writable array."""
+    import warnings
+    figures, data = figures_run.figures, figures_run.data
+    args = [str(data / "train.bin") if a.endswith("text.txt") else a for a in figures_run.args]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        figures.main(args + ["--out", str(tmp_path / "figs")])
+    assert not [str(w.message) for w in caught if "not writable" in str(w.message)]
+    (tmp_path / "other").mkdir()
+    shutil.copy(data / "train.bin", tmp_path / "other" / "train.bin")
+    meta = json.loads((data / "meta.json").read_text())
+    meta["tokenizer"]["n_vocab"] = 49152                              # SmolLM2's, say
+    (tmp_path / "other" / "meta.json").write_text(json.dumps(meta))
+    other = [str(tmp_path / "other" / "train.bin") if a.endswith("text.txt") else a for a in figures_run.args]
+    with pytest.raises(ModelError, match=r"^\S+train.bin was tokenized with the tokenizer of \S+ \(49152 tokens\), not "
+                                         r"\S+llama's \(50257\); pass a file made with this model's tokenizer"):
+        figures.main(other + ["--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # docs/experiments.py: one JSON per run, tables generated from them
 

@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,8 +28,8 @@ import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
 from checkpoint import read_student  # noqa: E402
-from common import (ModelError, atomic_path, check_out, check_positive, opt, parse_config, read_tokens,  # noqa: E402
-                    run_main)
+from common import (ModelError, atomic_path, check_out, check_positive, check_tokenizer, opt,  # noqa: E402
+                    parse_config, read_json, read_tokens, run_main)
 from tokenizer import load_tokenizer  # noqa: E402
 
 COLORS = ("C0", "C3")                                   # the low-DoF head, the high-DoF head
@@ -235,7 +236,12 @@ def main(argv=None):
     torch.manual_seed(cfg.seed)
     model = M.GPT.from_pretrained(cfg.model)
     ckpt = load_ckpt(cfg.ckpt, cfg.model, model)               # checked before any work
-    tokens = torch.as_tensor(read_tokens(cfg.text, load_tokenizer(cfg.model), cfg.tokens), dtype=torch.long)
+    enc = load_tokenizer(cfg.model)
+    if Path(cfg.text).suffix == ".bin" and (meta := Path(cfg.text).with_name("meta.json")).is_file():
+        check_tokenizer(read_json(meta, "prepare the token files again", dict), enc, cfg.text, cfg.model,
+                        "pass a file made with this model's tokenizer (data/*/prepare.py)")
+    tokens = read_tokens(cfg.text, enc, cfg.tokens, vocab_size=model.config.vocab_size)
+    tokens = torch.from_numpy(np.array(tokens, np.int64))     # a copy: a .bin's memory map is read-only
     T = min(cfg.block_size, model.config.block_size)
     if len(tokens) < 2 * T:
         raise ModelError(f"{cfg.text} gives {len(tokens)} tokens, fewer than 2 x --block-size = {2 * T}; give "
