@@ -4603,6 +4603,27 @@ def test_figures_text_of_token_files_is_checked_against_the_models_tokenizer(fig
     assert not (tmp_path / "bad").exists()
 
 
+def test_figures_refuse_a_lambda_above_every_eigenvalue_and_replace_all_figures_or_none(figures_run, tmp_path,
+                                                                                          monkeypatch):
+    """--lam 1e300 leaves every head N = 0: one sentence before any figure (it had been matplotlib's ValueError
+    after three of the four figures were replaced); a figure that fails to draw leaves the earlier ones as they were."""
+    figures, out = figures_run.figures, tmp_path / "figs"
+    figures.main(figures_run.args + ["--out", str(out)])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == sorted(figures.FIGURES)
+    for flags in (["--lam", "1e300"], ["--lam", "1e300", "--lam-absolute"]):
+        with pytest.raises(ModelError, match=r"^--lam 1e\+300 leaves every head N = 0"):
+            figures.main(figures_run.args + flags + ["--out", str(out)])
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    def broken(*args):
+        raise RuntimeError("drawing failed")
+    monkeypatch.setattr(figures, "fig_dof", broken)                 # the last figure fails, the others are new
+    with pytest.raises(RuntimeError, match="drawing failed"):
+        figures.main(figures_run.args + ["--J", "32", "--out", str(out)])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # docs/experiments.py: one JSON per run, tables generated from them
 

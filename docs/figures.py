@@ -16,6 +16,7 @@ Run from the repository root; matplotlib draws them (pip install matplotlib). Un
 
 import math
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,10 +213,8 @@ def fig_dof(plt, path, N, heads, cfg):
 def save(plt, fig, path):
     if fig.get_layout_engine() is None:
         fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=100)
+    fig.savefig(path, format="png", dpi=100)                  # main's <figure>.tmp, which replaces it at the end
     plt.close(fig)
-    print(f"wrote {path}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -251,21 +250,28 @@ def main(argv=None):
     calib, held_out = tokens[:-T], tokens[-T:]
     x = dof.collect_qk(model, calib[:len(calib) // T * T].view(-1, T).split(1), cfg.J, cfg.seed)  # (L, H, J, D)
     N = dof.degrees_of_freedom(x, cfg.lam, relative=not cfg.lam_absolute).numpy()           # (L, H)
+    if not (N > 0).any():                                     # nothing to draw on a log scale
+        raise ModelError(f"--lam {cfg.lam:g} leaves every head N = 0 (lambda far above every eigenvalue of S), so "
+                         "there is nothing to draw; pass a smaller --lam")
     low, high = N.max(1).argmin(), N.max(1).argmax()          # the layers with the smallest and largest DoF
     heads = [(int(low), int(N[low].argmax())), (int(high), int(N[high].argmax()))]
     print("heads (layer, head, N): " + ", ".join(f"({l}, {h}, {N[l, h]:.1f})" for l, h in heads))
 
     out.mkdir(parents=True, exist_ok=True)
     try:
-        fig_spectrum(plt, out / "fig-spectrum.png", x, N, heads, cfg)
-        fig_kernel_error(plt, out / "fig-kernel-error.png", layer_qk(model, held_out), x, N, heads, cfg)
-        if not cfg.ckpt:
-            print("no --ckpt: the attention maps show the teacher and the untrained student only")
-        fig_attention(plt, out / "fig-attention.png", model, ckpt, tokens, heads[1], cfg)
-        fig_dof(plt, out / "fig-dof.png", N, heads, cfg)
-    except OSError as e:                                          # a full disk: each figure is whole or not there
+        with ExitStack() as stack:                                # each figure into its .tmp, all four replaced at the
+            tmp = {f: stack.enter_context(atomic_path(out / f)) for f in FIGURES}     # end: all new, or none
+            fig_spectrum(plt, tmp["fig-spectrum.png"], x, N, heads, cfg)
+            fig_kernel_error(plt, tmp["fig-kernel-error.png"], layer_qk(model, held_out), x, N, heads, cfg)
+            if not cfg.ckpt:
+                print("no --ckpt: the attention maps show the teacher and the untrained student only")
+            fig_attention(plt, tmp["fig-attention.png"], model, ckpt, tokens, heads[1], cfg)
+            fig_dof(plt, tmp["fig-dof.png"], N, heads, cfg)
+    except OSError as e:                                          # a full disk: the figures stay as they were
         raise ModelError(f"cannot write the figures into {out} ({e.strerror}); make room or pass another --out") \
             from None
+    for f in FIGURES:
+        print(f"wrote {out / f}")
 
 
 if __name__ == "__main__":
