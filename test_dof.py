@@ -4673,6 +4673,21 @@ def test_report_refuses_a_damaged_result_file_in_one_sentence(tmp_path, damage, 
     assert doc.read_text() == (ROOT / "docs" / "results.md").read_text()
 
 
+def test_report_without_matplotlib_notes_each_figure_it_does_not_draw(tmp_path, monkeypatch, capsys):
+    """--report without matplotlib: the tables are rebuilt, and the layer curves (curves grid) and
+    experiments/heads.py's figure are each a note, as the learning curves are; they had been a ModuleNotFoundError."""
+    for grid in ("curves", "heads-kl"):
+        shutil.copytree(ROOT / "docs" / "results" / grid, tmp_path / "results" / grid)
+    doc = tmp_path / "results.md"
+    shutil.copy(ROOT / "docs" / "results.md", doc)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)                # import matplotlib -> ImportError
+    docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
+    out = capsys.readouterr().out
+    assert "fig-layer-curves.png was not drawn; pip install matplotlib" in out
+    assert "fig-heads.png was not drawn; pip install matplotlib" in out
+    assert doc.read_text() == (ROOT / "docs" / "results.md").read_text() and not list(tmp_path.glob("*.png"))
+
+
 def test_spearman_gives_tied_values_their_mean_rank():
     """experiments/allocation.py's rank correlation: ties (dims of 32 recur) share a rank, so the order in which tied
     layers come plays no part."""

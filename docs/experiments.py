@@ -420,9 +420,13 @@ FROM_GRID = {"best": "converge"}             # grids shown after the grid their 
 
 def layer_curves_figure(Ms, KL, path, named=(0, 10, 21, 27)):
     """KL_l(M) against M, log-log: every layer faint, a few named."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed, so {path} was not drawn; pip install matplotlib")
+        return False
     fig, ax = plt.subplots(figsize=(6, 3.8), dpi=110)
     for l in range(KL.shape[1]):
         ax.loglog(Ms, KL[:, l], color="0.75", lw=0.8, zorder=1)
@@ -436,6 +440,7 @@ def layer_curves_figure(Ms, KL, path, named=(0, 10, 21, 27)):
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
+    return True
 
 
 def curve_blocks(results, figures):
