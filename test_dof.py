@@ -4826,6 +4826,39 @@ def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, t
     assert not (scratch / "tiny" / "later.log").exists()
 
 
+SLEEPER = """
+import pathlib, signal, sys, time
+state = pathlib.Path(sys.argv[1] + ".state")
+signal.signal(signal.SIGTERM, lambda *a: (state.write_text("SIGTERM"), sys.exit(143)))
+state.write_text("started")
+time.sleep(15)
+state.write_text("finished")
+"""
+
+
+def test_runner_stopped_sends_sigterm_to_its_running_runs_and_starts_no_other(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM (run_main's KeyboardInterrupt) while runs are running: each running child gets SIGTERM
+    (distill.py stops with its last checkpoint whole, which the next --run resumes), no queued run starts, and the
+    runner stops at once; it had waited for its children to finish."""
+    import threading
+    X = docs_experiments()
+    monkeypatch.setattr(X.Run, "command", lambda self, out: [sys.executable, "-c", SLEEPER, str(out)])
+    runs = [X.Run("sleepy", f"r{i}", "4/Fix", i) for i in range(3)]          # two at a time: r2 waits
+    states = lambda: {p.name.split(".")[0]: p.read_text() for p in (tmp_path / "scratch" / "sleepy").glob("*.state")}
+
+    def interrupt():                                                  # once both are running, as run_main's signal
+        deadline = time.time() + 60
+        while list(states().values()) != ["started"] * 2 and time.time() < deadline:
+            time.sleep(0.05)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    threading.Thread(target=interrupt, daemon=True).start()
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        X.run_grid(runs, jobs=2, results=tmp_path / "results", scratch=tmp_path / "scratch")
+    assert time.time() - t0 < 10 and states() == {"r0": "SIGTERM", "r1": "SIGTERM"}
+    assert not (tmp_path / "results").exists()
+
+
 # ==================================================================================================================
 # experiments/ and docs/experiments.py: the forks' allocations, predictors and tables, each pinned to a known answer
 

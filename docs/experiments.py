@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from common import (ModelError, atomic_path, check_positive, is_checkpoint, opt,
 
 RESULTS = ROOT / "docs" / "results"
 SCRATCH = ROOT / "out-experiments"           # checkpoints and logs of the runs (not committed)
+CHILDREN = set()                             # the runs' processes running now: a stopped run_grid stops them
+LOCK = threading.Lock()                      # held to start, drop or stop children: none starts after a stop
+STOPPED = threading.Event()                  # set when run_grid stops: no other run starts
 
 
 @dataclass
@@ -191,8 +195,16 @@ def execute(run, results=RESULTS, scratch=SCRATCH):
     cmd = run.command(out) + (["--resume"] if (out / "config.json").is_file() else ["--overwrite"])
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.time()
-    with open(out.with_suffix(".log"), "a") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    with open(out.with_suffix(".log"), "a") as log, LOCK:
+        if STOPPED.is_set():
+            raise ModelError(f"run {run.grid}/{run.name} not started: the runner was stopped")
+        child = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        CHILDREN.add(child)
+    try:
+        rc = child.wait()
+    finally:
+        with LOCK:
+            CHILDREN.discard(child)
     if rc != 0:
         raise ModelError(f"run {run.grid}/{run.name} failed (exit {rc}); its log is {out.with_suffix('.log')}")
     config = json.loads((out / "config.json").read_text())
@@ -221,6 +233,9 @@ def relative(x, root=ROOT):
 
 
 def run_grid(runs, jobs=2, results=RESULTS, scratch=SCRATCH):
+    """Run the runs that have no JSON yet, `jobs` at a time. Stopped (Ctrl-C, or SIGTERM: run_main's
+    KeyboardInterrupt) or at a failed run, it starts no other run, sends SIGTERM to each running one (which stops
+    with its last checkpoint whole, for the next --run to resume) and waits for them to exit."""
     todo = [r for r in runs if not result_path(r, results).is_file()]
     for r in todo:                                              # a continuation starts from a checkpoint, not a JSON
         if "--init-from" in r.flags and not is_checkpoint(ROOT / (ckpt := r.flags[r.flags.index("--init-from") + 1])):
@@ -228,9 +243,17 @@ def run_grid(runs, jobs=2, results=RESULTS, scratch=SCRATCH):
                              f"are committed, checkpoints are not); make it first: move that run's JSON out of "
                              f"docs/results and run its grid with --match {Path(ckpt).name}")
     print(f"{len(runs) - len(todo)} of {len(runs)} runs done; running {len(todo)}, {jobs} at a time")
+    STOPPED.clear()
     with ThreadPoolExecutor(jobs) as pool:
-        for path in pool.map(lambda r: execute(r, results, scratch), todo):
-            print(f"wrote {path.relative_to(results)}", flush=True)
+        try:
+            for path in pool.map(lambda r: execute(r, results, scratch), todo):
+                print(f"wrote {path.relative_to(results)}", flush=True)
+        except BaseException:                    # stopped, or a run failed
+            with LOCK:
+                STOPPED.set()
+                for child in CHILDREN:
+                    child.terminate()                # SIGTERM
+            raise                                    # once the pool's threads have seen their children exit
 
 
 # ----------------------------------------------------------------------------------------------------------------
