@@ -4688,6 +4688,22 @@ def test_report_without_matplotlib_notes_each_figure_it_does_not_draw(tmp_path, 
     assert doc.read_text() == (ROOT / "docs" / "results.md").read_text() and not list(tmp_path.glob("*.png"))
 
 
+@pytest.mark.parametrize("grids", [("allocation", "curves"), ("curves",)])
+def test_report_names_the_curve_runs_that_are_missing(tmp_path, grids):
+    """A curve run missing: one sentence naming it and the grid to run, where the curves' tables and the allocation
+    grid's (which read the curves) are made; it had been "allocation holds a result file its script did not write
+    (ValueError: 32 is not in list)"."""
+    for grid in grids:
+        shutil.copytree(ROOT / "docs" / "results" / grid, tmp_path / "results" / grid)
+    (tmp_path / "results" / "curves" / "fix-m32-s0.json").unlink()
+    doc = tmp_path / "results.md"
+    shutil.copy(ROOT / "docs" / "results.md", doc)
+    with pytest.raises(ModelError, match=r"^\S+/results/curves lacks the whole runs fix-m32-s0; run them with "
+                                         r"`python docs/experiments.py --run curves`"):
+        docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
+    assert doc.read_text() == (ROOT / "docs" / "results.md").read_text()
+
+
 def test_spearman_gives_tied_values_their_mean_rank():
     """experiments/allocation.py's rank correlation: ties (dims of 32 recur) share a rank, so the order in which tied
     layers come plays no part."""

@@ -601,6 +601,8 @@ def grid_blocks(grid, results, figures):
         if (Path(results) / grid / "identity.json").is_file():
             made[f"{grid}:identity"] = identity_table(read(Path(results) / grid / "identity.json"))
         return made
+    if grid in ("curves", "allocation"):         # both read every M of the curves: a missing one is named here
+        check_whole("curves", load("curves", results), results)
     if grid == "curves":                         # the per-layer error curves: tables and figure, not a grid table
         return curve_blocks(results, figures)
     records = load(grid, results)
