@@ -4692,7 +4692,7 @@ def test_report_without_matplotlib_notes_each_figure_it_does_not_draw(tmp_path, 
 def test_report_names_the_curve_runs_that_are_missing(tmp_path, grids):
     """A curve run missing: one sentence naming it and the grid to run, where the curves' tables and the allocation
     grid's (which read the curves) are made; it had been "allocation holds a result file its script did not write
-    (ValueError: 32 is not in list)"."""
+    (ValueError: 32 is not in list)". A damaged curve run is the curves folder's, reported before the allocation."""
     for grid in grids:
         shutil.copytree(ROOT / "docs" / "results" / grid, tmp_path / "results" / grid)
     (tmp_path / "results" / "curves" / "fix-m32-s0.json").unlink()
@@ -4702,6 +4702,10 @@ def test_report_names_the_curve_runs_that_are_missing(tmp_path, grids):
                                          r"`python docs/experiments.py --run curves`"):
         docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
     assert doc.read_text() == (ROOT / "docs" / "results.md").read_text()
+    if len(grids) == 2:                        # a damaged curve run is the curves folder's, not the allocation one's
+        (tmp_path / "results" / "curves" / "fix-m16-s0.json").write_text('{"group": "16/Fix", "val": []}')
+        with pytest.raises(ModelError, match=r"^\S+/results/curves holds a result file its script did not write"):
+            docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
 
 
 def test_spearman_gives_tied_values_their_mean_rank():
