@@ -497,7 +497,7 @@ def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, conf
                          f"layer {l}'s {cfg.loss} loss")
             metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
             metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + time.perf_counter() - t0
-            tqdm.write(f"step {step}/{end} | loss {fmt(losses, direct)} | lr_z {lr:.4g} | {ms:.0f} ms/step | "
+            tqdm.write(f"step {step}/{end} | loss {fmt(losses, direct)} | lr_z {lr:.4g} | {ms:.1f} ms/step | "
                        f"{tokens * 1e3 / ms:,.0f} tok/s")
             n, t0 = 0, time.perf_counter()
 
