@@ -11,8 +11,9 @@ from urllib.request import getproxies
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
-from common import ModelError, is_checkpoint, read_file, read_json, read_safetensors
+from common import ModelError, is_checkpoint, read_file, read_json
 
 REFETCH = "download the checkpoint again or save it anew with save_pretrained"
 GGUF_TODO = "pass a whole .gguf file (re-download it) or a checkpoint directory"
@@ -53,12 +54,12 @@ def read_checkpoint(name):
                          "--ckpt (evaluate.py) or --init-from (distill.py)")
     hf_cfg, index = read_json(p / "config.json", REFETCH, dict), p / "model.safetensors.index.json"
     if (p / "model.safetensors").is_file() or not index.is_file():
-        return hf_cfg, read_safetensors(p / "model.safetensors", REFETCH)
+        return hf_cfg, read_file(p / "model.safetensors", REFETCH, load_file)
     shards = read_json(index, REFETCH, dict).get("weight_map")
     if not shards or not isinstance(shards, dict) or not all(isinstance(s, str) for s in shards.values()):
         raise ModelError(f"{index} lacks its \"weight_map\" of tensor names to shard files; {REFETCH}")
     todo = f"download every shard that {index.name} lists"
-    return hf_cfg, {k: v for s in sorted(set(shards.values())) for k, v in read_safetensors(p / s, todo).items()}
+    return hf_cfg, {k: v for s in sorted(set(shards.values())) for k, v in read_file(p / s, todo, load_file).items()}
 
 
 class HubUnreachable(ModelError):
@@ -94,7 +95,7 @@ def read_student(ckpt_dir):
                                                            and all(map(whole, dims)) and len({*map(len, dims)}) == 1)):
         raise ModelError(f"{f} lacks the teacher, dims (whole numbers of at least 1: one per layer, or a list per "
                          f"layer), feature map or chunk size (such a number), or its args are no object; {todo}")
-    return cfg, read_safetensors(Path(ckpt_dir) / "features.safetensors", todo)
+    return cfg, read_file(Path(ckpt_dir) / "features.safetensors", todo, load_file)
 
 
 def open_gguf(path):

@@ -21,7 +21,6 @@ from typing import get_args, get_origin, get_type_hints
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 REQUIRED = MISSING     # opt(REQUIRED, help): a field the command line must give
 CLAIMED = []           # (out-dir this process writes checkpoints to, since when its checkpoint is this run's)
@@ -335,10 +334,6 @@ def read_json(path, todo, kind=dict):
     return d
 
 
-def read_safetensors(path, todo):
-    return read_file(path, todo, load_file)
-
-
 def torch_load(path, todo):
     """A torch.save file (the optimizer state), onto the CPU."""
     return read_file(path, todo, lambda p: torch.load(p, map_location="cpu", weights_only=False))
@@ -376,12 +371,20 @@ def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None,
     return tokens
 
 
-def check_tokenizer(meta, enc, where, model, todo):
-    """A ModelError unless prepare.py's meta.json records enc as the tokenizer (its size, and a probe's ids)."""
+def check_tokenizer(path, enc, model, todo="prepare them with this model's tokenizer (data/*/prepare.py)", need=False):
+    """meta.json of prepare.py's token files `path` (their folder, or a .bin beside it) -> its dict, or None where
+    there is none (need=False); a ModelError unless it records enc as the tokenizer (its size, and a probe's ids).
+    enc: an Encoding, or a function making one (a model that needs none for its work, as dof.py's, may lack it)."""
+    p = Path(path)
+    file = p / "meta.json" if p.is_dir() or need else p.with_name("meta.json")
+    if not need and not (file.is_file() and (p.is_dir() or p.suffix == ".bin")):     # text: encoded with enc
+        return None
+    meta, enc = read_json(file, todo, dict), enc() if callable(enc) else enc
     tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
     if tok.get("n_vocab") != enc.n_vocab or enc.encode_ordinary(tok.get("probe", "")) != tok.get("probe_ids"):
-        raise ModelError(f"{where} was tokenized with the tokenizer of {tok.get('model', '?')} ({tok.get('n_vocab')} "
+        raise ModelError(f"{path} was tokenized with the tokenizer of {tok.get('model', '?')} ({tok.get('n_vocab')} "
                          f"tokens), not {model}'s ({enc.n_vocab}); {todo}")
+    return meta
 
 
 def get_batch(data, B, T, gen, device, share=(0, 1)):

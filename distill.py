@@ -147,8 +147,7 @@ def open_data(cfg, enc, vocab_size):
                        WikipediaConfig(cfg.model, cfg.data, fraction=1.0, max_tokens=cfg.wiki_tokens,
                                        val_fraction=cfg.val_fraction, seed=cfg.seed), enc)
     barrier()                                                          # the others wait while rank 0 prepares
-    meta = read_json(d / "meta.json", again, dict)
-    check_tokenizer(meta, enc, cfg.data, f"the teacher {cfg.model}", again)
+    meta = check_tokenizer(d, enc, f"the teacher {cfg.model}", again, need=True)
     return {s: read_tokens(d / f"{s}.bin", vocab_size=vocab_size, min_tokens=cfg.block_size + 1)
             for s in ("train", "val")}, meta
 

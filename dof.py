@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from common import (ModelError, check_free_memory, check_out, check_positive, check_tokenizer, get_batch, opt,
-                    parse_config, pick_device, read_json, read_tokens, run_main, write_text_atomic)
+                    parse_config, pick_device, read_tokens, run_main, write_text_atomic)
 from model import GPT, repeat_kv
 from tokenizer import load_tokenizer
 
@@ -220,9 +220,7 @@ def main(argv=None):
     check_free_memory(4 * B * T * (mc.n_layer * (3 * H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + H * T) + 8 *
                       cfg.calib_batches * B * T, device, f"the calibration pass at --batch-size {B} x --block-size {T}",
                       "lower --batch-size, --block-size or --calib-batches")
-    if (meta := Path(cfg.data) / "meta.json").is_file():                    # prepare.py's: as distill.py checks it
-        check_tokenizer(read_json(meta, "prepare the token files again", dict), load_tokenizer(cfg.model), cfg.data,
-                        cfg.model, "prepare them with this model's tokenizer (data/*/prepare.py)")
+    check_tokenizer(cfg.data, lambda: load_tokenizer(cfg.model), cfg.model)          # as distill.py checks it
     tokens = read_tokens(Path(cfg.data) / "train.bin", vocab_size=mc.vocab_size, min_tokens=T + 1)
     t0 = time.time()
     batches = calibration_batches(tokens, cfg.calib_batches, cfg.batch_size, T, cfg.seed, device)

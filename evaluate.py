@@ -369,9 +369,7 @@ def main(argv=None, load=load_student):
     models, enc = load_models(cfg, device, load), load_tokenizer(cfg.model)
     report = {}
     if cfg.ppl:                                        # first: a bad token file fails before the tasks' work
-        if Path(cfg.ppl).suffix == ".bin" and (meta := Path(cfg.ppl).with_name("meta.json")).is_file():
-            check_tokenizer(read_json(meta, "prepare the token files again", dict), enc, cfg.ppl, cfg.model,
-                            "pass a file made with this model's tokenizer (data/*/prepare.py)")
+        check_tokenizer(cfg.ppl, enc, cfg.model, "pass a file made with this model's tokenizer (data/*/prepare.py)")
         tokens = read_tokens(cfg.ppl, enc, cfg.ppl_max_tokens, special=True)  # text encoded as the tasks' text is
         report["ppl"] = {k: perplexity(m, tokens, cfg.ppl_context, device, cfg.batch_size) for k, m in models.items()}
         for k, r in report["ppl"].items():

@@ -2719,9 +2719,10 @@ def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setu
             assert line == f"  {name}: {enc.decode(ids[0, idx.size(1):].tolist())!r}"
 
 
-def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkeypatch):
+def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkeypatch, capsys):
     """ms/step (the log line, metrics.json's history) and train_seconds time the training steps alone: with a clock
-    that a step advances by 1 s and a validation by 100 s, every logged step took 1,000 ms."""
+    that a step advances by 1 s and a validation by 100 s, every logged step took 1,000 ms; the log line keeps a
+    tenth of a ms (gpu_check.py's medians are read from it)."""
     d, ckpt, data = setup
     clock = [0.0]
 
@@ -2738,6 +2739,7 @@ def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkey
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert len(m["val"]) == 4 and clock[0] == 506.0                 # the teacher's loss, then steps 0, 2, 4, 6
     assert [h["ms"] for h in m["history"]] == [1000.0] * 6 and m["train_seconds"] == 6.0, m["history"]
+    assert capsys.readouterr().out.count("| 1000.0 ms/step |") == 6
     cfg = distill.DistillConfig(max_steps=6, warmup_steps=0, out_dir="x")      # lr_z: the directions' (0.02)
     assert [h["lr_z"] for h in m["history"]] == pytest.approx([0.02 * distill.lr_factor(s, cfg) for s in range(6)])
 
@@ -3933,15 +3935,24 @@ def test_ppl_max_tokens_are_the_first_tokens_of_the_whole_file(enc, tmp_path):
     assert all(E.read_tokens(tmp_path / "runs.txt", enc, n).tolist() == full[:n] for n in range(1, len(full)))
 
 
-def test_token_files_of_a_tokenizer_of_the_same_size_are_refused_by_the_probe(enc):
-    """meta.json's probe ids, not only its vocabulary size, identify the tokenizer (GPT-2's and another of 50,257)."""
-    probe = "Hello world! 13 dogs."
+def test_token_files_of_a_tokenizer_of_the_same_size_are_refused_by_the_probe(enc, tmp_path):
+    """meta.json's probe ids, not only its vocabulary size, identify the tokenizer (GPT-2's and another of 50,257);
+    it is read in the folder, beside a .bin, never beside text (encoded with enc), and need=True requires it."""
+    probe, data = "Hello world! 13 dogs.", tmp_path / "data"
     meta = {"tokenizer": {"model": "other", "n_vocab": enc.n_vocab, "probe": probe, "probe_ids": enc.encode_ordinary(
         probe)}}
-    common.check_tokenizer(meta, enc, "data", "gpt2", "prepare them again")
+    assert common.check_tokenizer(data, enc, "gpt2") is None and data.mkdir() is None
+    with pytest.raises(ModelError, match=r"^\S+meta.json does not exist; prepare them again$"):
+        common.check_tokenizer(data, enc, "gpt2", "prepare them again", need=True)
+    (data / "meta.json").write_text(json.dumps(meta))
+    assert common.check_tokenizer(data, enc, "gpt2") == common.check_tokenizer(data / "val.bin", enc, "gpt2") == meta
     meta["tokenizer"]["probe_ids"] = meta["tokenizer"]["probe_ids"][::-1]
-    with pytest.raises(ModelError, match=r"^data was tokenized with the tokenizer of other \(50257 tokens\), not gpt2"):
-        common.check_tokenizer(meta, enc, "data", "gpt2", "prepare them again")
+    (data / "meta.json").write_text(json.dumps(meta))
+    assert common.check_tokenizer(data / "text.txt", enc, "gpt2") is None
+    for path in (data, data / "val.bin"):
+        with pytest.raises(ModelError, match=r"^\S+ was tokenized with the tokenizer of other \(50257 tokens\), not "
+                                             r"gpt2's \(50257\); prepare them again$"):
+            common.check_tokenizer(path, enc, "gpt2", "prepare them again")
 
 
 def test_ppl_refuses_token_files_of_another_tokenizer(ckpt, enc, tmp_path, capsys):

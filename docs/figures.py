@@ -30,7 +30,7 @@ import dof  # noqa: E402
 import model as M  # noqa: E402
 from checkpoint import read_student  # noqa: E402
 from common import (ModelError, atomic_path, check_out, check_positive, check_tokenizer, opt,  # noqa: E402
-                    parse_config, read_json, read_tokens, run_main)
+                    parse_config, read_tokens, run_main)
 from tokenizer import load_tokenizer  # noqa: E402
 
 COLORS = ("C0", "C3")                                   # the low-DoF head, the high-DoF head
@@ -236,9 +236,7 @@ def main(argv=None):
     model = M.GPT.from_pretrained(cfg.model)
     ckpt = load_ckpt(cfg.ckpt, cfg.model, model)               # checked before any work
     enc = load_tokenizer(cfg.model)
-    if Path(cfg.text).suffix == ".bin" and (meta := Path(cfg.text).with_name("meta.json")).is_file():
-        check_tokenizer(read_json(meta, "prepare the token files again", dict), enc, cfg.text, cfg.model,
-                        "pass a file made with this model's tokenizer (data/*/prepare.py)")
+    check_tokenizer(cfg.text, enc, cfg.model, "pass a file made with this model's tokenizer (data/*/prepare.py)")
     tokens = read_tokens(cfg.text, enc, cfg.tokens, vocab_size=model.config.vocab_size)
     tokens = torch.from_numpy(np.array(tokens, np.int64))     # a copy: a .bin's memory map is read-only
     T = min(cfg.block_size, model.config.block_size)

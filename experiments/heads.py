@@ -37,7 +37,7 @@ import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
 from common import (ModelError, atomic_path, check_free_memory, check_out, check_positive, check_tokenizer, opt,  # noqa
-                    parse_config, read_json, read_tokens, run_main, write_text_atomic)
+                    parse_config, read_tokens, run_main, write_text_atomic)
 from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
 from per_head import GroupedLinearAttention  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -152,9 +152,7 @@ def measure(cfg):
     check_free_memory(4 * n * T * (mc.n_layer * (H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + 6 * H * (T + m))
                       + 8 * 16 * m * (mc.head_dim + 3 * cfg.J), "cpu", f"{n} sequences (--calib-seqs + --eval-seqs) of "
                       f"{T} tokens with up to {m:,} features a head", "lower them, --Ms or --budget")
-    if (meta := Path(cfg.data) / "meta.json").is_file():                    # prepare.py's: as distill.py checks it
-        check_tokenizer(read_json(meta, "prepare the token files again", dict), load_tokenizer(cfg.model), cfg.data,
-                        cfg.model, "prepare them with this model's tokenizer (data/*/prepare.py)")
+    check_tokenizer(cfg.data, lambda: load_tokenizer(cfg.model), cfg.model)          # as distill.py checks it
     calib = sequences(Path(cfg.data) / "train.bin", cfg.calib_seqs, cfg.block_size, 0, mc.vocab_size)
     held = sequences(Path(cfg.data) / "val.bin", cfg.eval_seqs, cfg.block_size, 1, mc.vocab_size)
     qk_c, qk_h = dof.teacher_qk(model, calib), dof.teacher_qk(model, held)
