@@ -211,8 +211,8 @@ def softmax_loss_blockwise(q, k, pq, pk, block, grad_scale=None):
 def l2_loss_blockwise(q, k, lq, lk, block, grad_scale=None):
     """The paper's L2 kernel loss per head, each query row over its largest teacher value m_i (ours: K reaches e^30):
     sum_i sum_{j<=i} (K_ij - K^_ij)^2 / m_i^2, K_ij = exp(q_i.k_j / sqrt d), K^_ij = sum_m exp(lq_im + lk_jm) -> (H,)
-    float64. K^/m = c_i (Fq Fk^T)_ij, Fq = exp(lq + w - u), Fk = exp(lk - w) in (0, 1], c = exp(u - m) capped at e^30.
-    grad_scale: G = -2 (K - K^) / m^2,  dL/dlq_im = c_i Fq_im (G Fk)_im,  dL/dlk_jm = Fk_jm (G^T (c Fq))_jm."""
+    float64. K^/m = c_i (Fq Fk^T)_ij, Fq = exp(lq + w - u), Fk = exp(lk - w) in (0, 1], c = e^u / m capped at e^30.
+    grad_scale: G = -2 (K - K^) / m,  dL/dlq_im = c_i Fq_im (G Fk)_im,  dL/dlk_jm = Fk_jm (G^T (c Fq))_jm."""
     total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
     for s, e, logits, diag in causal_blocks(q, k, block):
         m = logits.amax(-1, keepdim=True)                                             # (B, H, b, 1) log row max
@@ -455,7 +455,7 @@ def check_finite(cfg, step, values, name):
 
 
 def fmt(losses, next_token=False):
-    """Up to three groups of consecutive layers for a log line: e.g. L0-3 0.51 L4-7 0.62 L8-11 0.70."""
+    """Up to three groups of consecutive layers for a log line: e.g. L0-3 0.5123 L4-7 0.6234 L8-11 0.7045."""
     g = math.ceil(len(losses) / 3)
     return f"{losses[0]:.4f} (next-token)" if next_token else " ".join(
         f"L{s}-{min(len(losses), s + g) - 1} {np.mean(losses[s:s + g]):.4f}" for s in range(0, len(losses), g))

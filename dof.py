@@ -10,7 +10,7 @@ For every layer and head: pool the head's queries and keys (after rotary) on cal
 A layer's DoF is the maximum over its heads (they share one feature dimension); layer l gets M_l = C N_l / mean(N)
 features (allocate), so the mean is the budget C (the cost of Fix: C everywhere). DoF+Clip caps M_l at the head
 size; Reverse hands the same dims out in the opposite order (a control). With key centring it is the DoF of the
-student's kernel, K(q, k - mu). choose_dims does all of it, for distill.py too."""
+student's kernel, K(q, k - mu). choose_dims does all of it for distill.py; main spells it out."""
 
 import json
 import math

@@ -36,7 +36,7 @@ class GPTConfig:
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 (Llama)."""
+    """y = w * x / sqrt(mean(x^2) + eps): the norm in fp32, then w in x's dtype (as HF Llama)."""
     def __init__(self, dim, eps):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
@@ -173,7 +173,7 @@ def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_s
     """The reference's y in O(T) memory, in fp32: with T padded to N chunks of C tokens, chunk n's output is
         y_n = phi_q,n P_n + tril(phi_q,n phi_k,n^T) [v_n | 1],   P_n = sum_{n' < n} phi_k,n'^T [v_n' | 1]   (a cumsum),
     the ones giving the denominator, held at eps: below it (no key's features reach the query) y shrinks toward 0,
-    which keeps the gradient y / den finite. state = (S, s) continues earlier tokens; return_state=True returns S, s."""
+    which keeps the gradient y / den finite. state = (S, s) continues earlier tokens; return_state=True: (y, S, s)."""
     B, H, T, M = phi_q.shape
     D, C, N = v.size(-1), min(chunk_size, T), -(-T // chunk_size)                       # N chunks of C tokens
     dt = torch.promote_types(v.dtype, torch.float32)
@@ -219,7 +219,7 @@ class LinearAttention(nn.Module):
         return q.to(dt), repeat_kv(k, self.n_head).to(dt) - self.key_mean[:, None].to(dt)
 
     def features(self, q, k, log=False):
-        """(phi_q, phi_k) (B, H, T, M) of `inputs`, under autocast off; log=True: log Phi (the l2 loss's scale)."""
+        """(phi_q, phi_k) (B, H, T, M) of `inputs`; call with autocast off; log=True: log Phi (the l2 loss's scale)."""
         f = self.feature_map
         return (f.log_features(q), f.log_features(k)) if log else (f(q, is_query=True), f(k, is_query=False))
 
@@ -347,9 +347,9 @@ class GPT(nn.Module):
         """The student: all weights shared, layer l's core a LinearAttention (or `core`) of dims[l] features a head."""
         c = self.config
         if len(dims) != c.n_layer or core is None and any(isinstance(m, (list, tuple)) for m in dims):
-            raise ModelError(f"the dims ({len(dims)}, the first {dims[0] if dims else None}) are not a number per layer "
-                             f"of this {c.n_layer}-layer teacher; pass a checkpoint of it (per-head dims: train with "
-                             "experiments/per_head.py, score with its evaluate)")
+            raise ModelError(f"the dims ({len(dims)}, the first {dims[0] if dims else None}) are not a number per "
+                             f"layer of this {c.n_layer}-layer teacher; pass a checkpoint of it (per-head dims: train "
+                             "with experiments/per_head.py, score with its evaluate)")
         student = copy.deepcopy(self, {id(t): t for t in (*self.parameters(), *self.buffers())})   # shared
         for block, m in zip(student.h, dims):
             block.attn.core = (core or LinearAttention)(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)

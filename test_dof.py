@@ -2035,7 +2035,7 @@ def grads(core):
 
 def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
     """layer_loss's blockwise form (T = 50 > query_block = 16: a last block of 2 rows) against softmax_loss, the
-    plain T x T autograd form, in value and gradients; with query_block >= T layer_loss runs the plain form."""
+    plain T x T autograd form, in value and gradients; with query_block >= T (one block) too."""
     core, q, k = loss_case()
     value = distill.layer_loss(core, q, k, "softmax", query_block=16, scale=1.0)
     g_fast = grads(core)
