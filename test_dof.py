@@ -748,6 +748,32 @@ def test_hub_id_offline(monkeypatch, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_gguf_tokenizer_of_llama_cpp_gpt2_pre_type(tmp_path):
+    """A GGUF file of GPT-2's tokenizer as llama.cpp's converter writes it (tokenizer.ggml.pre "gpt-2", its name for
+    GPT-2's split) gives GPT-2's ids; the unknown "gpt2" is refused (it had been the other way round)."""
+    gguf = pytest.importorskip("gguf")
+    ref = load_tokenizer(DATA / "gpt2-tokenizer")
+    vocab = json.loads((DATA / "gpt2-tokenizer" / "encoder.json").read_text())
+    lines = (DATA / "gpt2-tokenizer" / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    for pre in ("gpt-2", "gpt2"):
+        w = gguf.GGUFWriter(str(path := tmp_path / f"{pre}.gguf"), "gpt2")
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(sorted(vocab, key=vocab.get))
+        w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in sorted(vocab, key=vocab.get)])
+        w.add_token_merges([m for m in lines if m and not m.startswith("#version")])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        if pre == "gpt2":
+            with pytest.raises(ModelError, match=rf"{UNREAD}ValueError: tokenizer\.ggml\.model 'gpt2', tokenizer\.ggml\."
+                                                 r"pre 'gpt2'"):
+                load_tokenizer(path)
+            continue
+        text = WIKITEXT.read_text(encoding="utf-8")[:20_000] + " 123 dogs' ... \n\n  x<|endoftext|>"
+        assert load_tokenizer(path).encode(text, allowed_special="all") == ref.encode(text, allowed_special="all")
+
+
 def test_bad_gguf_files(tmp_path):
     gguf = pytest.importorskip("gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")

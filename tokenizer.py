@@ -19,9 +19,9 @@ DIGITS_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++|\p{N}| ?[^\s\p{L}\p{N}]++|\s
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                   r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")     # Llama-3's (tiktoken's cl100k_base), llama.cpp's "llama-bpe"
 # llama.cpp's tokenizer.ggml.pre values (grouped as in its llama-vocab.cpp) -> the regex that splits text alike
-GGUF_PATTERNS = {k: p for keys, p in (("gpt2 mpt olmo", GPT2_PATTERN), ("llama-bpe llama3 llama-v3", LLAMA3_PATTERN),
+GGUF_PATTERNS = {k: p for keys, p in (("gpt-2 mpt olmo", GPT2_PATTERN), ("llama-bpe llama3 llama-v3", LLAMA3_PATTERN),
                  ("smollm starcoder refact codeshell command-r", DIGITS_PATTERN)) for k in keys.split()}
-PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]      # U2B: GPT-2's character for each byte
+PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]      # U2B: the byte each GPT-2 character is
 U2B = {chr(b): b for b in PRINTABLE} | {chr(256 + n): b for n, b in enumerate(sorted(set(range(256)) - set(PRINTABLE)))}
 # a regex group of `tokens`, leftmost-longest first as HF matches them: .split(text) = [text, token, ..., text]
 _alternation = functools.lru_cache(lambda tokens: re.compile(
