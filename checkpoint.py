@@ -45,7 +45,7 @@ def locate(name, patterns):
 
 
 def read_checkpoint(name):
-    """What locate finds -> (HF-style config dict, state dict of tensors under the checkpoint's own key names)."""
+    """What locate finds -> (HF-style config dict, state dict of tensors under its HF key names)."""
     p = locate(name, ["config.json", "*.safetensors", "*.safetensors.index.json"])
     if p.is_file():                                        # a .gguf file; any other file fails there as not GGUF
         return read_gguf(str(p))
@@ -212,7 +212,7 @@ def checkpoint_sources(cfg):
 
 
 def convert_state_dict(cfg, sd, name):
-    """Checkpoint state dict -> ours, ending with a set-equality check of expected and found keys."""
+    """Checkpoint state dict -> ours, after a check that its keys are those expected (bar buffers, a tied head)."""
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}   # hub gpt2 files lack it; transformers' have it
     rules = checkpoint_sources(cfg)
     needed = {k for src, _ in rules.values() for k in src}

@@ -6,7 +6,7 @@ loss / perplexity on a token or text file, and prefill / decoding speed; for tea
     python evaluate.py --model gpt2 --ckpt out/gpt2 --ppl data/wikitext2/wiki.test.raw --speed
     torchrun --nproc_per_node 4 evaluate.py --model gpt2 --data-dir tests/data/eval --output results.json
 
-Each step of lm-eval (tasks/<task>, api/task.py, api/metrics.py, models/huggingface.py) is a function: the prompts
+Each step of lm-eval (tasks/<task>, api/{task,metrics,model}.py, models/huggingface.py) is a function: the prompts
 piqa ... wsc273, encode_pair, harness_window, loglikelihood (one pass a request, --plain; by default fast_scorer.py),
 doc_metrics, stderr. Under torchrun each process scores a share; rank 0 writes the one-process results.json.
 """
@@ -34,7 +34,7 @@ from tokenizer import load_tokenizer
 @dataclass
 class EvalConfig:
     # what to evaluate
-    model: str = opt("gpt2", "teacher model: a hub id or a local checkpoint directory (GPT.from_pretrained)")
+    model: str = opt("gpt2", "teacher: hub id, checkpoint directory, .gguf file or smollm2-135m (GPT.from_pretrained)")
     ckpt: str | None = opt(None, "distill.py checkpoint directory; its student is evaluated next to the teacher")
     tasks: str | None = opt(None, "comma-separated tasks, or all (the default unless --ppl or --speed is given)")
     limit: int | None = opt(None, "score the first N documents of each task (MMLU: of the file, not per subject)")
@@ -165,7 +165,7 @@ def load_task(name: str, data_dir: str | None = None, limit: int | None = None) 
         try:
             import datasets
             if not datasets.config.HF_HUB_OFFLINE and not hub_reachable():   # the cache at once, not a minute of
-                datasets.config.HF_HUB_OFFLINE = True                        # retries; probed once, not per task
+                datasets.config.HF_HUB_OFFLINE = True                        # retries; not probed again once it fails
             docs = [(f"row {i}", dict(d)) for i, d in enumerate(datasets.load_dataset(path, config, split=split))]
             source = f"{path} ({config}, {split})"
         except Exception as e:  # offline, or the hub changed
@@ -305,7 +305,7 @@ def perplexity(model, tokens: np.ndarray, context: int | None = None, device="cp
 
 @torch.inference_mode()
 def speed(model, n_tokens: int = 1000, device="cpu") -> dict:
-    """Seconds for one n_tokens sequence: prefill (after an untimed warm-up), greedy decoding of n_tokens - 1 more."""
+    """Seconds for one min(n_tokens, context)-token sequence: prefill (after a warm-up), greedy decoding of the rest."""
     n = min(n_tokens, model.config.block_size)
     x = torch.randint(0, int(model.config.vocab_size), (1, n), device=device)
     seconds = []

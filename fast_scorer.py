@@ -1,7 +1,7 @@
 """
 The shared-prefix batched scorer: the log-likelihoods of evaluate.loglikelihood (one request at a time), the same
 numbers with less work. Given each request's harness window (input tokens, scored (position, next token) pairs), it
- - gives requests that feed identical tokens one row (MMLU's four one-token answers: one forward pass a question);
+ - gives requests that feed identical tokens one row (MMLU's four one-token answers: one row a question);
  - runs the tokens a document's rows begin with once, with a cache, and continues each row from a copy of it (KV
    cache, or a linear-attention student's recurrent state); neighbouring documents' prefixes run together;
  - batches rows sorted by length with little right padding (causal: padding after a row changes nothing before it);

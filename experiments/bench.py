@@ -1,10 +1,10 @@
 """Speed and memory of causal linear attention against softmax attention, side by side in one run.
 
-    python bench.py                          # T = 1024, 4096, 16384; B = 1, H = 12, M = D = 64; chunk sweep 32..256
-    python bench.py --T 1024 4096 --chunks 64 --repeats 5
-    python bench.py --T --decode-steps 32    # the decoding table alone
-    python bench.py --T --decode-ctx --heads docs/results/heads/b32-dof-head-s0.json   # per-head vs per-layer dims
-    python bench.py --T --decode-ctx --step softmax l2 direct     # aten ops and ms of one distill.py step per loss
+    python experiments/bench.py              # T = 1024, 4096, 16384; B = 1, H = 12, M = D = 64; chunk sweep 32..256
+    python experiments/bench.py --T 1024 4096 --chunks 64 --repeats 5
+    python experiments/bench.py --T --decode-steps 32                      # the decoding table alone
+    python experiments/bench.py --T --decode-ctx --heads docs/results/heads/b32-dof-head-s0.json   # per-head dims
+    python experiments/bench.py --T --decode-ctx --step softmax l2 direct     # aten ops and ms of a step per loss
 
 Linear: the PRF feature map of queries and keys plus the chunked causal scan, forward only (torch.no_grad).
 Softmax: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) on the same inputs.
