@@ -3,7 +3,7 @@ Experiment runner: a grid of distill.py runs, one process each (one torch thread
 run under docs/results/<grid>/, and the tables and learning curves of docs/results.md built from those files only.
 
     python docs/experiments.py --run claim --jobs 2    # runs what has no JSON yet (interrupt and rerun to resume)
-    python docs/experiments.py --report                # rebuilds the generated blocks of docs/results.md and figures
+    python docs/experiments.py --report                # rebuilds docs/results.md's and README.md's blocks, figures
 
 A run's JSON holds `args` (the config.json distill.py wrote, with every flag under args.args), `dims`, `val` (the
 metrics.json list of {step, teacher_loss, student_loss, attn_kl}), `seconds` and the `command` that reproduces it.
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]                 # the core, and experiments/ (gpu_check, heads)
+sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]  # the core, and experiments/ (allocation, gpu_check, heads)
 from common import (ModelError, atomic_path, check_positive, is_checkpoint, opt, parse_config, read_json,  # noqa: E402
                     run_main, write_text_atomic)
 
@@ -662,7 +662,7 @@ class ExperimentConfig:
     run: str = opt("", "grid to run (its missing configurations only)", choices=["", *sorted(GRIDS)])
     match: str = opt("", "run only the grid's runs whose name contains this")
     jobs: int = opt(2, "runs at a time, one torch thread each")
-    report: bool = opt(False, "rebuild the generated blocks of docs/results.md and the learning-curve figures")
+    report: bool = opt(False, "rebuild the generated blocks of docs/results.md and README.md, and the figures")
 
     def __post_init__(self):
         check_positive(self, ("jobs",))

@@ -111,8 +111,8 @@ def load_ckpt(ckpt, name, model):
 
 
 def student_cores(ckpt, model, layer, budget):
-    """-> {name: LinearAttention core of `layer`}: an untrained one (z ~ N(0, I), alpha = 1, with the dims and key
-    centring of the checkpoint, else `budget` features) and, given load_ckpt's (student, config), its trained one."""
+    """-> {name: LinearAttention core of `layer`}: an untrained one (the checkpoint's feature map, dims and key
+    centring; else PRF with `budget` features) and, given load_ckpt's (student, config), its trained one."""
     c, cores, dims, fmap = model.config, {}, [budget] * model.config.n_layer, "prf"
     if ckpt:
         student, cfg = ckpt

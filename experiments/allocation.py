@@ -10,7 +10,7 @@ at M = 4 ... 128 give each layer's held-out error curve KL_l(M) (docs/results/cu
 minimises sum_l KL_l(M_l) subject to sum_l M_l = C L and M_l >= 1, greedily, one feature at a time to the layer
 whose interpolated curve (piecewise linear in log M, log KL) falls most: a yardstick, as it needs the training
 runs. The rules (--rule, or distill.py's --alloc for the core's):
-  dof-raw    the DoF of the uncentred kernel K(q, k), while the student learns the centred one (the old rule)
+  dof-raw    the DoF of the uncentred kernel K(q, k), though with --center-keys the student learns the centred one
   measured   the measured allocation of --curves at this budget
   <name>     dims in proportion to one of the cheap per-layer predictors below (M_l = C P_l / mean P)
 --predict computes the predictors on the run's calibration windows and writes them, instead of training.

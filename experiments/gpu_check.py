@@ -15,17 +15,18 @@ the tokenizer files of tests/data beside them) and every token is random, so not
            peak: torch.cuda.max_memory_allocated (on the CPU: max RSS).
   ops      aten ops and ms of one training step per loss at the GPT-2 shape, 1 x --block-size tokens, and of the
            per-head fork's (experiments/bench.py's step_row).
-  scan     PRF features + model.causal_linear_attention, and FLA's chunk kernel when flash-linear-attention is
-           installed, against F.scaled_dot_product_attention(is_causal=True) (the flash kernel on CUDA); B = 1,
+  scan     PRF features + model.causal_linear_attention, and FLA's chunk kernel on CUDA when flash-linear-attention
+           is installed, against F.scaled_dot_product_attention(is_causal=True) (the flash kernel on CUDA); B = 1,
            H = 12, D = M = 64, bf16 inputs, forward and forward+backward, the median of --repeats calls ("oom" where
            memory runs out). The linear path computes in fp32 from the bf16 inputs, as the model does.
   decode   ms per generated token after a prefill of ctx tokens, Pythia-160M shape in bf16: the KV cache (softmax)
            against the fixed linear state (M = 64), as bench.py's decode table.
   dof      dof.degrees_of_freedom on a random (12, 12, J, 64) input on --device (and one layer on the CPU).
 
-Sections run in order of importance; each checks the --budget-seconds deadline first and records "skipped" where it
-would overrun, and a crash on the device is recorded as "error" with its message, not raised. The results print as
-one markdown table with the targets under it (targets()) and go to --out as JSON.
+Sections run in order of importance; each checks the --budget-seconds deadline first. distill, scan, decode and dof
+record "skipped" where a row would overrun and "error" with its message for a crash on the device; ops stops there,
+and its crash is raised. The results print as one markdown table, with the targets under it unless --tiny
+(targets()), and go to --out as JSON.
 """
 
 import importlib
@@ -353,7 +354,7 @@ def dof_profile(shape, J, device):
 
 def ops_section(cfg, shapes, device, left):
     """Aten ops and ms of one training step per loss at the GPT-2 shape (bench.step_row), and of the per-head
-    fork's softmax step; skipped without 60 s left."""
+    fork's softmax step; stops, recording nothing more, with under 60 s left."""
     import distill
     import per_head
     from bench import step_row
