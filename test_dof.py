@@ -755,12 +755,13 @@ def test_gguf_tokenizer_of_llama_cpp_gpt2_pre_type(tmp_path):
     ref = load_tokenizer(DATA / "gpt2-tokenizer")
     vocab = json.loads((DATA / "gpt2-tokenizer" / "encoder.json").read_text())
     lines = (DATA / "gpt2-tokenizer" / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    tokens = sorted(vocab, key=vocab.get)                                            # in id order
     for pre in ("gpt-2", "gpt2"):
         w = gguf.GGUFWriter(str(path := tmp_path / f"{pre}.gguf"), "gpt2")
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre(pre)
-        w.add_token_list(sorted(vocab, key=vocab.get))
-        w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in sorted(vocab, key=vocab.get)])
+        w.add_token_list(tokens)
+        w.add_token_types([3 if t == "<|endoftext|>" else 1 for t in tokens])
         w.add_token_merges([m for m in lines if m and not m.startswith("#version")])
         w.write_header_to_file()
         w.write_kv_data_to_file()
