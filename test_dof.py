@@ -4577,7 +4577,17 @@ def test_figures_script_writes_valid_pngs_and_needs_matplotlib(figures_run, tmp_
     figures, args = figures_run.figures, figures_run.args
     figures.main(args + ["--ckpt", str(figures_run.student), "--out", str(tmp_path / "figs")])
     names = ["fig-spectrum.png", "fig-kernel-error.png", "fig-attention.png", "fig-dof.png"]
-    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == sorted(names)
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == sorted(names + ["figures.json"])
+    numbers = json.loads((tmp_path / "figs" / "figures.json").read_text())   # what the figures show, as numbers
+    N, x_rms, log_k = (np.array(numbers[k]) for k in ("N", "x_rms", "log_K_max"))
+    assert N.shape == x_rms.shape == (2, 4) and numbers["text"] == args[args.index("--text") + 1]
+    for h in numbers["heads"]:                                             # the two heads drawn, with their N
+        assert h["N"] == N[h["layer"], h["head"]] and len(h["misplaced"]) == len(numbers["M"])
+        assert h["x_tilde"] == numbers["x_tilde_rms"][h["layer"]][h["head"]]
+    assert numbers["heads"][0]["N"] == N.max(1).min() and numbers["heads"][1]["N"] == N.max(1).max()
+    assert (log_k >= x_rms ** 2 / 16 ** 0.5 - 1e-2).all()                  # the largest |x|^2 / sqrt d, d = 16
+    assert all(0 < v <= 1 for row in numbers["N_over_J_at_2^-4"] for v in row)
+    assert figures.repo_path(str(ROOT / "data" / "wikitext2")) == str(Path("data") / "wikitext2")
     import matplotlib.pyplot as plt
     for name in names:
         path = tmp_path / "figs" / name
@@ -4648,7 +4658,7 @@ def test_figures_refuse_a_lambda_above_every_eigenvalue_and_replace_all_figures_
     figures, out = figures_run.figures, tmp_path / "figs"
     figures.main(figures_run.args + ["--out", str(out)])
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert sorted(before) == sorted(figures.FIGURES)
+    assert sorted(before) == sorted(figures.OUTPUTS)
     for flags in (["--lam", "1e300"], ["--lam", "1e300", "--lam-absolute"]):
         with pytest.raises(ModelError, match=r"^--lam 1e\+300 leaves every head N = 0"):
             figures.main(figures_run.args + flags + ["--out", str(out)])

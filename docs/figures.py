@@ -12,8 +12,11 @@ Run from the repository root; matplotlib draws them (pip install matplotlib). Un
                           and for Gaussian queries and keys of norm |x| = d^(1/4), with a slope -1/2 guide
     fig-attention.png     the high-DoF head's causal attention: teacher softmax, untrained and trained (--ckpt) student
     fig-dof.png           N per layer and head, each layer's maximum marked, and the dims that gives each layer
+    figures.json          the numbers drawn and those the README quotes: N per head, the error curves, |x| and
+                          log K(x, x) = |x|^2 / sqrt d per head, and N / J at the paper's GPT-2 lambda, 2^-4
 """
 
+import json
 import math
 import sys
 from contextlib import ExitStack
@@ -35,6 +38,7 @@ from tokenizer import load_tokenizer  # noqa: E402
 
 COLORS = ("C0", "C3")                                   # the low-DoF head, the high-DoF head
 FIGURES = [f"fig-{name}.png" for name in ("spectrum", "kernel-error", "attention", "dof")]
+OUTPUTS = FIGURES + ["figures.json"]
 
 
 @dataclass
@@ -58,7 +62,7 @@ class FigConfig:
     def __post_init__(self):
         check_positive(self, ("tokens", "block_size", "J", "budget", "draws", "window"))
         check_positive(self, ("lam",), 0, above=True)
-        check_out(self.out, FIGURES)
+        check_out(self.out, OUTPUTS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -154,11 +158,12 @@ def fig_spectrum(plt, path, x, N, heads, cfg):
 
 
 def fig_kernel_error(plt, path, qk, x, N, heads, cfg):
-    Ms, gen = [2 ** i for i in range(2, 11)], torch.Generator().manual_seed(cfg.seed)
+    """-> {"M": the Ms, "heads": each head's misplaced mass per M, "gaussian": that of Gaussian q, k}."""
+    Ms, gen, errors = [2 ** i for i in range(2, 11)], torch.Generator().manual_seed(cfg.seed), []
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for (l, h), c in zip(heads, COLORS):
         rms = x[l, h].square().sum(-1).mean().sqrt().item() / x.size(-1) ** 0.25          # |x~| = |x| / d^(1/4)
-        err = misplaced(qk[l][0][0, h], qk[l][1][0, h], Ms, cfg.draws, gen)
+        errors.append(err := misplaced(qk[l][0][0, h], qk[l][1][0, h], Ms, cfg.draws, gen))
         ax.loglog(Ms, err, "o-", color=c, ms=4, label=f"{label(N, l, h)}, |x̃| ≈ {rms:.1f}")
     T, D = qk[0][0].shape[-2:]
     ref = misplaced(*torch.randn(2, T, D, generator=gen) * D ** -0.25, Ms, cfg.draws, gen)   # |x~| = 1
@@ -170,6 +175,7 @@ def fig_kernel_error(plt, path, qk, x, N, heads, cfg):
     ax.set_title(f"Plain positive random features on {T} held-out tokens (mean of {cfg.draws} draws)", fontsize=9)
     ax.legend(fontsize=8)
     save(plt, fig, path)
+    return {"M": Ms, "heads": errors, "gaussian": ref}
 
 
 def fig_attention(plt, path, model, ckpt, tokens, head, cfg):
@@ -208,6 +214,25 @@ def fig_dof(plt, path, N, heads, cfg):
     a1.set(xlabel="features $M_l$", title=f"dims, mean {cfg.budget}")
     fig.suptitle(f"{cfg.model}: J = {cfg.J}, $\\lambda$ = {lam_text(cfg)}", fontsize=9)
     save(plt, fig, path)
+
+
+def numbers(cfg, x, N, heads, errors):
+    """figures.json's dict: the settings, then per head (L, H lists) N, the rms |x| of its sampled queries and keys
+    and of x~ = x / d^(1/4), the largest log K(x, x) = |x|^2 / sqrt d, and N / J at lambda = 2^-4 of K itself."""
+    norm, J, D = x.norm(dim=-1), x.size(2), x.size(-1)                                  # (L, H, J)
+    rms, r = norm.square().mean(-1).sqrt(), lambda t, n=3: np.round(np.asarray(t, float), n).tolist()
+    return {"model": repo_path(cfg.model), "text": repo_path(cfg.text), "tokens": cfg.tokens, "J": J,
+            "lam": cfg.lam, "lam_absolute": cfg.lam_absolute, "seed": cfg.seed, "draws": cfg.draws,
+            "heads": [{"layer": l, "head": h, "N": r(N[l, h]), "x_tilde": r(rms[l, h] / D ** 0.25),
+                       "misplaced": r(e, 4)} for (l, h), e in zip(heads, errors["heads"])],
+            "M": errors["M"], "gaussian_misplaced": r(errors["gaussian"], 4), "N": r(N),
+            "x_rms": r(rms), "x_tilde_rms": r(rms / D ** 0.25), "log_K_max": r(norm.square().amax(-1) / D ** 0.5),
+            "N_over_J_at_2^-4": r(dof.degrees_of_freedom(x, 2 ** -4, relative=False) / J, 4)}
+
+
+def repo_path(p):
+    """p relative to the repository where it lies in it (a result file names no machine), else as given."""
+    return str(Path(p).resolve().relative_to(ROOT)) if Path(p).resolve().is_relative_to(ROOT) else p
 
 
 def save(plt, fig, path):
@@ -258,17 +283,18 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     try:
         with ExitStack() as stack:                                # each figure into its .tmp, all four replaced at the
-            tmp = {f: stack.enter_context(atomic_path(out / f)) for f in FIGURES}     # end: all new, or none
+            tmp = {f: stack.enter_context(atomic_path(out / f)) for f in OUTPUTS}     # end: all new, or none
             fig_spectrum(plt, tmp["fig-spectrum.png"], x, N, heads, cfg)
-            fig_kernel_error(plt, tmp["fig-kernel-error.png"], layer_qk(model, held_out), x, N, heads, cfg)
+            errors = fig_kernel_error(plt, tmp["fig-kernel-error.png"], layer_qk(model, held_out), x, N, heads, cfg)
             if not cfg.ckpt:
                 print("no --ckpt: the attention maps show the teacher and the untrained student only")
             fig_attention(plt, tmp["fig-attention.png"], model, ckpt, tokens, heads[1], cfg)
             fig_dof(plt, tmp["fig-dof.png"], N, heads, cfg)
+            tmp["figures.json"].write_text(json.dumps(numbers(cfg, x, N, heads, errors)) + "\n")
     except OSError as e:                                          # a full disk: the figures stay as they were
         raise ModelError(f"cannot write the figures into {out} ({e.strerror}); make room or pass another --out") \
             from None
-    for f in FIGURES:
+    for f in OUTPUTS:
         print(f"wrote {out / f}")
 
 
