@@ -21,6 +21,7 @@ from typing import get_args, get_origin, get_type_hints
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 REQUIRED = MISSING     # opt(REQUIRED, help): a field the command line must give
 CLAIMED = []           # (out-dir this process writes checkpoints to, since when its checkpoint is this run's)
@@ -40,6 +41,8 @@ def run_main(main):
         main()
         barrier()                                                # no process tears gloo down while another works
     except ModelError as e:
+        for bar in list(getattr(tqdm, "_instances", ())):       # a progress bar ends its line first: the error is last
+            bar.close()
         if get_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

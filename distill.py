@@ -543,6 +543,9 @@ def run(cfg, make):
     check_memory(cfg, teacher.config, device, prev.config["dims"] if prev else None)
     enc = load_tokenizer(cfg.model)
     data, meta = open_data(cfg, enc, teacher.config.vocab_size)
+    if cfg.resume and (was := prev.config.get("data", {}).get("tokens", meta.get("tokens"))) != meta.get("tokens"):
+        raise ModelError(f"{cfg.data} now holds other token files than {cfg.out_dir} was trained on "
+                         f"({meta.get('tokens')}, not {was}); resume it on the data it was started with")
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size, cfg.block_size, cfg.seed, device)
     val_gen = torch.Generator().manual_seed(cfg.seed + 1)
     val = [get_batch(data["val"], cfg.batch_size, cfg.block_size, val_gen, device, (get_rank(), N))

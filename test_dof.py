@@ -2562,7 +2562,8 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
 
 def test_resume_from_another_directory_checks_the_data_it_names(setup, tmp_path, monkeypatch):
     """config.json records --data by its absolute path: a relative --data resumed from another working directory
-    names other token files, and is refused (it had trained on them without a word)."""
+    names other token files, and is refused (it had trained on them without a word), as is the same directory
+    prepared again from other text."""
     d, ckpt, data = setup
     for where in ("a", "b"):
         shutil.copytree(data, tmp_path / where / "tok")
@@ -2575,14 +2576,26 @@ def test_resume_from_another_directory_checks_the_data_it_names(setup, tmp_path,
         distill.main(run + ["--max-steps", "2", "--resume"])
     monkeypatch.chdir(tmp_path / "a")
     distill.main(run + ["--max-steps", "2", "--resume"])
+    shutil.rmtree(tmp_path / "a" / "tok")                             # prepared again from less text, in its place
+    (tmp_path / "half.txt").write_text(TEXT.read_text(encoding="utf-8")[:60000], encoding="utf-8")
+    assert cli("data/text/prepare.py", "--model", ckpt, "--out", tmp_path / "a" / "tok", tmp_path / "half.txt"
+               ).returncode == 0
+    with pytest.raises(ModelError, match=r"tok now holds other token files than \S+out was trained on \({'train': "
+                                         r"\d+, 'val': \d+}, not {'train': \d+, 'val': \d+}\); resume it on the data"):
+        distill.main(run + ["--max-steps", "3", "--resume"])
 
 
 def test_nan_loss_stops_naming_the_layer(setup, tmp_path):
+    """One sentence, the last line of stderr: the progress bar ends its line first (the error had been printed
+    inside the bar's line, and the bar drawn again after it)."""
     d, ckpt, data = setup
     out = tmp_path / "nan"
-    run_bad(["--model", ckpt, "--data", data, "--alloc", "fix", "--budget", "4", "--max-steps", "5", "--lr-z", "1e30",
-             "--lr-alpha", "1e30", "--warmup-steps", "0", "--out-dir", out, *FAST],
-            r"layer \d+'s softmax loss became (nan|inf) at step \d+; the checkpoint in .* was not updated")
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--alloc", "fix", "--budget", "4", "--max-steps", "5",
+            "--lr-z", "1e30", "--lr-alpha", "1e30", "--warmup-steps", "0", "--out-dir", out, *FAST)
+    assert r.returncode == 2 and "distill: " in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert re.fullmatch(r"error: layer \d+'s softmax loss became (nan|inf) at step \d+; the checkpoint in \S+nan "
+                        r"was not updated; lower --lr-z/--lr-alpha or use --dtype float32", r.stderr.split("\n")[-2])
+    assert r.stderr.endswith("\n") and r.stderr.count("error: ") == 1
     assert json.loads((out / "config.json").read_text())["step"] == 0          # the first checkpoint, whole
     with pytest.raises(ModelError, match=r"^layer 1's softmax loss became inf at step 7; the checkpoint in x was"):
         distill.check_finite(distill.DistillConfig(out_dir="x"), 7, [0.5, math.inf, math.nan],
