@@ -32,7 +32,8 @@ class ModelError(Exception):
 
 
 def run_main(main):
-    """Run main(): a ModelError is one line on stderr (rank 0's), exit 2; Ctrl-C or SIGTERM one line, exit 130/143."""
+    """Run main(): a ModelError, or an OSError of a path no check foresaw (a name too long), is one line on stderr
+    (rank 0's), exit 2; Ctrl-C or SIGTERM one line, exit 130/143."""
     def stop(signum, frame):                                     # SIGTERM stops a run the way Ctrl-C does
         raise KeyboardInterrupt("SIGTERM")
     signal.signal(signal.SIGTERM, stop)
@@ -40,11 +41,14 @@ def run_main(main):
     try:
         main()
         barrier()                                                # no process tears gloo down while another works
-    except ModelError as e:
+    except (ModelError, OSError) as e:
+        if isinstance(e, OSError) and not e.filename:            # not a path's: a fault to see whole
+            raise
         for bar in list(getattr(tqdm, "_instances", ())):       # a progress bar ends its line first: the error is last
             bar.close()
         if get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {e if isinstance(e, ModelError) else f'{e.filename}: {e.strerror}; pass another path'}",
+                  file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:
         for sig in (signal.SIGINT, signal.SIGTERM):             # a second signal while stopping: the same line

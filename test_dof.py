@@ -2398,6 +2398,24 @@ def test_every_script_refuses_an_integer_beyond_64_bits(script, capsys):
         assert e.value.code == 2 and f"invalid int64 value: '{value}'" in capsys.readouterr().err
 
 
+def test_a_path_the_system_refuses_is_one_sentence(setup, tmp_path):
+    """A name longer than the file system allows, as --out-dir or as --data: one sentence naming it (it had been
+    OSError's traceback from Path.exists); an OSError of no path stays a traceback, a fault to see whole."""
+    from common import run_main
+    d, ckpt, data = setup
+    long = tmp_path / ("a" * 300)
+    for flags in (["--out-dir", long], ["--data", long, "--out-dir", tmp_path / "out"]):
+        r = cli("distill.py", "--model", ckpt, *flags)
+        assert r.returncode == 2 and re.fullmatch(rf"error: {long}(/meta.json)?: File name too long; pass another "
+                                                  r"path\n", r.stderr), r.stderr
+    assert not (tmp_path / "out").exists()
+
+    def fault():
+        raise OSError(5, "Input/output error")
+    with pytest.raises(OSError, match="Input/output error"):
+        run_main(fault)
+
+
 def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys):
     """bench.py --heads on a two-layer, six-head run: one row per layout with the same features summed over heads,
     per-head rows in more groups, a ratio row, the products line; a per-layer table and a zero query block refused."""
