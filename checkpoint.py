@@ -166,6 +166,10 @@ def config_from_hf(d, name=""):
         raise ModelError(f"{name}: rope scaling {scaling!r} is not supported; use a checkpoint with plain rotary")
     if mt == "llama" and (d.get("attention_bias") or d.get("mlp_bias")):
         raise ModelError(f"{name}: Llama checkpoints with biases are not supported")
+    key, *acts = {"gpt2": ("activation_function", "gelu_new", "gelu_fast", "gelu_pytorch_tanh"),   # MLP's: tanh GELU,
+                  "gpt_neox": ("hidden_act", "gelu"), "llama": ("hidden_act", "silu")}[mt]         # GELU, SiLU
+    if d.get(key, acts[0]) not in acts:
+        raise ModelError(f"{name}: {key} {d[key]!r} is not supported for model_type {mt!r}, only {' or '.join(acts)}")
     if mt == "gpt2":   # GPT-2's spellings of GPT-NeoX's keys, and its fixed choices
         d = dict(d, hidden_size=d["n_embd"], num_attention_heads=d["n_head"], num_hidden_layers=d["n_layer"],
                  max_position_embeddings=d["n_positions"], intermediate_size=d.get("n_inner") or 4 * d["n_embd"],
