@@ -152,6 +152,12 @@ def read_gguf(path):
     return cfg, sd
 
 
+# the config.json values model.py's layers compute, per model_type (the first is transformers' default)
+FIXED = {"gpt2": {"activation_function": ("gelu_new", "gelu_fast", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+                  "scale_attn_by_inverse_layer_idx": (False,)}, "gpt_neox": {"hidden_act": ("gelu",)},
+         "llama": {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,)}}
+
+
 def config_from_hf(d, name=""):
     """A Hugging Face config.json dict -> the keyword arguments of model.GPTConfig (transformers 4 and 5 spellings)."""
     needs = {"gpt2": "n_embd n_head n_layer n_positions vocab_size", **dict.fromkeys(["gpt_neox", "llama"],  # >= 1
@@ -164,12 +170,10 @@ def config_from_hf(d, name=""):
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if (scaling := rope.get("rope_type", rope.get("type", "default"))) not in ("default", None):
         raise ModelError(f"{name}: rope scaling {scaling!r} is not supported; use a checkpoint with plain rotary")
-    if mt == "llama" and (d.get("attention_bias") or d.get("mlp_bias")):
-        raise ModelError(f"{name}: Llama checkpoints with biases are not supported")
-    key, *acts = {"gpt2": ("activation_function", "gelu_new", "gelu_fast", "gelu_pytorch_tanh"),   # MLP's: tanh GELU,
-                  "gpt_neox": ("hidden_act", "gelu"), "llama": ("hidden_act", "silu")}[mt]         # GELU, SiLU
-    if d.get(key, acts[0]) not in acts:
-        raise ModelError(f"{name}: {key} {d[key]!r} is not supported for model_type {mt!r}, only {' or '.join(acts)}")
+    for key, ok in FIXED[mt].items():                                 # model.py computes these choices alone
+        if d.get(key, ok[0]) not in ok:
+            raise ModelError(f"{name}: {key} {d[key]!r} is not supported for model_type {mt!r}, only "
+                             f"{' or '.join(map(repr, ok))}; use a checkpoint of the family's own architecture")
     if mt == "gpt2":   # GPT-2's spellings of GPT-NeoX's keys, and its fixed choices
         d = dict(d, hidden_size=d["n_embd"], num_attention_heads=d["n_head"], num_hidden_layers=d["n_layer"],
                  max_position_embeddings=d["n_positions"], intermediate_size=d.get("n_inner") or 4 * d["n_embd"],

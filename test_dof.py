@@ -314,23 +314,27 @@ def test_llama_config_with_biases_is_refused():
     from checkpoint import config_from_hf
     d = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
          "max_position_embeddings": 32, "intermediate_size": 128, "vocab_size": 100, "attention_bias": True}
-    with pytest.raises(ModelError, match=r"^x: Llama checkpoints with biases are not supported$"):
+    with pytest.raises(ModelError, match=r"^x: attention_bias True is not supported for model_type 'llama', only "
+                                         r"False; use a checkpoint of the family's own architecture$"):
         config_from_hf(d, "x")
     assert config_from_hf({**d, "attention_bias": False}, "x")["family"] == "llama"
 
 
 def test_a_config_of_another_activation_is_refused():
-    """model.py's MLP computes each family's own activation (GPT-2 tanh GELU, GPT-NeoX exact GELU, Llama SiLU): a
-    config.json naming another is refused in one sentence (a GPT-2 config.json's "gelu" had run as tanh GELU unsaid)."""
+    """model.py computes each family's own activation (GPT-2 tanh GELU, GPT-NeoX exact GELU, Llama SiLU) and attention
+    scale 1/sqrt(d): a config.json naming another is refused in one sentence (a GPT-2 config.json's "gelu" had run as
+    tanh GELU, and its scale_attn_by_inverse_layer_idx had been dropped, without a word)."""
     from checkpoint import config_from_hf
     size = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "max_position_embeddings": 32,
             "intermediate_size": 128, "vocab_size": 100}
     gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 32, "vocab_size": 100}
     for d, key, bad in ((gpt2, "activation_function", "gelu"), (gpt2, "activation_function", "relu"),
+                        (gpt2, "scale_attn_by_inverse_layer_idx", True), (gpt2, "scale_attn_weights", False),
                         ({"model_type": "gpt_neox", **size}, "hidden_act", "gelu_fast"),
-                        ({"model_type": "llama", **size}, "hidden_act", "gelu")):
-        with pytest.raises(ModelError, match=rf"^x: {key} '{bad}' is not supported for model_type '{d['model_type']}', "
-                                             r"only \S+( or \S+)*$"):
+                        ({"model_type": "llama", **size}, "hidden_act", "gelu"),
+                        ({"model_type": "llama", **size}, "mlp_bias", True)):
+        with pytest.raises(ModelError, match=rf"^x: {key} {bad!r} is not supported for model_type '{d['model_type']}', "
+                                             r"only \S+( or \S+)*; use a checkpoint of the family's own architecture$"):
             config_from_hf({**d, key: bad}, "x")
         assert config_from_hf(d, "x")["n_layer"] == 2                        # the family's default, unsaid
     for act in ("gelu_new", "gelu_pytorch_tanh"):
