@@ -341,6 +341,19 @@ def test_a_config_of_another_activation_is_refused():
         assert config_from_hf({**gpt2, "activation_function": act}, "x")["family"] == "gpt2"
 
 
+def test_a_config_json_that_leaves_a_value_out_means_transformers_default():
+    """Each family's config.json with only the sizes config_from_hf needs reads as the whole config.json that
+    transformers writes for its defaults (norm epsilon, rotary base and share, tying, parallel residual, biases)."""
+    from checkpoint import config_from_hf
+    from transformers import GPT2Config, GPTNeoXConfig
+    sizes = {"gpt2": "n_embd n_head n_layer n_positions vocab_size",
+             "gpt_neox": "hidden_size num_attention_heads num_hidden_layers max_position_embeddings intermediate_size "
+                         "vocab_size"}
+    for config in (GPT2Config(), GPTNeoXConfig(), LlamaConfig()):
+        full = json.loads(config.to_json_string())
+        least = {k: full[k] for k in ["model_type", *sizes.get(full["model_type"], sizes["gpt_neox"]).split()]}
+        assert config_from_hf(least, "x") == config_from_hf(full, "x"), full["model_type"]
+
 def test_a_file_that_is_no_checkpoint(tmp_path):
     (tmp_path / "notes.txt").write_text("not a model")
     assert re.search(r"notes\.txt is damaged or truncated \(.*\); pass a whole \.gguf file \(re-download it\) or a "
@@ -691,6 +704,10 @@ DAMAGED_TOKENIZERS = {   # name -> (files, what is done to their folder, the sen
                                         rf"{UNREAD}KeyError: '\u0120the'\); re-download the tokenizer files"),
     "merges.txt cut in a line": ("gpt2", lambda d: rewrite(d / "merges.txt", lambda t: t[:t.index(" ", 5000)]),
                                  rf"{UNREAD}ValueError"),
+    "merges.txt with two merges swapped": (      # tiktoken would merge by id, in another order than the file's
+        "gpt2", lambda d: rewrite(d / "merges.txt", lambda t: "\n".join((ls := t.split("\n"))[:1] + ls[2:3] + ls[1:2]
+                                                                         + ls[3:])),
+        rf"{UNREAD}ValueError: token ids not distinct whole numbers from 0 below 2\^32, rising in merge order"),
     "merges.txt binary": ("gpt2", lambda d: (d / "merges.txt").write_bytes(b"#version: 0.2\n\x80\x81 \xfe\xff\n"),
                           rf"{UNREAD}KeyError"),
     "tokenizer.json truncated": ("neox", lambda d: rewrite(d / "tokenizer.json", lambda t: t[:len(t) // 2]),
@@ -1166,6 +1183,20 @@ def test_scan_and_step_equal_reference(T):
         ys.append(y_t)
     assert rel(torch.stack(ys, 2), y_ref) < 1e-5
 
+
+def test_scan_and_step_read_zero_from_a_state_of_zero_features():
+    """Keys whose features are all 0 (as PRF features underflow to) leave the normaliser phi_q.s at 0: the scan and
+    the recurrent step both give y = 0 there, not 0/0, and agree on every token."""
+    torch.manual_seed(24)
+    B, H, T, D, M = 1, 2, 6, 4, 3
+    phi_q, phi_k, v = torch.rand(B, H, T, M), torch.rand(B, H, T, M), torch.randn(B, H, T, D)
+    phi_k[:, :, :3] = 0.0                                                   # the first 3 keys add nothing
+    y = causal_linear_attention(phi_q, phi_k, v, chunk_size=4)
+    S, s, ys = torch.zeros(B, H, M, D), torch.zeros(B, H, M), []
+    for t in range(T):
+        y_t, S, s = linear_attention_step(phi_q[:, :, t], phi_k[:, :, t], v[:, :, t], S, s)
+        ys.append(y_t)
+    assert (y[:, :, :3] == 0).all() and torch.allclose(torch.stack(ys, 2), y, atol=1e-6)
 
 @pytest.mark.parametrize("fmap", MAPS)
 @pytest.mark.parametrize("T", [1, 63, 64, 500, 1000])
@@ -2104,6 +2135,28 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
     assert distill.layer_loss(core, q, k, "softmax", query_block=16).item() == value.item()   # no-grad path
 
+
+
+def test_blockwise_losses_at_underflow_and_overflow_equal_the_plain_form_or_stay_finite():
+    """Features at float's edges, where the written-out gradients clamp: a query whose features are all 0 (S_i = 0)
+    and a key whose products with every query underflow (a_ij below float's tiny) get the plain form's gradients,
+    not 1/tiny; l2 log features of +60 (c = e^u / m past e^30) give a finite loss and finite gradients."""
+    torch.manual_seed(23)
+    B, H, T, D, M = 1, 2, 12, 8, 4
+    q, k = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
+    pq, pk = torch.rand(B, H, T, M) + 0.1, torch.rand(B, H, T, M) + 0.1
+    pq[:, :, 4], pk[:, :, 6] = 0.0, pk[:, :, 6] * 1e-40                   # S_4 = 0; a_i6 ~ 1e-40 < tiny (1.2e-38)
+    leaves = [x.clone().requires_grad_() for x in (pq, pk)]
+    distill.softmax_loss(q, k, *leaves).sum().backward()
+    pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
+    total = distill.softmax_loss_blockwise(q / D ** 0.5, k, pq, pk, block=5, grad_scale=1.0)
+    assert torch.allclose(total, distill.softmax_loss(q, k, pq, pk).sum((0, 2)).double(), rtol=1e-5)
+    for fast, plain in ((pq.grad, leaves[0].grad), (pk.grad, leaves[1].grad)):
+        assert torch.allclose(fast, plain, rtol=1e-4, atol=1e-5), (fast - plain).abs().max()
+    lq, lk = torch.randn(B, H, T, M) + 60.0, torch.randn(B, H, T, M) + 60.0
+    lq.grad, lk.grad = torch.zeros_like(lq), torch.zeros_like(lk)
+    total = distill.l2_loss_blockwise(q / D ** 0.5, k, lq, lk, block=5, grad_scale=1.0)
+    assert total.isfinite().all() and lq.grad.isfinite().all() and lk.grad.isfinite().all()
 
 def plain_l2(core, q, k):
     """The l2 loss of one layer written out: mean over queries of sum_{j<=i} ((K - K^) / max_j K)^2, K = exp(q.(k -
@@ -3911,6 +3964,16 @@ def test_is_greedy_needs_every_continuation_token_to_be_the_argmax(model, hf_mod
         assert [g for _, g in res[0]] == [False, True]
 
 
+def test_a_row_that_is_the_prefix_of_another_keeps_a_token_of_its_own(model):
+    """Choices " x" and " x y" after one context: the first row's tokens all begin the second's; the shared prefix
+    stops a token short of the shorter row (it must keep one to score), and every scorer gives the plain scores."""
+    from fast_scorer import score_windows
+    docs = [[([464, 2068, 7586], [21831]), ([464, 2068, 7586], [21831, 18045, 625])]]
+    windows = [[E.harness_window(c, t, N_POS) for c, t in doc] for doc in docs]
+    plain = E.score_requests(model, docs, plain=True)
+    for res in (E.score_requests(model, docs, 2), score_windows(model, windows, batch_size=1, share_prefix=True)):
+        assert [ll for ll, _ in res[0]] == pytest.approx([ll for ll, _ in plain[0]], abs=1e-4)
+
 def test_truncation_like_the_harness(model, enc, hf_model):
     """A context longer than the model's 128 positions is cut from the left, to the last 129 tokens minus one."""
     context = " ".join(f"word{i}" for i in range(200))
@@ -3927,6 +3990,8 @@ def test_acc_norm_divides_by_choice_characters():
     assert E.doc_metrics([-3.0, -5.0], 1, ["a", "bb"]) == (0.0, 1.0)
     assert E.doc_metrics([-3.0, -5.0], 0, ["a", "bb"]) == (1.0, 0.0)
     assert E.doc_metrics([-3.0, -5.0], 0, None) == (1.0, None)
+    # characters, as the harness's len(str), not UTF-8 bytes: "é" is 1 character (-3/1 < -5/2) but 2 bytes (-3/2)
+    assert E.doc_metrics([-3.0, -5.0], 1, ["\u00e9", "ab"]) == (0.0, 1.0)
 
 
 def test_ties_go_to_the_first():
