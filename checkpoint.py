@@ -229,4 +229,7 @@ def convert_state_dict(cfg, sd, name):
     if missing or unexpected:
         raise ModelError(f"{name}: the checkpoint does not match its config (missing keys: {missing[:8]}; unexpected "
                          f"keys: {unexpected[:8]}); use the config.json saved with these weights")
+    if bad := sorted(k for k in needed if not sd[k].is_floating_point()):
+        raise ModelError(f"{name}: tensor {bad[0]} holds {sd[bad[0]].dtype}, not floating-point weights; use the "
+                         "model's own weights file")
     return {ours: f(*(sd[k] for k in src)) for ours, (src, f) in rules.items()}

@@ -297,7 +297,16 @@ DAMAGED_TEACHERS = {   # name -> (teacher, what is done to its folder, the sente
                                           r"the config\.json saved with these weights"),
     "config.json sizes not its qkv": ("neox", lambda d: edit_json(d / "config.json", hidden_size=96),
                                       r"its tensors do not fit its config\.json \(.*\); use the config\.json saved"),
+    "weights of integers": ("gpt2", lambda d: int_weights(d / "model.safetensors"),      # had been cut mid-word
+                            r": tensor h\.0\.\S+ holds torch\.int64, not floating-point weights; use the model's own "
+                            r"weights file$"),
 }
+
+
+def int_weights(path):
+    """Rewrite a safetensors file with one layer's tensors as int64."""
+    from safetensors.torch import load_file, save_file
+    save_file({k: v.long() if ".0." in k else v for k, v in load_file(path).items()}, path)
 
 
 @pytest.mark.parametrize("damage", DAMAGED_TEACHERS)
