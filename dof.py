@@ -207,6 +207,7 @@ class DofConfig:
     def __post_init__(self):
         check_positive(self, ("J", "budget", "calib_batches", "batch_size", "block_size"))
         check_positive(self, ("lam",), 0, above=True)
+        check_positive(self, ("seed",), 0)                                  # as distill.py: windows it can draw too
         check_out(self.out, ("dof.json",))
 
 

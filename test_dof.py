@@ -3079,6 +3079,7 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("data/wikipedia/prepare.py", ["--dataset", ""], r"--dataset and --config must name a hub dataset"),
              ("data/wikipedia/prepare.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
+             ("dof.py", ["--seed", "-1"], r"--seed must be a number of at least 0, got -1"),   # distill.py's refusal
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "taken"], r"cannot write .*dof.json: it is a directory"),
              ("dof.py", ["--model", ckpt, "--data", tmp_path / "a.txt", "--out", tmp_path / "out"], r"a.txt/train.bin "
               r"does not exist; make it with data/\*/prepare.py, whose --out is the folder to pass"),
