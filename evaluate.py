@@ -300,7 +300,7 @@ def perplexity(model, tokens: np.ndarray, context: int | None = None, device="cp
         nll[i] = model.nll(x, y).tolist()
     nll = {i: v for share in all_gather(nll) for i, v in share.items()}   # every process's batches
     nll = sum(v for i in range(len(groups)) for v in nll[i])             # in window order, whoever ran them
-    return {"tokens": n_pred, "context": min(L, n_pred), "loss": nll / n_pred, "ppl": math.exp(nll / n_pred)}
+    return {"tokens": n_pred, "context": min(L, n_pred), "loss": nll / n_pred, "ppl": float(np.exp(nll / n_pred))}
 
 
 @torch.inference_mode()

@@ -4216,6 +4216,15 @@ def test_perplexity_equals_transformers(model, enc, hf_model, context):
     assert r["ppl"] == pytest.approx(math.exp(r["loss"]))
 
 
+def test_perplexity_of_a_loss_past_float_range_is_inf(model, monkeypatch):
+    """A mean loss above 709.8 nats (a diverged student's) has a perplexity beyond float: inf, not an OverflowError
+    after the whole pass."""
+    monkeypatch.setattr(model, "nll", lambda x, y: torch.full((x.size(0),), 800.0 * x.size(1)))
+    with pytest.warns(RuntimeWarning, match="overflow"):
+        r = E.perplexity(model, np.arange(300, dtype=np.uint16), 50)
+    assert r["loss"] == pytest.approx(800.0) and r["ppl"] == math.inf
+
+
 def load_script(path):
     """A script outside the repository root (experiments/...), imported as its own module."""
     spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
