@@ -1431,6 +1431,8 @@ def test_dijiang_features_sum_to_one():
         phi = fm(torch.randn(1, 2, 30, 64) * 5, True)
         assert phi.shape == (1, 2, 30, M) and torch.allclose(phi.sum(-1), torch.ones(()), atol=1e-6)
         assert fm.proj.shape == (64, M) and "proj" in fm.state_dict()
+        x = torch.randn(3, 64)
+        assert torch.allclose(fm(x), torch.softmax(x @ fm.proj, -1), atol=1e-6)           # phi(x) = softmax(x P)
 
 
 @pytest.mark.parametrize("fmap", MAPS)
@@ -1745,6 +1747,28 @@ def test_allocate_bad_input():
         dof.allocate([1.0, 2.0], 8, order="random")
 
 
+def test_choose_dims_rules_are_allocate_on_the_layer_maxima(tmp_path):
+    """choose_dims for each --alloc: dof proportional to each layer's largest head DoF, clip the same dims capped at
+    the head size, reverse the same dims in the opposite order, fix the budget everywhere; the paper's lambda is the
+    default; --dims takes positive whole numbers only."""
+    tiny_gpt2(tmp_path)
+    m = GPT.from_pretrained(tmp_path)
+    batches = [torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))]
+    args = dict(lam=1e-3, relative=True, J=200)
+    dims, layer = dof.choose_dims(m, batches, 16, "dof", **args)
+    assert layer == dof.degrees_of_freedom(dof.collect_qk(m, batches, 200, 0), 1e-3, True).amax(-1).tolist()
+    assert dims == dof.allocate(layer, 16) and max(dims) > m.config.head_dim == 16      # the cap below binds
+    assert dof.choose_dims(m, batches, 16, "clip", **args) == (np.minimum(dims, 16).tolist(), layer)
+    reverse = dof.choose_dims(m, batches, 16, "reverse", **args)
+    assert reverse == (dof.allocate(layer, 16, order="reverse"), layer) and reverse[0] != dims
+    assert dof.choose_dims(m, batches, 16, "fix", **args) == ([16, 16], None)
+    assert dof.DofConfig().lam == distill.DistillConfig().lam == 2 ** -4                 # the paper's, for GPT-2
+    for bad in ("0,8", "8", "8,8,8", "8,x"):
+        with pytest.raises(ModelError, match=r"--dims needs 2 comma-separated positive integers, one per layer"):
+            dof.parse_dims(bad, 2)
+    assert dof.parse_dims("1,30", 2) == [1, 30]
+
+
 def tiny_gpt2(path, **kw):
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
@@ -1797,21 +1821,21 @@ def test_collect_qk_llama_gqa_after_rotary(tmp_path):
     hf.save_pretrained(tmp_path)
     m = M.GPT.from_pretrained(tmp_path)
     idx = torch.randint(0, 300, (1, 20))
-    with torch.no_grad():
-        x0 = hf.model.layers[0].input_layernorm(hf.model.embed_tokens(idx))
-        at = hf.model.layers[0].self_attn
-        q = at.q_proj(x0).view(1, 20, 4, 16).transpose(1, 2)
-        k = at.k_proj(x0).view(1, 20, 2, 16).transpose(1, 2)
-        cos, sin = hf.model.rotary_emb(x0, torch.arange(20)[None])
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
     full = dof.collect_qk(m, [idx], J=40)
-    for h in range(4):                                             # query head h pools with KV head h // 2
-        match_all(full[0, h], torch.cat((q[0, h], k[0, h // 2])))
     mu = dof.key_means(m, [idx])                                   # (L, H, D): KV head h // 2's mean key
-    assert torch.allclose(mu[0], k[0].mean(1).repeat_interleave(2, 0), atol=1e-5)
     centred = dof.collect_qk(m, [idx], J=40, key_means=mu)         # keys centred, queries as they are
-    for h in range(4):
-        match_all(centred[0, h], torch.cat((q[0, h], k[0, h // 2] - mu[0, h])))
+    with torch.no_grad():
+        hidden = hf(idx, output_hidden_states=True).hidden_states  # hidden[l]: layer l's input
+        cos, sin = hf.model.rotary_emb(hidden[0], torch.arange(20)[None])
+        for l, layer in enumerate(hf.model.layers):
+            x, at = layer.input_layernorm(hidden[l]), layer.self_attn
+            q = at.q_proj(x).view(1, 20, 4, 16).transpose(1, 2)
+            k = at.k_proj(x).view(1, 20, 2, 16).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            assert torch.allclose(mu[l], k[0].mean(1).repeat_interleave(2, 0), atol=1e-5)
+            for h in range(4):                                     # query head h pools with KV head h // 2
+                match_all(full[l, h], torch.cat((q[0, h], k[0, h // 2])))
+                match_all(centred[l, h], torch.cat((q[0, h], k[0, h // 2] - mu[l, h])))
 
 
 def test_collect_qk_sample_is_uniform_over_the_stream(tmp_path):
@@ -1845,7 +1869,9 @@ def check_ok(out, stdout, n_layer=2, budget=8, head_dim=16):
     res = json.loads((out / "dof.json").read_text())
     assert np.array(res["per_head_dof"]).shape == (n_layer, 2)
     assert sum(res["dims"]["dof"]) == budget * n_layer and res["dims"]["fix"] == [budget] * n_layer
-    assert sorted(res["dims"]["reverse"]) == sorted(res["dims"]["dof"]) and max(res["dims"]["clip"]) <= head_dim
+    assert sorted(res["dims"]["reverse"]) == sorted(res["dims"]["dof"])
+    assert res["dims"]["clip"] == np.minimum(res["dims"]["dof"], head_dim).tolist()
+    assert res["layer_dof"] == np.max(res["per_head_dof"], 1).tolist()
     assert not list(out.glob("*.tmp")) and "clip" in stdout and "layer" in stdout
     return res
 
@@ -1863,12 +1889,13 @@ def test_command_on_token_files(tmp_path, capsys):
     flags = ["--model", ckpt, "--data", data, "--J", 256, "--budget", 8, "--calib-batches", 2, "--block-size", 100,
              "--batch-size", 2, "--device", "cpu"]
     r = run_dof(*flags, "--out", tmp_path / "made" / "o1")                # it makes the folders --out names
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 0 and "warning: DoF/J > 0.9: the estimate saturates at J" in r.stderr, r.stderr
     check_ok(tmp_path / "made" / "o1", r.stdout)
     dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o2"), "--lam", "1e-3", "--lam-relative",
-                                        "--block-size", "1000"])
-    res = check_ok(tmp_path / "o2", capsys.readouterr().out)
+                                        "--block-size", "1000", "--budget", "16"])
+    res = check_ok(tmp_path / "o2", capsys.readouterr().out, budget=16)
     assert max(res["layer_dof"]) < 0.9 * 256                       # relative lambda: far from saturated
+    assert max(res["dims"]["dof"]) > 16                             # so clip's cap at the head size binds
     assert res["settings"]["block_size"] == 128                     # the model's context, as used, not as asked
     dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o3"), "--center-keys"])
     centred = check_ok(tmp_path / "o3", capsys.readouterr().out)
@@ -2049,13 +2076,67 @@ def test_prepare_text_writes_uint16_tokens_and_meta(setup):
     assert not list(data.glob("*.tmp"))
 
 
+class OrdEncoder:
+    """A stand-in tokenizer whose ids are the characters' code points: every count below is known by hand."""
+    name, n_vocab, eot_token = "ord", 65536, 65535
+
+    def encode_ordinary(self, text):
+        return [ord(c) for c in text]
+
+    def encode_ordinary_batch(self, texts, num_threads=1):
+        return [self.encode_ordinary(t) for t in texts]
+
+
+def text_prepare():
+    spec = importlib.util.spec_from_file_location("text_prepare", ROOT / "data" / "text" / "prepare.py")
+    spec.loader.exec_module(prep := importlib.util.module_from_spec(spec))
+    return prep
+
+
+def test_prepare_text_holds_out_the_rounded_share_and_a_failed_rename_leaves_no_meta(tmp_path, monkeypatch):
+    """14 characters and end-of-text are 15 ids: --val-fraction 0.1 holds out the last round(1.5) = 2. When the
+    renames fail midway, meta.json is gone (it was removed before them), so the folder reads as incomplete."""
+    prep, enc = text_prepare(), OrdEncoder()
+    (tmp_path / "a.txt").write_text("abcdefghijklmn")
+    cfg = prep.TextConfig(files=[str(tmp_path / "a.txt")], model="ord", out=str(tmp_path / "out"), val_fraction=0.1)
+    meta = prep.prepare(cfg, enc)
+    ids = enc.encode_ordinary("abcdefghijklmn") + [65535]
+    assert meta["tokens"] == {"train": 13, "val": 2}
+    assert np.fromfile(tmp_path / "out" / "train.bin", np.uint16).tolist() == ids[:13]
+    assert np.fromfile(tmp_path / "out" / "val.bin", np.uint16).tolist() == ids[13:]
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: replace(a, b) if Path(b).name != "train.bin" else
+                        (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(ModelError, match=r"writing the token files into .*out failed .*; make room or pass another"):
+        prep.prepare(cfg, enc)
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_read_tokens_refuses_an_id_the_model_has_no_embedding_for(tmp_path):
+    np.array([1, 50257, 3], np.uint16).tofile(tmp_path / "t.bin")
+    with pytest.raises(ModelError, match=r"t.bin holds token id 50257, but the model has 50257 embeddings; tokenize"):
+        common.read_tokens(tmp_path / "t.bin", vocab_size=50257)
+    assert common.read_tokens(tmp_path / "t.bin", vocab_size=50258).tolist() == [1, 50257, 3]
+
+
+@pytest.mark.parametrize("directory", [False, True])
+def test_atomic_path_leaves_the_old_file_and_no_tmp_when_the_writer_fails(tmp_path, directory):
+    path = tmp_path / "out"
+    path.mkdir() if directory else path.write_text("whole")
+    with pytest.raises(KeyboardInterrupt):
+        with common.atomic_path(path, directory) as tmp:
+            (tmp / "half" if directory else tmp).write_text("half")
+            raise KeyboardInterrupt
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert list(path.iterdir()) == [] if directory else path.read_text() == "whole"
+
+
 @pytest.mark.parametrize("tokenizer", ["gpt2-tokenizer", "smollm2-135m"])
 def test_prepare_text_pieces_give_the_ids_of_the_whole_text(tokenizer):
     """tokenize_text's ~1 MB pieces equal one encode_ordinary call on text whose paragraphs end in blank lines and
     trailing spaces (a cut after "a\\n\\n" had made its "\\n\\n" one token)."""
     from tokenizer import load_tokenizer
-    spec = importlib.util.spec_from_file_location("text_prepare", ROOT / "data" / "text" / "prepare.py")
-    spec.loader.exec_module(prep := importlib.util.module_from_spec(spec))
+    prep = text_prepare()
     enc = load_tokenizer(TOK if tokenizer == "gpt2-tokenizer" else tokenizer)
     words = TEXT.read_text(encoding="utf-8").split()[:4000]
     ends = ("\n\n", "  \n", "\n", ".\n\n\n", "\n \n")
@@ -2084,6 +2165,7 @@ def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch
     train = np.fromfile(tmp_path / "all" / "train.bin", dtype=np.uint16)
     val = np.fromfile(tmp_path / "all" / "val.bin", dtype=np.uint16)
     assert 100 < meta["articles_kept"] < 200 and meta["articles_seen"] == len(paragraphs)
+    assert wiki.WikipediaConfig().fraction == 0.1                              # the paper's 10% by default
     assert (train == enc.eot_token).sum() + (val == enc.eot_token).sum() == meta["articles_kept"]
     assert meta["tokens"] == {"train": len(train), "val": len(val)} and 0 < len(val) < len(train)
     assert train[-1] == enc.eot_token and enc.decode(train[:50].tolist()) in "\n \n".join(paragraphs)
@@ -3076,6 +3158,9 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
                                        tmp_path / ".." / tmp_path.name / "a.txt"], r"a.txt is listed twice"),
              ("data/wikipedia/prepare.py", ["--num-threads", "0"], r"--num-threads must be a number of at least 1"),
              ("data/wikipedia/prepare.py", ["--seed", "-1"], r"--seed must be a number of at least 0, got -1"),
+             ("data/wikipedia/prepare.py", ["--max-tokens", "-1"], r"--max-tokens must be a number of at least 0"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--val-fraction", "1",
+                                       tmp_path / "a.txt"], r"--val-fraction must be between 0 and 1, got 1.0"),
              ("data/wikipedia/prepare.py", ["--dataset", ""], r"--dataset and --config must name a hub dataset"),
              ("data/wikipedia/prepare.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),

@@ -115,8 +115,6 @@ class WikipediaConfig:
             raise ModelError(f"--fraction must be in (0, 1], got {self.fraction}")
         if not 0 < self.val_fraction < 1:
             raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
-        if self.max_tokens < 0:
-            raise ModelError(f"--max-tokens must be 0 (no cap) or positive, got {self.max_tokens}")
         if not self.dataset.strip() or not self.config.strip():
             raise ModelError("--dataset and --config must name a hub dataset and its configuration, e.g. "
                              "wikimedia/wikipedia and 20231101.en")
