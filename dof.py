@@ -129,21 +129,22 @@ def degrees_of_freedom(x, lam, relative=False):
     return torch.stack(N).reshape(batch)
 
 
-def allocate(dof, budget, clip=None, order="dof"):
-    """DoF (n,) -> whole feature dims (list of int) proportional to the DoF with mean exactly `budget` (order "dof"),
-    the same dims largest DoF smallest ("reverse") or the budget everywhere ("fix"); clip caps them (DoF+Clip)."""
+def allocate(dof, budget, rule="dof", head_dim=None):
+    """DoF (n,) -> whole feature dims (list of int) by a rule of RULES: "dof" in proportion to the DoF with mean
+    exactly `budget`, "clip" those capped at head_dim (DoF+Clip), "reverse" them largest DoF smallest, "fix" the
+    budget everywhere."""
     N = np.asarray(torch.as_tensor(dof, dtype=torch.float64).cpu()).reshape(-1)
     if int(budget) != budget or budget < 1:
         raise ModelError(f"the budget must be a whole number of at least 1 feature per layer, got {budget}")
-    if order not in ("dof", "reverse", "fix"):
-        raise ModelError(f"order must be dof, reverse or fix, got {order!r}")
+    if rule not in RULES:
+        raise ModelError(f"the rule must be one of {', '.join(RULES)}, got {rule!r}")
     if N.size == 0 or not np.isfinite(N).all() or (N < 0).any():
         raise ModelError(f"allocate needs finite non-negative DoF, one per layer, got {N.tolist()}")
     C, N = int(budget), N if N.sum() > 0 else np.ones(N.size)                 # no DoF anywhere: uniform
-    dims = np.full(N.size, C) if order == "fix" else whole_dims(C * N / N.mean())   # M_l = C N_l / mean(N)
-    if order == "reverse":
+    dims = np.full(N.size, C) if rule == "fix" else whole_dims(C * N / N.mean())    # M_l = C N_l / mean(N)
+    if rule == "reverse":
         dims[np.argsort(-N, kind="stable")] = np.sort(dims)                 # k-th largest DoF, k-th smallest dim
-    return np.minimum(dims, clip or dims.max()).astype(int).tolist()
+    return np.minimum(dims, head_dim if rule == "clip" else dims.max()).astype(int).tolist()
 
 
 def whole_dims(M):
@@ -177,8 +178,7 @@ def choose_dims(model, batches, budget, alloc="dof", lam=2 ** -4, relative=False
     if alloc == "fix":
         return [int(budget)] * model.config.n_layer, None
     layer = degrees_of_freedom(collect_qk(model, batches, J, seed, key_means), lam, relative).amax(-1).cpu()
-    clip = model.config.head_dim if alloc == "clip" else None
-    return allocate(layer, budget, clip, "reverse" if alloc == "reverse" else "dof"), layer.tolist()
+    return allocate(layer, budget, alloc, model.config.head_dim), layer.tolist()
 
 
 def calibration_batches(tokens, n, B, T, seed, device):
@@ -229,8 +229,7 @@ def main(argv=None):
     per_head = torch.stack([degrees_of_freedom(x[l], cfg.lam, cfg.lam_relative).cpu()
                             for l in tqdm(range(mc.n_layer), desc="DoF", unit="layer")]).numpy()   # (L, H)
     layer = per_head.max(1)
-    dims = {a: allocate(layer, cfg.budget, mc.head_dim if a == "clip" else None, "dof" if a == "clip" else a)
-            for a in RULES}
+    dims = {a: allocate(layer, cfg.budget, a, mc.head_dim) for a in RULES}
     print(f"{cfg.model}: J={cfg.J} queries+keys per head{' (keys centred)' if cfg.center_keys else ''}, lambda="
           f"{cfg.lam:g}{' x tr(G / J)' if cfg.lam_relative else ''}, budget {cfg.budget}\n{'layer':>5} {'DoF max':>8} "
           f"{'mean':>8} {'max/J':>6}" + "".join(f" {a:>7}" for a in dims))

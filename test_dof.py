@@ -1703,9 +1703,9 @@ def test_bad_lambda():
 
 def test_allocate_examples():
     assert dof.allocate([10, 20, 30, 40], 64) == [26, 51, 77, 102]
-    assert dof.allocate(torch.tensor([10.0, 20, 30, 40]), 64, clip=64) == [26, 51, 64, 64]
-    assert dof.allocate([10, 20, 30, 40], 64, order="reverse") == [102, 77, 51, 26]
-    assert dof.allocate([10, 20, 30, 40], 64, order="fix") == [64] * 4
+    assert dof.allocate(torch.tensor([10.0, 20, 30, 40]), 64, "clip", 64) == [26, 51, 64, 64]
+    assert dof.allocate([10, 20, 30, 40], 64, "reverse") == [102, 77, 51, 26]
+    assert dof.allocate([10, 20, 30, 40], 64, "fix") == [64] * 4
     assert dof.allocate([12, 25, 47], 32) == [14, 28, 54]              # the README's worked example, by hand
     assert dof.allocate([0, 0, 100], 2) == [1, 1, 4]              # shares below 1 are lifted to 1, mean kept
     assert dof.allocate([0.0, 0.0], 5) == [5, 5]                  # no DoF anywhere: uniform
@@ -1730,9 +1730,9 @@ def test_allocate_random_profiles():
                 assert (np.abs(dims - raw) < 1).all()                             # proportional up to rounding
             assert (dims[dofv == 0] == 1).all()
         clip = int(rng.integers(1, 128))
-        clipped = np.array(dof.allocate(dofv, budget, clip=clip))
+        clipped = np.array(dof.allocate(dofv, budget, "clip", clip))
         assert (clipped == np.minimum(dims, clip)).all() and clipped.mean() <= budget
-        rev = np.array(dof.allocate(dofv, budget, order="reverse"))
+        rev = np.array(dof.allocate(dofv, budget, "reverse"))
         assert sorted(rev) == sorted(dims)
         assert (rev[order] == np.sort(dims)).all()                                # k-th largest DoF, k-th smallest dim
 
@@ -1743,8 +1743,8 @@ def test_allocate_bad_input():
             dof.allocate([1.0, 2.0], bad)
     with pytest.raises(ModelError, match="non-negative"):
         dof.allocate([1.0, -2.0], 8)
-    with pytest.raises(ModelError, match="order"):
-        dof.allocate([1.0, 2.0], 8, order="random")
+    with pytest.raises(ModelError, match="rule must be one of dof, fix, clip, reverse, got 'random'"):
+        dof.allocate([1.0, 2.0], 8, "random")
 
 
 def test_choose_dims_rules_are_allocate_on_the_layer_maxima(tmp_path):
@@ -1760,7 +1760,7 @@ def test_choose_dims_rules_are_allocate_on_the_layer_maxima(tmp_path):
     assert dims == dof.allocate(layer, 16) and max(dims) > m.config.head_dim == 16      # the cap below binds
     assert dof.choose_dims(m, batches, 16, "clip", **args) == (np.minimum(dims, 16).tolist(), layer)
     reverse = dof.choose_dims(m, batches, 16, "reverse", **args)
-    assert reverse == (dof.allocate(layer, 16, order="reverse"), layer) and reverse[0] != dims
+    assert reverse == (dof.allocate(layer, 16, "reverse"), layer) and reverse[0] != dims
     assert dof.choose_dims(m, batches, 16, "fix", **args) == ([16, 16], None)
     assert dof.DofConfig().lam == distill.DistillConfig().lam == 2 ** -4                 # the paper's, for GPT-2
     for bad in ("0,8", "8", "8,8,8", "8,x"):

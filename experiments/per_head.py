@@ -67,8 +67,7 @@ def per_head_dims(cfg, teacher, calib, mu):
     """M_lh = C N_lh / mean(N) over every head of every layer (clip: capped at the head size) -> (dims, N)."""
     x = dof.collect_qk(teacher, calib, cfg.J, cfg.seed, mu)                         # (L, H, J, D)
     N = dof.degrees_of_freedom(x, cfg.lam, cfg.lam_relative).cpu()                  # (L, H)
-    clip = teacher.config.head_dim if cfg.alloc == "clip" else None
-    dims = torch.tensor(dof.allocate(N.flatten(), cfg.budget, clip)).view(N.shape)
+    dims = torch.tensor(dof.allocate(N.flatten(), cfg.budget, cfg.alloc, teacher.config.head_dim)).view(N.shape)
     return dims.tolist(), N.tolist()
 
 
