@@ -2422,14 +2422,25 @@ def test_trained_student_beats_untrained_on_held_out_attention(trained, setup):
 
 
 def test_l2_loss_student_beats_untrained_on_held_out_attention(setup, tmp_path):
+    """l2 loss: the held-out attention KL falls, and metrics.json's validation numbers are those of the saved student."""
     d, ckpt, data = setup
     out = tmp_path / "run-l2"
     distill.main(["--model", str(ckpt), "--data", str(data), "--budget", "16", "--loss", "l2", "--max-steps", "30",
-                  "--alloc", "fix", "--out-dir", str(out), *FAST])
+                  "--alloc", "fix", "--out-dir", str(out), *FAST, "--eval-iters", "2"])
     m = json.loads((out / "metrics.json").read_text())
     v0, v1 = m["val"][0], m["val"][-1]
     assert all(b < a for a, b in zip(v0["attn_kl"], v1["attn_kl"])), (v0["attn_kl"], v1["attn_kl"])
     assert all(last < first for first, last in zip(m["history"][0]["loss"], m["history"][-1]["loss"]))
+    # the last validation, recomputed plainly from the saved student: val.bin's two windows of generator seed + 1,
+    # their mean next-token loss and, per layer, the mean KL(p_i || p^_i) over the queries of both
+    student, teacher = M.load_student(out)[0], GPT.from_pretrained(ckpt)
+    gen, tokens = torch.Generator().manual_seed(1), common.read_tokens(data / "val.bin")
+    val = [common.get_batch(tokens, 4, 64, gen, "cpu") for _ in range(2)]
+    with torch.no_grad():
+        loss = np.mean([F.cross_entropy(student(x).flatten(0, 1), y.flatten()).item() for x, y in val])
+        kl = np.mean([[distill.softmax_loss(*(qk := c.inputs(q, k)), *c.features(*qk)).mean().item()
+                       for c, (q, k) in zip(student.cores(), dof.teacher_qk(teacher, x))] for x, _ in val], 0)
+    assert v1["student_loss"] == pytest.approx(loss, rel=1e-5) and v1["attn_kl"] == pytest.approx(kl, rel=1e-4)
 
 
 def test_resume_equals_uninterrupted_run(setup, tmp_path):
@@ -2730,6 +2741,9 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
             r"was started with --batch-size 4, not 2; resume it with the flags it was started with")
     run_bad(args + ["--resume", "--loss", "l2"], r"was started with --loss 'softmax', not 'l2'")
     run_bad(args + ["--resume", "--seed", "1"], r"was started with --seed 0, not 1; resume it with the flags")
+    for flag, value in (("--lr-z", "1e-3"), ("--lr-alpha", "1e-3"), ("--block-size", "32"), ("--grad-accum", "2"),
+                        ("--warmup-steps", "3"), ("--min-lr-frac", "0.5"), ("--eval-iters", "2")):   # the rest
+        run_bad(args + ["--resume", flag, value], rf"was started with {flag} \S+, not \S+; resume it with the flags")
     run_bad(args + ["--resume", "--max-steps", "60"],                 # --max-steps alone: the schedule's length
             r"was started with --decay-steps 50, not 60; pass --decay-steps 50 to keep its schedule's length$")
     run_bad(args + ["--resume", "--max-steps", "10", "--decay-steps", "50"],
@@ -3073,6 +3087,7 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, ".."), r"--out-dir '..' is the working directory or holds it"),
         (distill_args(ckpt, data, x, "--min-lr-frac", "-1"), r"--min-lr-frac must be a number of at least 0, got -1"),
         (distill_args(ckpt, data, x, "--min-lr-frac", "2"), r"^--min-lr-frac must be at most 1, got 2.0$"),
+        (distill_args(ckpt, data, x, "--grad-accum", "0"), r"^--grad-accum must be a number of at least 1, got 0$"),
         (distill_args(ckpt, data, x, "--val-fraction", "1"), r"^--val-fraction must lie between 0 and 1, got 1.0$"),
         (distill_args(ckpt, data, x, "--lam", "inf"), r"--lam must be a number above 0, got inf"),
         (distill_args(ckpt, data, x, "--lr-z", "nan"), r"--lr-z must be a number of at least 0, got nan"),
@@ -3437,6 +3452,8 @@ def test_learning_rate_warms_up_then_falls_by_a_cosine_to_its_floor():
     assert all(a >= b for a, b in zip(f[9:], f[10:]))                   # falling after the warm-up, never below 0.1
     capped = distill.DistillConfig(max_steps=100, warmup_steps=50, min_lr_frac=0.1)    # warm-up: at most a tenth
     assert distill.lr_factor(9, capped) == pytest.approx(1.0) and distill.lr_factor(4, capped) == pytest.approx(0.5)
+    flat = distill.DistillConfig(max_steps=10, warmup_steps=0, min_lr_frac=1.0)        # a floor of 1: constant
+    assert [distill.lr_factor(s, flat) for s in range(11)] == [1.0] * 11
 
 
 def test_center_keys_dims_are_the_centred_kernels_and_dof_py_gives_the_same(setup, tmp_path, capsys):
