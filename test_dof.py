@@ -5438,6 +5438,19 @@ def test_make_student_draws_the_initial_features_from_seed():
     assert not torch.equal(made[0]["h.0.attn.core.feature_map.z"], made[1]["h.0.attn.core.feature_map.z"])
 
 
+def test_seed_draws_the_training_windows_and_seed_plus_one_the_held_out_ones(setup, tmp_path, monkeypatch):
+    """--seed s: training windows from a generator seeded s, validation windows from s + 1 (and the calibration
+    windows from s + 2, dof.calibration_batches), so that runs of other seeds train on other windows."""
+    d, ckpt, data = setup
+    drawn, real = [], common.get_batch
+    monkeypatch.setattr(distill, "get_batch", lambda tokens, B, T, gen, *a: drawn.append(
+        (len(tokens), gen.initial_seed())) or real(tokens, B, T, gen, *a))
+    distill.main([str(a) for a in ["--model", ckpt, "--data", data, "--budget", 4, "--alloc", "fix", "--seed", 7,
+                                   "--max-steps", 2, "--prompt", "", "--out-dir", tmp_path / "run", *FAST]])
+    n_train, n_val = (len(common.read_tokens(data / f"{s}.bin")) for s in ("train", "val"))
+    assert drawn == [(n_val, 8), (n_train, 7), (n_train, 7)]
+
+
 def test_restore_brings_back_the_torch_rng_and_the_data_position(tmp_path):
     """restore (--resume): after a checkpoint saved at step 3, torch's global generator and the training windows'
     generator draw what they drew right after the save, whatever they were set to since."""
