@@ -2959,8 +2959,8 @@ def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setu
 
 def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkeypatch, capsys):
     """ms/step (the log line, metrics.json's history) and train_seconds time the training steps alone: with a clock
-    that a step advances by 1 s and a validation by 100 s, every logged step took 1,000 ms; the log line keeps a
-    tenth of a ms (gpu_check.py's medians are read from it)."""
+    that a step advances by 1 s and a validation by 100 s, every logged step took 1,000 ms, over however many steps
+    since the last log line; the log line keeps a tenth of a ms (gpu_check.py's medians are read from it)."""
     d, ckpt, data = setup
     clock = [0.0]
 
@@ -2973,13 +2973,15 @@ def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkey
     monkeypatch.setattr(distill, "train_step", slower(distill.train_step, 1.0))
     monkeypatch.setattr(distill, "lm_loss", slower(distill.lm_loss, 100.0))
     distill.main(distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "6",
-                              "--log-interval", "1", "--eval-interval", "2", "--warmup-steps", "0"))
+                              "--log-interval", "3", "--eval-interval", "2", "--warmup-steps", "0"))
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert len(m["val"]) == 4 and clock[0] == 506.0                 # the teacher's loss, then steps 0, 2, 4, 6
-    assert [h["ms"] for h in m["history"]] == [1000.0] * 6 and m["train_seconds"] == 6.0, m["history"]
-    assert capsys.readouterr().out.count("| 1000.0 ms/step |") == 6
+    assert [h["step"] for h in m["history"]] == [2, 3, 4, 6]       # logged over 2, 1, 1 and 2 steps
+    assert [h["ms"] for h in m["history"]] == [1000.0] * 4 and m["train_seconds"] == 6.0, m["history"]
+    assert capsys.readouterr().out.count("| 1000.0 ms/step |") == 4
     cfg = distill.DistillConfig(max_steps=6, warmup_steps=0, out_dir="x")      # lr_z: the directions' (0.02)
-    assert [h["lr_z"] for h in m["history"]] == pytest.approx([0.02 * distill.lr_factor(s, cfg) for s in range(6)])
+    assert [h["lr_z"] for h in m["history"]] == pytest.approx([0.02 * distill.lr_factor(h["step"] - 1, cfg)
+                                                                for h in m["history"]])      # of the step just taken
 
 
 def test_log_line_labels_the_next_token_loss_by_the_step_not_by_the_count():
