@@ -2783,9 +2783,10 @@ def test_resume_from_another_directory_checks_the_data_it_names(setup, tmp_path,
         distill.main(run + ["--max-steps", "3", "--resume"])
 
 
-def test_nan_loss_stops_naming_the_layer(setup, tmp_path):
+def test_nan_loss_stops_naming_the_layer(setup, tmp_path, monkeypatch):
     """One sentence, the last line of stderr: the progress bar ends its line first (the error had been printed
-    inside the bar's line, and the bar drawn again after it)."""
+    inside the bar's line, and the bar drawn again after it). A student's held-out loss that is not finite stops
+    the run too, before its checkpoint."""
     d, ckpt, data = setup
     out = tmp_path / "nan"
     r = cli("distill.py", "--model", ckpt, "--data", data, "--alloc", "fix", "--budget", "4", "--max-steps", "5",
@@ -2798,6 +2799,12 @@ def test_nan_loss_stops_naming_the_layer(setup, tmp_path):
     with pytest.raises(ModelError, match=r"^layer 1's softmax loss became inf at step 7; the checkpoint in x was"):
         distill.check_finite(distill.DistillConfig(out_dir="x"), 7, [0.5, math.inf, math.nan],
                              lambda l: f"layer {l}'s softmax loss")         # the first that is not finite
+    real = distill.lm_loss
+    monkeypatch.setattr(distill, "lm_loss", lambda m, *a: math.nan if isinstance(m.cores()[0], LinearAttention) else
+                        real(m, *a))                                   # the student's alone
+    run_bad(distill_args(ckpt, data, tmp_path / "nan2", "--alloc", "fix", "--max-steps", "2"),
+            r"^the student's held-out loss became nan at step 0; the checkpoint in \S+nan2 was not updated")
+    assert not (tmp_path / "nan2" / "config.json").exists()
 
 
 def paragraphs():
