@@ -270,6 +270,8 @@ DAMAGED_TEACHERS = {   # name -> (teacher, what is done to its folder, the sente
                                  r"use the config\.json saved with these weights"),
     "config.json lacks two": ("neox", lambda d: edit_json(d / "config.json", hidden_size=None, intermediate_size="4"),
                               r"lacks a positive integer hidden_size, intermediate_size, which model_type 'gpt_neox'"),
+    "config.json with no layers": ("gpt2", lambda d: edit_json(d / "config.json", n_layer=0),
+                                   r"its config\.json lacks a positive integer n_layer, which model_type 'gpt2'"),
     "config.json lacks model_type": ("gpt2", lambda d: edit_json(d / "config.json", model_type=None),
                                      r"model_type None is not supported; supported model types are gpt2, gpt_neox"),
     "config.json rope scaling": ("neox", lambda d: edit_json(d / "config.json", rope_parameters=None,
@@ -645,11 +647,20 @@ def test_smollm_special_tokens_and_odd_bytes(smollm, eval_texts):
 
 
 def test_gpt2_tokenizer_json(gpt2, wiki, tmp_path):
-    """GPT-2 as the hub's tokenizer.json (here: the one transformers writes for the reference)."""
+    """GPT-2 as the hub's tokenizer.json (here: the one transformers writes for the reference), as it is and with
+    its pre-tokenizer Digits + ByteLevel."""
+    from tokenizers import Tokenizer, pre_tokenizers
     ref = gpt2[1].backend_tokenizer
     ref.save(str(tmp_path / "tokenizer.json"))
     text = wiki[:100_000]
-    assert load_tokenizer(tmp_path).encode(text) == ref.encode(text, add_special_tokens=False).ids
+    assert load_tokenizer(tmp_path).encode(text) == (plain := ref.encode(text, add_special_tokens=False).ids)
+    # digits split one by one (SmolLM2's pre-tokenizer) on a vocabulary that merges digits: "2024" is 4 tokens, not 1
+    ref = Tokenizer.from_str(ref.to_str())
+    ref.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    ref.save(str(tmp_path / "tokenizer.json"))
+    digits = ref.encode(text, add_special_tokens=False).ids
+    assert load_tokenizer(tmp_path).encode(text) == digits and len(digits) > len(plain)
 
 
 @needs_smollm2
@@ -745,6 +756,11 @@ DAMAGED_TOKENIZERS = {   # name -> (files, what is done to their folder, the sen
         rf"tokenizer\.json {UNREAD}ValueError: token ids not distinct"),
     "tokenizer.json with an empty vocabulary": ("neox", lambda d: edit_json(d / "tokenizer.json", model={
         "type": "BPE", "vocab": {}, "merges": []}), rf"tokenizer\.json {UNREAD}ValueError: token ids not distinct"),
+    "tokenizer.json splitting with its matches removed": ("neox", lambda d: edit_json(d / "tokenizer.json",
+        pre_tokenizer={"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": r"\p{L}+"},
+                                                            "behavior": "Removed", "invert": False},
+                                                           {"type": "ByteLevel", "use_regex": False}]}),
+        rf"tokenizer\.json {UNREAD}ValueError: model 'BPE', normalizer .*, pre-tokenizer \['Split', 'ByteLevel'\]"),
     "tokenizer.json with its pre-tokenizer a string": ("neox", lambda d: edit_json(d / "tokenizer.json", pre_tokenizer=
         "ByteLevel"), rf"tokenizer\.json {UNREAD}AttributeError: .*\); re-download the"),
     "tokenizer.json added token without its id": (
@@ -1018,10 +1034,12 @@ def test_truncated(tmp_path, keep):
         read_gguf(str(cut))
 
 
-def bare_gguf(path, arch):
-    """A GGUF file of architecture `arch` with only a block count and one tensor for metadata."""
+def bare_gguf(path, arch, scaling=None):
+    """A GGUF file of architecture `arch` with only a block count (and a rope scaling) and one tensor for metadata."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
+    if scaling:
+        w.add_rope_scaling_type(scaling)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return path
@@ -1031,6 +1049,9 @@ def test_unsupported_architecture(tmp_path):
     path = bare_gguf(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ModelError, match=r"gpt2\.gguf holds a 'gpt2' model with rope scaling 'none'; only plain "
                                          r"llama ones load"):
+        read_gguf(str(path))
+    path = bare_gguf(tmp_path / "scaled.gguf", "llama", gguf.RopeScalingType.LINEAR)
+    with pytest.raises(ModelError, match=r"scaled\.gguf holds a 'llama' model with rope scaling 'linear'; only plain"):
         read_gguf(str(path))
 
 
@@ -2422,7 +2443,7 @@ def test_trained_student_beats_untrained_on_held_out_attention(trained, setup):
 
 
 def test_l2_loss_student_beats_untrained_on_held_out_attention(setup, tmp_path):
-    """l2 loss: the held-out attention KL falls, and metrics.json's validation numbers are those of the saved student."""
+    """l2 loss: the held-out attention KL falls; metrics.json's validation numbers are those of the saved student."""
     d, ckpt, data = setup
     out = tmp_path / "run-l2"
     distill.main(["--model", str(ckpt), "--data", str(data), "--budget", "16", "--loss", "l2", "--max-steps", "30",
@@ -3511,6 +3532,11 @@ def test_generate_runs_one_forward_pass_per_new_token_within_gpt2s_positions():
     with pytest.raises(ModelError, match=r"^5 tokens and 61 new ones need 65 of GPT-2's 64 learned positions; "):
         model.generate(out[:, :5], 61)
     assert calls == []                                                  # refused before any token is made
+    with pytest.raises(ModelError, match=r"^65 positions exceed GPT-2's learned 64; use a shorter input$"):
+        model(torch.zeros(1, 65, dtype=torch.long))                     # a forward pass, and one after a prefill
+    model.hidden(torch.zeros(1, 60, dtype=torch.long), cache := M.Cache(1))
+    with pytest.raises(ModelError, match=r"^65 positions exceed GPT-2's learned 64"):
+        model.hidden(torch.zeros(1, 5, dtype=torch.long), cache)
 
 
 def test_get_batch_draws_every_window_the_tokens_hold():
