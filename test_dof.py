@@ -3539,6 +3539,14 @@ def test_generate_runs_one_forward_pass_per_new_token_within_gpt2s_positions():
         model.hidden(torch.zeros(1, 5, dtype=torch.long), cache)
 
 
+def test_pick_device_autocasts_to_bf16_on_the_cpu_only_when_asked():
+    """--dtype auto: bf16 autocast on cuda alone; on the CPU a matmul stays fp32 unless --dtype bfloat16 asks."""
+    for dtype, want in (("auto", torch.float32), ("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        device, amp = common.pick_device("cpu", dtype)
+        with amp:
+            assert device == "cpu" and (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == want, dtype
+
+
 def test_get_batch_draws_every_window_the_tokens_hold():
     """Windows of T + 1 tokens start at 0 .. len - T - 1: with T + 3 tokens, all three starts are drawn."""
     data, gen = np.arange(11, dtype=np.uint16), torch.Generator().manual_seed(0)
@@ -3990,6 +3998,9 @@ def test_prompt_wsc273():
                            "  feared violence.")]
     assert p.gold == 0 and p.choices is None
     # possessive pronoun: the harness appends 's to every option, even one that already has it
+    text = "The man ran. He fell."                      # a pronoun that starts a sentence: the option as it is
+    doc = {"text": text, "pronoun": "He", "pronoun_loc": 13, "options": ["The man", "The dog"], "label": 0}
+    assert E.wsc273(doc).requests == [("The man ran. The man", "  fell."), ("The man ran. The dog", "  fell.")]
     p = first("wsc273", 74)
     assert p.requests == [("Emma's mother had died long ago, and Emma's's",
                            "  place had been taken by an excellent woman as governess."),
@@ -4008,9 +4019,12 @@ def test_encode_pair_whitespace_rule(enc):
     assert E.encode_pair(enc, "Hello", " world") == ([15496], [995])
     # trailing whitespace of the context moves onto the continuation: "Hello " + "world" scores " world"
     assert E.encode_pair(enc, "Hello ", "world") == ([15496], [995])
-    # continuation tokens are the whole string's tokens beyond the context's, not tokens(continuation)
+    # continuation tokens are the whole string's tokens beyond the context's, not tokens(continuation): they differ
+    # where BPE merges across the boundary ("34 apples" is [2682, 22514]; "4 apples" alone would be [19, 22514])
     ctx, cont = E.encode_pair(enc, "Answer:", " A")
     assert ctx == [33706, 25] and cont == [317]
+    assert enc.encode("34 apples") == [2682, 22514] and E.encode_pair(enc, "3", "4 apples") == ([18], [22514])
+    assert E.encode_pair(enc, "a<|endoftext|>", " b") == ([64, 50256], [275])    # a special token's text: its id
 
 
 def hf_encode_pair(hf_tok, context, continuation):
@@ -4039,6 +4053,8 @@ def test_harness_window():
     assert inp == [6, 7, 8, 9, 10] and targets == [(3, 10), (4, 11)]
     inp, targets = E.harness_window([1, 2], [3], 5)
     assert inp == [1, 2] and targets == [(1, 3)]
+    inp, targets = E.harness_window([1], [2, 3, 4, 5, 6], 5)          # a continuation as long as the context
+    assert inp == [1, 2, 3, 4, 5] and targets == [(0, 2), (1, 3), (2, 4), (3, 5), (4, 6)]
     with pytest.raises(ModelError, match=r"^a request with an empty context cannot be scored as the harness"):
         E.harness_window([], [3, 4], 5)                           # its first target would be read at position -1
 
@@ -4146,13 +4162,20 @@ def test_ties_go_to_the_first():
     assert E.doc_metrics([-1.0, -1.0], 1, ["x", "y"]) == (0.0, 0.0)
 
 
-def test_stderr_by_hand_and_pooled_stderr_by_the_law_of_total_variance():
+def test_stderr_by_hand_and_pooled_stderr_by_the_law_of_total_variance(monkeypatch):
     """The stderr on values worked out by hand; MMLU's pooled stderr also by an independent route: the pooled
-    within-subject variance from the raw values, total minus between-subject sum of squares."""
+    within-subject variance from the raw values, total minus between-subject sum of squares; evaluate_task pools
+    acc's by the prompts' subjects."""
     assert E.stderr([1.0, 0.0, 1.0, 1.0]) == pytest.approx(0.25)  # mean 3/4, squares 3/4, / 3 = 1/4: sqrt / sqrt 4
+    assert E.stderr([1.0, 0.0]) == pytest.approx(0.5)             # the fewest values with one: sqrt(1/2) / sqrt 2
     assert E.stderr([1.0]) is None                                 # the harness says N/A
     # a = 1 0 1 (mean 2/3, squares 2/3) and b = 0 0 1 1 (mean 1/2, squares 1): within 5/3 over 7 - 2, / 7 = 1/21
     assert E.stderr([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0], list("aaabbbb")) == pytest.approx(math.sqrt(1 / 21))
+    accs = [1, 0, 1, 0, 0, 1, 1]                                   # the same, as the scores of two-choice prompts
+    monkeypatch.setattr(E, "score_requests", lambda *a: [[(-1.0, False), (-2.0 if x else -0.5, False)] for x in accs])
+    enc = types.SimpleNamespace(encode=lambda text, **k: [ord(c) for c in text])
+    result, samples = E.evaluate_task(None, enc, [E.Prompt([("q", " A"), ("q", " B")], 0, None, g) for g in "aaabbbb"])
+    assert [d["acc"] for d in samples] == accs and result["acc_stderr"] == pytest.approx(math.sqrt(1 / 21))
     rng = np.random.default_rng(0)
     xs, groups = rng.integers(0, 2, 300).astype(float), rng.integers(0, 7, 300)
     between = sum((groups == g).sum() * (xs[groups == g].mean() - xs.mean()) ** 2 for g in range(7))
