@@ -3706,6 +3706,18 @@ def test_leverage_features_are_distinct_where_the_leverage_sits_on_few_candidate
     assert torch.allclose(w[~sure] / pi[~sure], (w[~sure] / pi[~sure])[0]) and pi[sure].min() >= pi[~sure].max()
 
 
+def test_leverage_features_weights_come_from_the_ridge_leverage_itself():
+    """Each taken candidate's log alpha is log M - log(P w_p), w = inclusion(pi, M) of pi the ridge leverage of the
+    pool (the plain form) normalised: the density is the leverage, not a power of it."""
+    x = 0.8 * torch.randn(40, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    pool = torch.randn(48, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)   # P = 8 x M, M = 6
+    lev = leverage.leverage_reference(x, pool, 1e-2, relative=True)
+    w = leverage.inclusion(lev / lev.sum(), 6)
+    z, log_alpha = leverage.leverage_features(x, 6, 1e-2, True, 8, torch.Generator().manual_seed(0))
+    take = [int((pool.float() == zm).all(1).nonzero()) for zm in z]                  # the same draws of the pool
+    assert log_alpha.double() == pytest.approx(math.log(6) - (48 * w[take]).log(), abs=1e-5)
+
+
 def test_leverage_features_beat_gaussian_draws_on_a_known_kernel_at_m_equal_dof():
     """The theory's claim at M = N_lam on a Gaussian kernel known exactly: leverage-sampled features estimate
     K = exp(x x^T / sqrt d) with a smaller relative Frobenius error than plain Gaussian draws (20 draws each; the
@@ -4997,6 +5009,8 @@ def test_published_tables_are_the_ones_the_committed_result_files_make(tmp_path)
      r"script did not write \(IndexError"),
     (lambda p: p.write_text(json.dumps((r := json.loads(p.read_text())) | {"val": r["val"][:-1] + [
         r["val"][-1] | {"student_loss": float("nan")}]})), r"run b32-dof-s0 ended at a loss that is not finite"),
+    (lambda p: p.write_text(json.dumps((r := json.loads(p.read_text())) | {"val": r["val"][:-1] + [
+        r["val"][-1] | {"attn_kl": [math.nan] + r["val"][-1]["attn_kl"][1:]}]})), r"run b32-dof-s0 ended at a loss"),
     (lambda p: p.write_text(json.dumps(json.loads(p.read_text()) | {"group": "abc"})), r"claim holds a result "
      r"file its script did not write \(ValueError: invalid literal"),
     (lambda p: (p.parents[1] / "zeroshot").mkdir() or (p.parents[1] / "zeroshot" / "r.json").write_text('{"x": 1}'),
@@ -5292,9 +5306,11 @@ def test_per_head_refuses_dims_and_direct_finetune_takes_a_schedule_all_direct(s
 
 
 def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untrained_students_kl(setup):
-    """experiments/allocation.py's predictors on the tiny GPT-2: entropy is the teacher's causal attention entropy
-    (mean over sequences, heads and queries, then batches); dof-max above dof-mean layer by layer; untrained-kl is the
-    layerwise softmax loss of a student of M = budget drawn from --seed with its keys centred by the key means."""
+    """experiments/allocation.py's predictors on the tiny GPT-2, written out: with q~ = q / d^(1/4) and k~ its centred
+    keys alike, entropy is the teacher's causal attention entropy (mean over sequences, heads and queries, then
+    batches), qk-norm mean |q~| times mean |k~|, prf-var the mean of sum_j p_ij |q~_i + k~_j|^2; dof-max above dof-mean
+    layer by layer; untrained-kl is the layerwise softmax loss of a student of M = budget drawn from --seed with its
+    keys centred by the key means."""
     import allocation as A
     d, ckpt, data = setup
     teacher = GPT.from_pretrained(ckpt)
@@ -5302,12 +5318,18 @@ def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untraine
     calib = dof.calibration_batches(common.read_tokens(data / "train.bin"), 2, 2, 64, 0, "cpu")
     cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"], A.AllocationConfig)
     P = A.predictors(cfg, teacher, calib)
-    mask, ent = torch.ones(64, 64, dtype=torch.bool).tril(), np.zeros(L)
+    mask, mu = torch.ones(64, 64, dtype=torch.bool).tril(), dof.key_means(teacher, calib)
+    ent, qk, var = np.zeros((3, L))
     for idx in calib:
         for l, (q, k) in enumerate(dof.teacher_qk(teacher, idx)):
-            p = torch.softmax((q.double() @ repeat_kv(k, H).double().mT / 4).masked_fill(~mask, -math.inf), -1)
+            q, k = q.double() / 2, (repeat_kv(k, H).double() - mu[l][:, None].double()) / 2     # / d^(1/4), d = 16
+            p = torch.softmax((q @ k.mT).masked_fill(~mask, -math.inf), -1)           # centring leaves the rows alone
             ent[l] += -(p * p.clamp_min(1e-300).log()).sum(-1).mean().item() / len(calib)
+            qk[l] += (q.norm(dim=-1).mean() * k.norm(dim=-1).mean()).item() / len(calib)
+            s2 = (q[..., :, None, :] + k[..., None, :, :]).square().sum(-1)           # |q~_i + k~_j|^2 (B, H, T, T)
+            var[l] += (p * s2).sum(-1).mean().item() / len(calib)
     assert P["entropy"] == pytest.approx(ent, rel=1e-4)
+    assert P["qk-norm"] == pytest.approx(qk, rel=1e-4) and P["prf-var"] == pytest.approx(var, rel=1e-4)
     assert all(a > b for a, b in zip(P["dof-max"], P["dof-mean"]))
     torch.manual_seed(cfg.seed)
     fresh = teacher.linearize([4] * L, "prf", cfg.chunk_size)
@@ -5365,6 +5387,40 @@ def test_heads_proportional_dims_are_one_pool_of_every_measured_head(setup, monk
     res = heads.measure(cfg)
     assert res["equal"]["proportional_M"] == np.reshape(dof.allocate([1, 3, 0.5, 4, 0.5, 0.5, 0.5, 0.5], 4),
                                                         (2, 4)).tolist() == [[3, 9, 2, 12], [2, 2, 1, 1]]
+
+
+def test_synthetic_kernel_error_is_that_of_the_plain_prf_estimate():
+    """experiments/heads.py's synthetic check, Gaussian draws: x = s N(0, I) from seed 0, M = round(N_lam), z from
+    seed draw, K^ = phi phi^T / M with phi = exp(z.x~ - |x~|^2 / 2) (E K^ = K = exp(x x^T / sqrt d)); the error is
+    |K^ - K|_F / |K|_F, written out."""
+    heads = load_script("experiments/heads.py")
+    res = heads.synthetic(types.SimpleNamespace(lam=1e-3), J=16, d=4, draws=2)
+    for row in res["rows"]:
+        x = row["scale"] * torch.randn(16, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        K, xt = (x @ x.T / 2).exp(), x / 4 ** 0.25
+        assert row["M"] == max(1, round(float(dof.degrees_of_freedom(x[None], 1e-3, relative=True)[0])))
+        for draw, got in enumerate(row["gaussian"]["errors"]):
+            z = torch.randn(row["M"], 4, generator=torch.Generator().manual_seed(draw), dtype=torch.float64)
+            phi = (xt @ z.T - xt.square().sum(-1, keepdim=True) / 2).exp()
+            assert got == pytest.approx(float((phi @ phi.T / row["M"] - K).norm() / K.norm()), rel=1e-9)
+
+
+def test_misplaced_mass_is_the_total_variation_between_the_rows():
+    """docs/figures.py's misplaced(): the mean over draws and queries of 1/2 sum_j |p^_ij - p_ij|, p the causal
+    softmax rows and p^ those of M plain PRF features drawn in turn from the generator, written out."""
+    figures = load_script("docs/figures.py")
+    q, k = 0.9 * torch.randn(2, 12, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got, gen, mask = figures.misplaced(q, k, [2, 16], 3, torch.Generator().manual_seed(7)), \
+        torch.Generator().manual_seed(7), torch.ones(12, 12, dtype=torch.bool).tril()
+    p = torch.softmax((q @ k.T / 8 ** 0.5).masked_fill(~mask, -math.inf), -1)
+    for m, e in zip([2, 16], got):
+        tv = []
+        for _ in range(3):
+            z = torch.randn(1, m, 8, generator=gen, dtype=torch.float64)[0]
+            phi = lambda x: (x / 8 ** 0.25 @ z.T - (x / 8 ** 0.25).square().sum(-1, keepdim=True) / 2).exp()
+            a = phi(q) @ phi(k).T * mask
+            tv.append(0.5 * (a / a.sum(-1, keepdim=True) - p).abs().sum(-1).mean().item())
+        assert 0 < e < 1 and e == pytest.approx(np.mean(tv), rel=1e-9)
 
 
 def test_synthetic_table_counts_only_draws_where_leverage_is_strictly_lower():
