@@ -2684,6 +2684,136 @@ def test_bench_refuses_step_tokens_beyond_the_gpt2_positions():
         bench.parse_config(bench.BenchConfig, ["--step", "softmax", "--step-tokens", "5000"])
 
 
+class FakeClock:
+    """A stand-in for the `time` module of bench.py and gpu_check.py: perf_counter() reads `now`; given durations,
+    every second call (a timed call's end) first moves it on by the next one (then by `default`)."""
+    def __init__(self, durations=None, default=0.001):
+        self.now, self.default, self.calls = 0.0, default, 0
+        self.durations = None if durations is None else list(durations)
+
+    def perf_counter(self):
+        if self.durations is not None and self.calls % 2:
+            self.now += self.durations.pop(0) if self.durations else self.default
+        self.calls += 1
+        return self.now
+
+    def process_time(self):
+        return 0.0
+
+
+def test_bench_worker_reports_the_median_the_peak_in_mib_and_the_flops_written_out(monkeypatch, capsys):
+    """bench.py's worker on a fake clock and memory meter: the median of the timed calls (1, 1, 10 s: 1,000 ms, not
+    the mean), a peak of 3,072 KiB as 3.0 MiB, and the FLOPs counted term by term: for the scan at B 1, H 2, T 100,
+    D 8, M 4, chunk 64 (padded to 128), the feature maps over T, the states and the full chunk blocks over the
+    padded length; for SDPA 2 T^2 D H."""
+    import bench  # experiments/bench.py
+    monkeypatch.setattr(bench, "peak_meter", lambda device: lambda: 3072.0)
+
+    def run(method, T, C, durations):
+        monkeypatch.setattr(bench, "time", FakeClock(durations))
+        bench.worker(bench.parse_config(bench.BenchConfig, ["--worker", method, str(T), str(C), "--repeats", "3",
+                                        "--B", "1", "--H", "2", "--D", "8", "--M", "4", "--threads", "1"]))
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    r = run("linear", 100, 64, [1.0, 1.0, 10.0])
+    features, states = 2 * 2 * 100 * 8 * 4, 2 * 2 * 128 * 4 * (8 + 1)
+    blocks = 2 * 128 * 64 * 4 + 2 * 128 * 64 * (8 + 1)                   # scores, then their product with [v | 1]
+    assert r["ms"] == 1000.0 and r["peak_mib"] == 3.0 and r["flops"] == 2 * (features + states + blocks), r
+    r = run("sdpa", 100, 0, [2.0, 5.0, 3.0])
+    assert r["ms"] == 3000.0 and r["flops"] == 2 * 100 ** 2 * 8 * 2, r
+
+
+def test_bench_scan_table_and_its_verdicts_read_sdpa_over_linear(monkeypatch, capsys):
+    """bench.py's scan rows from given measurements: the speed-up is SDPA's ms over linear's, KiB/token 1024 x the
+    peak MiB over T, GFLOP/s the flops over the ms; the verdicts: no slower at 2 ms each (1.0x), 6x faster at 6 ms
+    against 1, and a per-token peak that doubles is not linear."""
+    import bench  # experiments/bench.py
+    bench.speed_and_memory_lines([(4096, {"ms": 2.0, "peak_mib": 1.0}, {"ms": 2.0}),
+                                  (16384, {"ms": 1.0, "peak_mib": 8.0}, {"ms": 6.0})])
+    out = capsys.readouterr().out
+    assert "T=4096: linear no slower than SDPA: yes (1.0x)" in out and "0.2 KiB -> 0.5 KiB (NOT linear in T)" in out
+    assert "T=16384: linear at least 6x faster than SDPA: yes (6.0x)" in out, out
+    res = {"sdpa": {"ms": 9.0, "peak_mib": 50.0, "flops": 9e6}, "linear": {"ms": 3.0, "peak_mib": 2.0, "flops": 6e6}}
+    monkeypatch.setattr(bench, "measure", lambda cfg, method, T, chunk: dict(res[method]))
+    monkeypatch.setattr(bench, "matmul_gflops", lambda device, n=4096: 100.0)
+    bench.scan_table(bench.parse_config(bench.BenchConfig, ["--T", "1024", "--chunks", "--decode-ctx", "--threads",
+                                                            "1"]), "cpu")
+    row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| 1024 |")).split(" | ")
+    assert (row[3], row[6], row[7], row[8]) == ("3.0x", "2.0", "2.0", "1.0"), row
+
+
+def test_bench_decoding_heads_and_step_times_leave_out_the_warm_up(tmp_path, monkeypatch, capsys):
+    """bench.py on a fake clock: decode_ms is ms per decoded token after an untimed prefill (1 s a token: 1,000 ms);
+    the heads table times rounds after the first (100 s a cell), per layer 1 and 2 s, per head 3 and 4 s, ratio
+    3.00x and 2.00x; step_row's ms is the median step (1, 9, 2 s: 2,000 ms) and its ops count every op."""
+    import bench  # experiments/bench.py
+    clock = FakeClock()
+
+    class Model:
+        config = types.SimpleNamespace(n_layer=2, vocab_size=10)
+
+        def hidden(self, idx, cache):
+            clock.now += 100.0
+
+        def __call__(self, tok, cache=None):
+            clock.now += 1.0
+    monkeypatch.setattr(bench, "time", clock)
+    assert bench.decode_ms(Model(), 8, 4, "cpu") == 1000.0
+    monkeypatch.setattr(bench, "time", FakeClock([100.0] * 4 + [1.0, 2.0, 3.0, 4.0]))
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"args": {"budget": 4, "dof": [[1.0, 2.0, 9.0, 2.0, 1.0, 3.0], [5.0] * 6]}}))
+    bench.main(["--T", "--decode-ctx", "--heads", str(run), "--heads-T", "16", "--query-block", "8", "--repeats", "1",
+                "--threads", "1"])
+    rows = [r.split(" | ")[-2:] for r in capsys.readouterr().out.splitlines() if r.startswith("| 16 |")]
+    assert rows == [["1000", "2000 |"], ["3000", "4000 |"], ["3.00x", "2.00x |"]], rows
+    monkeypatch.setattr(bench, "time", FakeClock([1.0, 9.0, 2.0]))
+    cfg = M.GPTConfig(n_layer=1, n_head=2, n_kv_head=2, n_embd=16, vocab_size=64, block_size=32)
+    r = bench.step_row(distill, "softmax", T=16, budget=4, repeats=3, device="cpu", config=cfg)
+    assert r["ms"] == 2000.0 and r["ops"] >= sum(n for _, n in r["top"]) > len(r["top"]), r
+
+
+def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeypatch):
+    """gpu_check.py's arithmetic: a distillation's ms/step is the median of the logged intervals after the first
+    (10.5, 12.5, 11.5 after 500: 11.5), per 1,024-token sample 11.5 x 1024 / (2 x 64) = 92, its peak 3 MiB; time_ms
+    the median after an untimed call; scan_cell SDPA over ours; the targets met or MISSED as their sentences say."""
+    import gpu_check  # experiments/gpu_check.py
+    log = "".join(f"step {s}/30 | loss 1.234 | lr_z 0.01 | {ms} ms/step | 9,999 tok/s\n" for s, ms in
+                  ((5, "500.0"), (10, "10.5"), (15, "12.5"), (20, "11.5"))) + "PEAK_BYTES 3145728\n"
+
+    class Proc:                                                       # the forkserver's process: writes the log
+        exitcode, join, terminate, kill, is_alive = 0, lambda *a: None, lambda s: None, lambda s: None, lambda s: False
+
+        def __init__(self, target, args):
+            self.log = args[2]
+
+        def start(self):
+            Path(self.log).write_text(log)
+    monkeypatch.setattr(gpu_check, "start_forkserver", lambda preload: types.SimpleNamespace(Process=Proc))
+    cfg = gpu_check.parse_config(gpu_check.CheckConfig, ["--out", str(tmp_path / "c.json"), "--block-size", "64"])
+    rec = gpu_check.distill_run(cfg, tmp_path, "gpt2", "softmax", 2, "cpu", 100.0)
+    assert (rec["status"], rec["ms_per_step"], rec["ms_per_sample"], rec["peak_mib"]) == ("ok", 11.5, 92.0, 3.0), rec
+    monkeypatch.setattr(gpu_check, "time", clock := FakeClock())
+    for seconds, repeats, ms in (([100.0, 1.0, 3.0], 2, 2000.0), ([100.0, 1.0, 1.0, 7.0], 3, 1000.0)):
+        assert gpu_check.time_ms(lambda: setattr(clock, "now", clock.now + seconds.pop(0)), "cpu", repeats) == ms
+    r = {"status": "ok", "sdpa_fwd_ms": 4.0, "linear_fwd_ms": 2.0, "sdpa_fwd_bwd_ms": 9.0, "linear_fwd_bwd_ms": 3.0}
+    assert gpu_check.scan_cell(r) == ("fwd: SDPA 4.00 ms, linear 2.00 ms (2x); "
+                                      "fwd_bwd: SDPA 9.00 ms, linear 3.00 ms (3x)")
+
+    def targets(scan):                                  # softmax 3 against direct 4; decoding at worst 4 ms/token
+        return "\n".join(gpu_check.targets({
+            "distill": [{"model": "gpt2", "loss": "softmax", "ms_per_sample": 3.0},
+                        {"model": "gpt2", "loss": "direct", "ms_per_sample": 4.0}],
+            "decode": [{"status": "ok", "ctx": c, "kv_cache_ms": a, "linear_state_ms": b} for c, a, b in
+                       ((1, 1.0, 4.0), (2, 2.0, 2.0))],
+            "scan": [dict(status="ok", T=T, sdpa_fwd_ms=s, linear_fwd_ms=l, **({"fla_fwd_ms": f} if f else {}))
+                     for T, s, l, f in scan]}))
+    t = targets([(4096, 2.0, 5.0, 1.0), (8192, 2.0, 1.0, None)])                # FLA's scan is the faster at 4k
+    assert "target softmax no slower than direct: met (3.0 against 4.0 ms/sample)" in t, t
+    assert "target decoding <= 3 ms/token at ctx 1..2: MISSED (worst 4.00)" in t, t
+    assert "faster than flash SDPA from 4k tokens (forward): met" in t, t
+    t = targets([(4096, 2.0, 3.0, None), (8192, 2.0, 1.0, None)])              # ours slower at 4,096 itself
+    assert "faster than flash SDPA from 4k tokens (forward): MISSED" in t, t
+
+
 def run_bad(argv, match):
     with pytest.raises(ModelError, match=match) as e:
         distill.main([str(a) for a in argv])
