@@ -2166,6 +2166,19 @@ def test_prepare_text_pieces_give_the_ids_of_the_whole_text(tokenizer):
     assert prep.tokenize_text(enc, text, 2) == enc.encode_ordinary(text)
 
 
+def test_wikipedia_max_tokens_count_end_of_text_and_stop_after_the_article_that_reaches_them():
+    """write_articles: ten kept articles of 4 characters (code-point ids, 5 tokens with end-of-text), --max-tokens 10,
+    one batch of 16: exactly 2 articles are written, the cap checked after each, not at the batch's end."""
+    wiki = load_script("data/wikipedia/prepare.py")
+    enc = types.SimpleNamespace(name="ord", n_vocab=65536, eot_token=65535, encode_ordinary_batch=lambda texts,
+                                num_threads=1: [[ord(c) for c in t] for t in texts])
+    files = {k: types.SimpleNamespace(ids=(ids := []), write=ids.extend) for k in ("train", "val")}
+    bar = types.SimpleNamespace(n=0, update=lambda k: None, set_postfix=lambda **k: None)
+    cfg = types.SimpleNamespace(seed=0, fraction=1.0, batch_docs=16, val_fraction=0.0, max_tokens=10, num_threads=1)
+    assert wiki.write_articles(cfg, enc, iter(["abcd"] * 10), files, bar)[1] == 2
+    assert files["train"].ids == [97, 98, 99, 100, 65535] * 2 and files["val"].ids == []
+
+
 def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch):
     """The Wikipedia script's loop on a stand-in stream (no internet here): a seeded random fraction of the
     articles, each followed by end-of-text, split between train and val (alike for any --batch-docs), stopped by
@@ -2313,24 +2326,26 @@ def test_layers_stacked_in_one_loss_equal_each_layer_alone(kind, query_block, st
 
 
 def test_compiled_layerwise_loss_equals_the_eager_one(monkeypatch):
-    """experiments/compiled.py: torch.compile of the blockwise losses gives the eager values and gradients."""
+    """experiments/compiled.py: torch.compile of both blockwise losses gives the eager values and gradients."""
     torch.manual_seed(22)
     cores = [LinearAttention(2, 2, 8, 4) for _ in range(2)]
     qk = [(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)) for _ in cores]
     runs = []
     for compile in (False, True):
         if compile:
-            eager = distill.softmax_loss_blockwise
+            eager = distill.softmax_loss_blockwise, distill.l2_loss_blockwise
             for name in ("softmax_loss_blockwise", "l2_loss_blockwise"):
                 monkeypatch.setattr(distill, name, getattr(distill, name))    # undone after the test
             compiled.compile_losses()
-            assert distill.softmax_loss_blockwise is not eager
-        value = distill.layer_losses(cores, qk, "softmax", 8, 1.0)
-        runs.append((value, [p.grad.clone() for c in cores for p in c.parameters()]))
-        for c in cores:
-            c.zero_grad()
-    (v0, g0), (v1, g1) = runs
-    assert torch.allclose(v0, v1, rtol=1e-5) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(g0, g1))
+            assert distill.softmax_loss_blockwise is not eager[0] and distill.l2_loss_blockwise is not eager[1]
+        for kind in ("softmax", "l2"):
+            value = distill.layer_losses(cores, qk, kind, 8, 1.0)
+            runs.append((value, [p.grad.clone() for c in cores for p in c.parameters()]))
+            for c in cores:
+                c.zero_grad()
+    for (v0, g0), (v1, g1) in zip(runs[:2], runs[2:]):
+        assert torch.allclose(v0, v1, rtol=1e-5) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+                                                          for a, b in zip(g0, g1))
 
 
 def test_compiled_losses_without_a_cxx_compiler_are_one_sentence(monkeypatch):
@@ -2376,7 +2391,7 @@ def test_fla_scan_equals_the_chunked_scan_forward_and_backward(T, scale):
 def test_fla_scan_wraps_flas_contract_into_the_chunked_scans(monkeypatch):
     """experiments/fla_scan.py on the CPU, FLA's chunk_linear_attn replaced by its contract written out: inputs
     (B, T, H, .), o_i = scale sum_{j<=i} (q_i.k_j) v_j (normalize=False), T < H refused. It equals the chunked scan at
-    T < H and with denominators near 1e-13 (FLA's normalize=True adds 1e-10 to them)."""
+    T < H and with denominators near 1e-13 (FLA's normalize=True adds 1e-10 to them), and so do its gradients."""
     def chunk_linear_attn(q, k, v, scale=None, normalize=True, head_first=False):
         assert not normalize and not head_first and q.size(1) >= q.size(2), "FLA refuses T < H, head_first"
         A = (torch.einsum("bihd,bjhd->bhij", q, k) * scale).tril()                    # (B, H, T, T)
@@ -2390,6 +2405,11 @@ def test_fla_scan_wraps_flas_contract_into_the_chunked_scans(monkeypatch):
         v = torch.randn(2, 5, T, 6, generator=g, dtype=torch.float64)
         y = fla_scan.fla_linear_attention(phi_q, phi_k, v)
         assert y.shape == v.shape and torch.allclose(y, causal_linear_attention(phi_q, phi_k, v, 16), rtol=1e-10)
+        ours, theirs = ([t.clone().requires_grad_() for t in (phi_q / scale, phi_k / scale, v)] for _ in range(2))
+        dy = torch.randn(v.shape, generator=g, dtype=torch.float64)
+        (causal_linear_attention(*ours, 16) * dy).sum().backward()
+        (fla_scan.fla_linear_attention(*theirs) * dy).sum().backward()
+        assert all(torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12) for a, b in zip(theirs, ours))
 
 
 def test_l2_loss_blocks_equal_the_plain_kernel_error():
