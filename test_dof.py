@@ -2392,8 +2392,9 @@ def test_fla_scan_wraps_flas_contract_into_the_chunked_scans(monkeypatch):
     """experiments/fla_scan.py on the CPU, FLA's chunk_linear_attn replaced by its contract written out: inputs
     (B, T, H, .), o_i = scale sum_{j<=i} (q_i.k_j) v_j (normalize=False), T < H refused. It equals the chunked scan at
     T < H and with denominators near 1e-13 (FLA's normalize=True adds 1e-10 to them), and so do its gradients."""
-    def chunk_linear_attn(q, k, v, scale=None, normalize=True, head_first=False):
-        assert not normalize and not head_first and q.size(1) >= q.size(2), "FLA refuses T < H, head_first"
+    def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
+                          cu_seqlens=None):                                          # fla-core 0.5 and 0.6
+        assert not normalize and q.size(1) >= q.size(2), "FLA refuses T < H"
         A = (torch.einsum("bihd,bjhd->bhij", q, k) * scale).tril()                    # (B, H, T, T)
         return torch.einsum("bhij,bjhd->bihd", A, v), None
     ops = types.ModuleType("fla.ops.linear_attn")

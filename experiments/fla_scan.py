@@ -30,7 +30,7 @@ def fla_linear_attention(phi_q, phi_k, v, chunk_size=None):
     from fla.ops.linear_attn import chunk_linear_attn
     (B, H, T, D), v1 = v.shape, torch.cat((v, v.new_ones(*v.shape[:-1], 1)), -1).to(phi_q.dtype)
     x = [F.pad(t, (0, 0, 0, max(0, H - T))).transpose(1, 2).contiguous() for t in (phi_q, phi_k, v1)]
-    out = chunk_linear_attn(*x, scale=1.0, normalize=False, head_first=False)[0][:, :T].transpose(1, 2)
+    out = chunk_linear_attn(*x, scale=1.0, normalize=False)[0][:, :T].transpose(1, 2)
     return out[..., :D] / out[..., D:].clamp_min(1e-30)                               # (B, H, T, D)
 
 
