@@ -2835,6 +2835,23 @@ def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeyp
     assert "faster than flash SDPA from 4k tokens (forward): MISSED" in t, t
 
 
+def test_gpu_check_rows_run_while_four_times_the_last_fits_the_first_not_counted(monkeypatch):
+    """rows_until on a fake clock, 200 s left at the start: rows of 60 s (the first: kernels compiled and models
+    built once, not counted), 10 s and 30 s (one raising) run; the fourth is skipped, as 4 x 30 s > the 100 s left."""
+    import gpu_check  # experiments/gpu_check.py
+    monkeypatch.setattr(gpu_check, "time", clock := FakeClock([60.0, 10.0, 30.0, 1.0, 1.0]))
+
+    def measure(v):
+        if v == 3:
+            raise ValueError("no kernel\nfor this")
+        return {"ms": v}
+    rows = gpu_check.rows_until(lambda: 200.0 - clock.now, [1, 2, 3, 4, 5], measure, "T")
+    assert rows == [{"T": 1, "status": "ok", "ms": 1}, {"T": 2, "status": "ok", "ms": 2},
+                    {"T": 3, "status": "error", "reason": "ValueError: no kernel"},
+                    {"T": 4, "status": "skipped", "reason": "100 s left of --budget-seconds"},
+                    {"T": 5, "status": "skipped", "reason": "100 s left of --budget-seconds"}], rows
+
+
 def run_bad(argv, match):
     with pytest.raises(ModelError, match=match) as e:
         distill.main([str(a) for a in argv])
