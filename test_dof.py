@@ -2152,7 +2152,7 @@ def test_atomic_path_leaves_the_old_file_and_no_tmp_when_the_writer_fails(tmp_pa
     assert list(path.iterdir()) == [] if directory else path.read_text() == "whole"
 
 
-@pytest.mark.parametrize("tokenizer", ["gpt2-tokenizer", "smollm2-135m"])
+@pytest.mark.parametrize("tokenizer", ["gpt2-tokenizer", pytest.param("smollm2-135m", marks=needs_smollm2)])
 def test_prepare_text_pieces_give_the_ids_of_the_whole_text(tokenizer):
     """tokenize_text's ~1 MB pieces equal one encode_ordinary call on text whose paragraphs end in blank lines and
     trailing spaces (a cut after "a\\n\\n" had made its "\\n\\n" one token)."""
