@@ -2168,14 +2168,15 @@ def test_prepare_text_pieces_give_the_ids_of_the_whole_text(tokenizer):
 
 def test_wikipedia_max_tokens_count_end_of_text_and_stop_after_the_article_that_reaches_them():
     """write_articles: ten kept articles of 4 characters (code-point ids, 5 tokens with end-of-text), --max-tokens 10,
-    one batch of 16: exactly 2 articles are written, the cap checked after each, not at the batch's end."""
+    one batch of 16: exactly 2 articles are written, the cap checked after each, not at the batch's end, and 2 seen
+    (the batch's other 8 are not)."""
     wiki = load_script("data/wikipedia/prepare.py")
     enc = types.SimpleNamespace(name="ord", n_vocab=65536, eot_token=65535, encode_ordinary_batch=lambda texts,
                                 num_threads=1: [[ord(c) for c in t] for t in texts])
     files = {k: types.SimpleNamespace(ids=(ids := []), write=ids.extend) for k in ("train", "val")}
     bar = types.SimpleNamespace(n=0, update=lambda k: None, set_postfix=lambda **k: None)
     cfg = types.SimpleNamespace(seed=0, fraction=1.0, batch_docs=16, val_fraction=0.0, max_tokens=10, num_threads=1)
-    assert wiki.write_articles(cfg, enc, iter(["abcd"] * 10), files, bar)[1] == 2
+    assert wiki.write_articles(cfg, enc, iter(["abcd"] * 10), files, bar) == (2, 2)
     assert files["train"].ids == [97, 98, 99, 100, 65535] * 2 and files["val"].ids == []
 
 

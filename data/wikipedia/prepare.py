@@ -62,16 +62,17 @@ def stream_articles(name, config):
 
 def kept_batches(texts, rng, fraction, batch_docs):
     """Keep each article with probability `fraction` (one draw per article, kept or not: a reproducible selection);
-    yields (up to batch_docs kept articles, articles seen so far)."""
-    batch, seen = [], 0
+    yields (up to batch_docs kept articles, the articles seen up to each of them, articles seen so far)."""
+    batch, upto, seen = [], [], 0
     for text in texts:
         seen += 1
         if rng.random() < fraction:
             batch.append(text)
+            upto.append(seen)
         if len(batch) == batch_docs:
-            yield batch, seen
-            batch = []
-    yield batch, seen
+            yield batch, upto, seen
+            batch, upto = [], []
+    yield batch, upto, seen
 
 
 def write_articles(cfg, enc, texts, files, bar):
@@ -80,12 +81,13 @@ def write_articles(cfg, enc, texts, files, bar):
     cfg.max_tokens, or articles without it. -> (articles seen, articles kept)."""
     keep_rng, val_rng = np.random.default_rng(cfg.seed).spawn(2)      # alike whatever --batch-docs is
     eot, n_seen, n_kept, n_tok = eot_id(enc), 0, 0, 0
-    for batch, n_seen in kept_batches(texts, keep_rng, cfg.fraction, cfg.batch_docs):
+    for batch, upto, n_seen in kept_batches(texts, keep_rng, cfg.fraction, cfg.batch_docs):
         to_val = val_rng.random(len(batch)) < cfg.val_fraction
-        for ids, v in zip(enc.encode_ordinary_batch(batch, num_threads=cfg.num_threads), to_val):
+        for ids, v, seen in zip(enc.encode_ordinary_batch(batch, num_threads=cfg.num_threads), to_val, upto):
             files["val" if v else "train"].write(ids + [eot])
             n_tok, n_kept = n_tok + len(ids) + 1, n_kept + 1
             if cfg.max_tokens and n_tok >= cfg.max_tokens:
+                n_seen = seen                                      # not the rest of the batch
                 break
         bar.update((n_tok if cfg.max_tokens else n_seen) - bar.n)
         bar.set_postfix(kept=n_kept, tokens=f"{n_tok / 1e6:.1f}M")
