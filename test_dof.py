@@ -5150,6 +5150,16 @@ def test_figures_refuse_a_lambda_above_every_eigenvalue_and_replace_all_figures_
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_figures_refuse_a_budget_beyond_memory_before_any_figure(figures_run, tmp_path):
+    """--budget 2^40 without --ckpt: the untrained student of the attention maps would need 2^40 features per head;
+    one sentence before any work (it had been an allocation error after two figures were drawn)."""
+    out = tmp_path / "figs"
+    with pytest.raises(ModelError, match=r"^an untrained student of --budget 1099511627776 features needs about "
+                                         r"[\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; pass a smaller --budget$"):
+        figures_run.figures.main(figures_run.args + ["--budget", str(2 ** 40), "--out", str(out)])
+    assert not out.exists()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # docs/experiments.py: one JSON per run, tables generated from them
 

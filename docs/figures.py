@@ -32,8 +32,8 @@ import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
 from checkpoint import read_student  # noqa: E402
-from common import (ModelError, atomic_path, check_out, check_positive, check_tokenizer, opt,  # noqa: E402
-                    parse_config, read_tokens, run_main)
+from common import (ModelError, atomic_path, check_free_memory, check_out, check_positive,  # noqa: E402
+                    check_tokenizer, opt, parse_config, read_tokens, run_main)
 from tokenizer import load_tokenizer  # noqa: E402
 
 COLORS = ("C0", "C3")                                   # the low-DoF head, the high-DoF head
@@ -270,6 +270,10 @@ def main(argv=None):
                          "more text (--tokens) or lower --block-size")
     if not 0 < cfg.window <= T:
         raise ModelError(f"--window must be between 1 and --block-size = {T}, got {cfg.window}")
+    if not cfg.ckpt:                 # the attention maps' untrained student: z (H, M, D), features (H, window, M)
+        H, D = model.config.n_head, model.config.head_dim
+        check_free_memory(4 * H * cfg.budget * (D + 2 * cfg.window + 2), "cpu",
+                          f"an untrained student of --budget {cfg.budget} features", "pass a smaller --budget")
     calib, held_out = tokens[:-T], tokens[-T:]
     x = dof.collect_qk(model, calib[:len(calib) // T * T].view(-1, T).split(1), cfg.J, cfg.seed)  # (L, H, J, D)
     N = dof.degrees_of_freedom(x, cfg.lam, relative=not cfg.lam_absolute).numpy()           # (L, H)
