@@ -5173,13 +5173,16 @@ def docs_experiments():
 
 def test_published_tables_are_the_ones_the_committed_result_files_make(tmp_path):
     """Every generated block of docs/results.md and the README is what `python docs/experiments.py --report`
-    rebuilds from docs/results/: a table edited by hand, or a result file changed without its table, fails here."""
+    rebuilds from docs/results/: a table edited by hand, or a result file changed without its table, fails here; and
+    every block it makes has its markers in one of them (a result file with none was published nowhere)."""
     docs = [ROOT / "docs" / "results.md", ROOT / "README.md"]
     for doc in docs:
         shutil.copy(doc, tmp_path / doc.name)
-    docs_experiments().report(docs=[tmp_path / doc.name for doc in docs], figures=tmp_path)
+    made = docs_experiments().report(docs=[tmp_path / doc.name for doc in docs], figures=tmp_path)
     for doc in docs:
         assert (tmp_path / doc.name).read_text() == doc.read_text(), f"{doc.name}: python docs/experiments.py --report"
+    text = "".join(doc.read_text() for doc in docs)
+    assert len(made) > 30 and not [n for n in made if f"<!-- begin {n} -->" not in text], made.keys()
 
 @pytest.mark.parametrize("damage, match", [
     (lambda p: p.write_text(p.read_text()[:100]), r"b32-dof-s0.json is damaged or truncated \(JSONDecodeError"),

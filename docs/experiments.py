@@ -418,9 +418,11 @@ def zeroshot_table(report):
 
 
 def blocks(grid, records):
-    """The generated markdown blocks of one grid: name -> text."""
-    return {f"{grid}:summary": summary_table(records), f"{grid}:paired": paired_table(records),
-            f"{grid}:layers": layer_table(records)}
+    """The generated markdown blocks of one grid: name -> text; the per-layer table where it has budget-32 DoF runs."""
+    made = {f"{grid}:summary": summary_table(records), f"{grid}:paired": paired_table(records)}
+    if "32/DoF" in groups(records):
+        made[f"{grid}:layers"] = layer_table(records)
+    return made
 
 
 def splice(text, name, body):
@@ -636,7 +638,8 @@ def grid_blocks(grid, results, figures):
 
 
 def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESULTS, figures=ROOT / "docs"):
-    """Rebuild every generated block of `docs` (between their markers) and each grid's learning-curve figure."""
+    """Rebuild every generated block of `docs` (between their markers) and each grid's learning-curve figure;
+    -> the blocks, name -> text."""
     made = {}
     first = {"curves", "claim", *FROM_GRID.values()}       # grids others read: a damaged file of theirs is named theirs
     grids = sorted(p.name for p in Path(results).iterdir() if p.is_dir())
@@ -653,6 +656,7 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
             text = splice(text, name, body)
         write_text_atomic(doc, text)
         print(f"rebuilt {doc}")
+    return made
 
 
 @dataclass
