@@ -5387,6 +5387,35 @@ def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, t
     assert not (scratch / "tiny" / "later.log").exists()
 
 
+FAKE_DISTILL = """
+import json, pathlib, sys
+root, out = sys.argv[1], pathlib.Path(sys.argv[sys.argv.index("--out-dir") + 1])
+out.mkdir(parents=True, exist_ok=True)
+n = len(list(out.glob("call*")))
+(out / f"call{n}").write_text(sys.argv[-1])
+(out / "config.json").write_text(json.dumps({"dims": [4], "data": root + "/data/x", "near": root + "2/x",
+                                            "args": {"max_steps": 2}}))
+(out / "metrics.json").write_text(json.dumps({"val": [{"step": 2}], "train_seconds": 1.5}))
+print(f"greedy continuations of 'The':\\n  teacher: a\\n  student: b{n}")
+"""
+
+
+def test_runner_resumes_a_stopped_run_and_records_paths_relative_to_the_repository(tmp_path, monkeypatch):
+    """A run stopped before its JSON keeps its checkpoint: the next execute passes --resume (the first --overwrite),
+    and records the continuation of its last attempt (the log is appended to); paths under the repository are
+    written relative to it, a sibling folder whose name starts with the repository's is not."""
+    X = docs_experiments()
+    monkeypatch.setattr(X.Run, "command", lambda self, out: [sys.executable, "-c", FAKE_DISTILL, str(X.ROOT),
+                                                             "--out-dir", str(out)])
+    run, res, scratch = X.Run("fake", "r0", "4/Fix", 0), tmp_path / "results", tmp_path / "scratch"
+    X.execute(run, res, scratch).unlink()                         # stopped after its checkpoint, before its JSON
+    rec = json.loads(X.execute(run, res, scratch).read_text())
+    assert [(scratch / "fake" / "r0" / f"call{i}").read_text() for i in range(2)] == ["--overwrite", "--resume"]
+    assert rec["continuations"] == {"prompt": "'The'", "teacher": "a", "student": "b1"}
+    assert rec["args"]["data"] == "data/x" and rec["args"]["near"] == str(X.ROOT) + "2/x"
+    assert 0 <= rec["seconds"] < 60 and rec["train_seconds"] == 1.5
+
+
 SLEEPER = """
 import pathlib, signal, sys, time
 state = pathlib.Path(sys.argv[1] + ".state")
