@@ -2793,6 +2793,23 @@ def test_bench_decoding_heads_and_step_times_leave_out_the_warm_up(tmp_path, mon
     assert r["ms"] == 2000.0 and r["ops"] >= sum(n for _, n in r["top"]) > len(r["top"]), r
 
 
+def test_bench_decode_ops_count_one_token_after_the_prefill_and_a_warm_up_token():
+    """decode_ops: the aten ops of one decoded token, counted here after a prefill of 8 tokens and one token; the
+    first token after a prefill runs more (the KV cache grows), and a prefill far more."""
+    import bench  # experiments/bench.py
+    torch.manual_seed(0)
+    model = GPT(M.GPTConfig(family="neox", n_layer=2, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, rotary_dim=4,
+                            vocab_size=64, block_size=32, mlp_hidden=32)).eval()
+    for m in (model, model.linearize([4, 4])):
+        cache, tok = M.Cache(2), torch.zeros(1, 1, dtype=torch.long)
+        with torch.no_grad():
+            m.hidden(torch.zeros(1, 8, dtype=torch.long), cache)
+            m(tok, cache=cache)
+            with bench.OpCount() as count:
+                m(tok, cache=cache)
+        assert bench.decode_ops(m, "cpu") == sum(count.ops.values()) > 20
+
+
 def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeypatch):
     """gpu_check.py's arithmetic: a distillation's ms/step is the median of the logged intervals after the first
     (10.5, 12.5, 11.5 after 500: 11.5), per 1,024-token sample 11.5 x 1024 / (2 x 64) = 92, its peak 3 MiB; time_ms

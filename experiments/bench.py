@@ -237,6 +237,18 @@ def decode_ms(model, ctx, steps, device):
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
+@torch.no_grad()
+def decode_ops(model, device):
+    """Aten ops of one decoded token after a prefill of 8 tokens and one decoded token (about one kernel launch
+    each on a GPU)."""
+    cache, tok = Cache(model.config.n_layer), torch.zeros(1, 1, dtype=torch.long, device=device)
+    model.hidden(torch.zeros(1, 8, dtype=torch.long, device=device), cache)
+    model(tok, cache=cache)                                          # as decode_ms's warm-up step
+    with OpCount() as count:
+        model(tok, cache=cache)
+    return sum(count.ops.values())
+
+
 def decode_table(cfg, device):
     """Per-token decode time of a Pythia-160M-shape model, softmax (KV cache) against linearised (M = cfg.M state)."""
     torch.manual_seed(0)
@@ -255,8 +267,9 @@ def decode_table(cfg, device):
     linear.load_state_dict(softmax.state_dict())
     linear = linear.linearize([cfg.M] * mc.n_layer)
     softmax, linear = softmax.to(device), linear.to(device)
-    print(f"\ndecoding, Pythia-160M shape (random weights), batch 1, on {device}, ms per token "
-          f"(mean of {cfg.decode_steps}):\n")
+    print(f"\ndecoding, Pythia-160M shape (random weights), batch 1, on {device}, ms per token (mean of "
+          f"{cfg.decode_steps}); aten ops per token: {decode_ops(softmax, device):,} through the KV cache, "
+          f"{decode_ops(linear, device):,} through the linear state:\n")
     print(f"| context | softmax + KV cache | linear (M={cfg.M} state) |")
     print("|---:|---:|---:|")
     res = []
