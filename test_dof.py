@@ -2813,7 +2813,8 @@ def test_bench_decode_ops_count_one_token_after_the_prefill_and_a_warm_up_token(
 def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeypatch):
     """gpu_check.py's arithmetic: a distillation's ms/step is the median of the logged intervals after the first
     (10.5, 12.5, 11.5 after 500: 11.5), per 1,024-token sample 11.5 x 1024 / (2 x 64) = 92, its peak 3 MiB; time_ms
-    the median after an untimed call; scan_cell SDPA over ours; the targets met or MISSED as their sentences say."""
+    the median after an untimed call; scan_cell SDPA over ours; decode_cell the KV cache also without cuDNN's SDPA
+    where measured; the targets met or MISSED as their sentences say."""
     import gpu_check  # experiments/gpu_check.py
     log = "".join(f"step {s}/30 | loss 1.234 | lr_z 0.01 | {ms} ms/step | 9,999 tok/s\n" for s, ms in
                   ((5, "500.0"), (10, "10.5"), (15, "12.5"), (20, "11.5"))) + "PEAK_BYTES 3145728\n"
@@ -2836,6 +2837,10 @@ def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeyp
     r = {"status": "ok", "sdpa_fwd_ms": 4.0, "linear_fwd_ms": 2.0, "sdpa_fwd_bwd_ms": 9.0, "linear_fwd_bwd_ms": 3.0}
     assert gpu_check.scan_cell(r) == ("fwd: SDPA 4.00 ms, linear 2.00 ms (2x); "
                                       "fwd_bwd: SDPA 9.00 ms, linear 3.00 ms (3x)")
+    r = {"status": "ok", "kv_cache_ms": 40.0, "linear_state_ms": 10.0}
+    assert gpu_check.decode_cell(r) == "KV cache 40.00 ms/token, linear state 10.00 ms/token"
+    assert gpu_check.decode_cell({**r, "kv_no_cudnn_ms": 5.0}) == \
+        "KV cache 40.00 ms/token (5.00 ms without cuDNN's SDPA), linear state 10.00 ms/token"
 
     def targets(scan):                                  # softmax 3 against direct 4; decoding at worst 4 ms/token
         return "\n".join(gpu_check.targets({
