@@ -18,7 +18,8 @@ the tokenizer files of tests/data beside them) and every token is random, so not
   scan     PRF features + model.causal_linear_attention, and FLA's chunk kernel on CUDA when flash-linear-attention
            is installed, against F.scaled_dot_product_attention(is_causal=True) (the flash kernel on CUDA); B = 1,
            H = 12, D = M = 64, bf16 inputs, forward and forward+backward, the median of --repeats calls ("oom" where
-           memory runs out). The linear path computes in fp32 from the bf16 inputs, as the model does.
+           memory runs out). The linear path computes in fp32 from the bf16 inputs, as the model does. FLA's output
+           is also compared with ours (relative error).
   decode   ms per generated token after a prefill of ctx tokens, Pythia-160M shape in bf16: the KV cache (softmax)
            against the fixed linear state (M = 64), as bench.py's decode table; on CUDA the KV cache also without
            SDPA's cuDNN backend (each token's new key length may build it a new plan).
@@ -328,6 +329,13 @@ def scan_row(T, H, D, M, device, repeats):
                     torch.cuda.empty_cache()
                 except RuntimeError as e:                            # e.g. no flash kernel for this GPU
                     row[f"{name}_{mode}_ms"] = f"error: {str(e).splitlines()[0]}"
+    if "fla" in fns:                                  # FLA's output against ours (its fp32 products may be TF32)
+        try:
+            with torch.no_grad():
+                ours = fns["linear"]().double()
+                row["fla_rel_err"] = ((fns["fla"]().double() - ours).norm() / ours.norm()).item()
+        except RuntimeError as e:
+            row["fla_rel_err"] = f"error: {str(e).splitlines()[0]}"
     return row
 
 
@@ -433,6 +441,9 @@ def scan_cell(r):
             speed = f" ({sdpa / t:.3g}x)" if isinstance(t, float) and isinstance(sdpa, float) else ""
             cell += [f"{name} {fmt(t)}{speed}"] if t is not None else []
         cells.append(f"{m}: SDPA {fmt(sdpa)}, " + ", ".join(cell))
+    if "fla_rel_err" in r:
+        err = r["fla_rel_err"]
+        cells.append(f"FLA against ours: relative error {err:.1e}" if isinstance(err, float) else f"FLA: {err}")
     return "; ".join(cells)
 
 
