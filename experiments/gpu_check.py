@@ -391,8 +391,8 @@ def rows_until(deadline_left, values, measure, key):
             out.append({key: v, "status": "ok", **measure(v)})
         except Exception as e:                                       # a crash on the device is a finding: go on
             out.append({key: v, "status": "error", "reason": f"{type(e).__name__}: {e}".splitlines()[0]})
-        last = time.perf_counter() - t0
-        last = last if i else 0.0
+        elapsed = time.perf_counter() - t0
+        last = elapsed if i else 0.0                                 # the first row's one-time work: no estimate
     return out
 
 
