@@ -2795,8 +2795,8 @@ def test_bench_decoding_heads_and_step_times_leave_out_the_warm_up(tmp_path, mon
 
 
 def test_bench_decode_ops_count_one_token_after_the_prefill_and_a_warm_up_token():
-    """decode_ops: the aten ops of one decoded token, counted here after a prefill of 8 tokens and one token; the
-    first token after a prefill runs more (the KV cache grows), and a prefill far more."""
+    """decode_ops: the aten ops of one decoded token, counted here after a prefill of 8 tokens and one token (the
+    first token after a prefill also grows the KV cache)."""
     import bench  # experiments/bench.py
     torch.manual_seed(0)
     model = GPT(M.GPTConfig(family="neox", n_layer=2, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, rotary_dim=4,
