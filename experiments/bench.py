@@ -220,15 +220,21 @@ def speed_and_memory_lines(rows):
               + (" (at most linear in T)" if per_token[-1] <= 1.25 * min(per_token) else " (NOT linear in T)"))
 
 
-@torch.no_grad()
-def decode_ms(model, ctx, steps, device):
-    """Mean ms per generated token after a prefill of ctx tokens, through the decoding Cache: a KV cache for
-    softmax attention, the fixed (M x D) state for linear attention."""
+def prefilled(model, ctx, device):
+    """A decoding Cache after a prefill of ctx random tokens and one decoded token (the warm-up), and that token."""
     cache = Cache(model.config.n_layer)
     idx = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
     model.hidden(idx, cache)                                         # prefill, without the (ctx, V) logits
     tok = idx[:, -1:]
     model(tok, cache=cache)                                          # warm-up step
+    return cache, tok
+
+
+@torch.no_grad()
+def decode_ms(model, ctx, steps, device):
+    """Mean ms per generated token after a prefill of ctx tokens, through the decoding Cache: a KV cache for
+    softmax attention, the fixed (M x D) state for linear attention."""
+    cache, tok = prefilled(model, ctx, device)
     sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -241,9 +247,7 @@ def decode_ms(model, ctx, steps, device):
 def decode_ops(model, device):
     """Aten ops of one decoded token after a prefill of 8 tokens and one decoded token (about one kernel launch
     each on a GPU)."""
-    cache, tok = Cache(model.config.n_layer), torch.zeros(1, 1, dtype=torch.long, device=device)
-    model.hidden(torch.zeros(1, 8, dtype=torch.long, device=device), cache)
-    model(tok, cache=cache)                                          # as decode_ms's warm-up step
+    cache, tok = prefilled(model, 8, device)
     with OpCount() as count:
         model(tok, cache=cache)
     return sum(count.ops.values())
