@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from checkpoint import config_from_hf, convert_state_dict, read_checkpoint, read_student
 from common import ModelError
@@ -60,19 +61,22 @@ def rotary(x, cos, sin):
 
 class SoftmaxAttention(nn.Module):
     """The teacher's core: y_i = sum_{j<=i} softmax_j(q_i.k_j / sqrt d) v_j; q (B, H, T, D), k, v (B, Hkv, T, D).
-    Decoding keeps a KV cache: cache["k"], cache["v"] (B, Hkv, capacity, D) hold cache["n"] tokens."""
+    Decoding keeps a KV cache: cache["k"], cache["v"] (B, Hkv, capacity, D) hold cache["n"] tokens. It skips SDPA's
+    cuDNN backend, whose plans are keyed on shapes, new every token: decoding took 6-8x as long (docs/results.md)."""
     def forward(self, q, k, v, cache=None):
-        gqa, mask = k.size(1) != q.size(1), None
-        if cache is not None:
-            (B, Hkv, T, D), P = k.shape, cache.get("n", 0)
-            for name, x in (("k", k), ("v", v)):
-                kept = cache.get(name, x[:, :, :0])
-                if kept.size(2) < P + T:                                     # preallocated; a full one doubles
-                    kept = cache[name] = torch.cat((kept[:, :, :P], x.new_empty(B, Hkv, max(T, P), D)), 2)
-                kept[:, :, P:P + T] = x                                      # written in place (as in gpt-fast)
-            cache["n"], k, v = P + T, cache["k"][:, :, :P + T], cache["v"][:, :, :P + T]
-            mask = None if T == 1 else torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(P)  # j <= P + i
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None, enable_gqa=gqa)
+        gqa = k.size(1) != q.size(1)
+        if cache is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        (B, Hkv, T, D), P = k.shape, cache.get("n", 0)
+        for name, x in (("k", k), ("v", v)):
+            kept = cache.get(name, x[:, :, :0])
+            if kept.size(2) < P + T:                                         # preallocated; a full one doubles
+                kept = cache[name] = torch.cat((kept[:, :, :P], x.new_empty(B, Hkv, max(T, P), D)), 2)
+            kept[:, :, P:P + T] = x                                          # written in place (as in gpt-fast)
+        cache["n"], k, v = P + T, cache["k"][:, :, :P + T], cache["v"][:, :, :P + T]
+        mask = None if T == 1 else torch.ones(T, P + T, dtype=torch.bool, device=q.device).tril(P)      # j <= P + i
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 # Linear attention. Softmax attention y_i = sum_{j<=i} K(q_i, k_j) v_j / sum_{j<=i} K(q_i, k_j), K(q, k) =
@@ -257,8 +261,7 @@ class MLP(nn.Module):
     """GPT-2: proj(gelu_tanh(fc(x))); NeoX: proj(gelu(fc(x))); Llama: proj(silu(gate(x)) * fc(x))."""
     def __init__(self, cfg):
         super().__init__()
-        self.family = cfg.family
-        self.fc = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=cfg.bias)
+        self.family, self.fc = cfg.family, nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=cfg.bias)
         self.proj = nn.Linear(cfg.mlp_hidden, cfg.n_embd, bias=cfg.bias)
         if cfg.family == "llama":
             self.gate = nn.Linear(cfg.n_embd, cfg.mlp_hidden, bias=False)
@@ -292,8 +295,7 @@ class Cache(list):
 class GPT(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.config = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.config, self.wte = cfg, nn.Embedding(cfg.vocab_size, cfg.n_embd)
         if cfg.family == "gpt2":
             self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -321,8 +323,7 @@ class GPT(nn.Module):
             cache.pos += T
         return self.ln_f(x)
 
-    def forward(self, idx, cache=None):
-        """idx (B, T) -> logits (B, T, V)."""
+    def forward(self, idx, cache=None):                                                # idx (B, T) -> logits (B, T, V)
         return self.lm_head(self.hidden(idx, cache))
 
     def nll(self, idx, targets):

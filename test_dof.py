@@ -5894,6 +5894,19 @@ def test_kv_cache_is_preallocated_and_doubles_its_capacity_when_full():
     assert (torch.cat(parts, 1) - full).abs().max() < 1e-5
 
 
+def test_kv_cache_attention_runs_without_cudnns_sdpa_and_the_full_pass_with_it(monkeypatch):
+    """cuDNN's SDPA builds a plan for each new key length, which a KV cache changes every token: the cached calls
+    (prefill and each decoded token) run with it disabled, the uncached pass with the caller's backends."""
+    seen, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or sdpa(*a, **kw))
+    (model, _), idx, cache = small_pair(), torch.randint(0, 50, (1, 6)), M.Cache(2)
+    with torch.no_grad():
+        full, parts = model(idx), [model(idx[:, :3], cache)] + [model(idx[:, t:t + 1], cache) for t in range(3, 6)]
+    assert seen == [True] * 2 + [False] * 8 and torch.backends.cuda.cudnn_sdp_enabled()
+    assert (torch.cat(parts, 1) - full).abs().max() < 1e-5
+
+
 def test_linear_student_decodes_each_new_token_by_the_recurrent_step(monkeypatch):
     """GPT.generate on a linearised student: the prompt through the chunked scan once a layer, then each new token
     by linear_attention_step alone (O(1) a token, never the scan again): 2 layers, a 6-token prompt and 5 new tokens

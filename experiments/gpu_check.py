@@ -21,8 +21,7 @@ the tokenizer files of tests/data beside them) and every token is random, so not
            memory runs out). The linear path computes in fp32 from the bf16 inputs, as the model does. FLA's output
            is also compared with ours (relative error).
   decode   ms per generated token after a prefill of ctx tokens, Pythia-160M shape in bf16: the KV cache (softmax)
-           against the fixed linear state (M = 64), as bench.py's decode table; on CUDA the KV cache also without
-           SDPA's cuDNN backend (each token's new key length may build it a new plan).
+           against the fixed linear state (M = 64), as bench.py's decode table.
   dof      dof.degrees_of_freedom on a random (12, 12, J, 64) input on --device (and one layer on the CPU).
 
 Sections run in order of importance; each checks the --budget-seconds deadline first. distill, scan, decode and dof
@@ -397,8 +396,7 @@ def rows_until(deadline_left, values, measure, key):
 
 
 def decode_section(cfg, shape, device, left):
-    """Per-token decoding of one random model in bf16, softmax and linearised (M = 64), built for the first row; on
-    CUDA the KV cache again without SDPA's cuDNN backend, which may build a plan for each new key length."""
+    """Per-token decoding of one random model in bf16, softmax and linearised (M = 64), built for the first row."""
     models = []
 
     def measure(ctx):
@@ -406,13 +404,8 @@ def decode_section(cfg, shape, device, left):
             torch.manual_seed(0)
             softmax = GPT(GPTConfig(**config_from_hf(shape))).to(device=device, dtype=torch.bfloat16).eval()
             models.extend([softmax, softmax.linearize([BUDGET["gpt2"]] * softmax.config.n_layer)])
-        row = {"kv_cache_ms": decode_ms(models[0], ctx, cfg.decode_steps, device),
-               "linear_state_ms": decode_ms(models[1], ctx, cfg.decode_steps, device)}
-        if torch.device(device).type == "cuda":
-            B = torch.nn.attention.SDPBackend
-            with torch.nn.attention.sdpa_kernel([B.FLASH_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH]):
-                row["kv_no_cudnn_ms"] = decode_ms(models[0], ctx, cfg.decode_steps, device)
-        return row
+        return {"kv_cache_ms": decode_ms(models[0], ctx, cfg.decode_steps, device),
+                "linear_state_ms": decode_ms(models[1], ctx, cfg.decode_steps, device)}
     return rows_until(left, cfg.decode_ctx, measure, "ctx")
 
 
@@ -450,7 +443,7 @@ def scan_cell(r):
 def decode_cell(r):
     if r["status"] != "ok":
         return f"{r['status']} ({r['reason']})"
-    no_cudnn = f" ({fmt(r['kv_no_cudnn_ms'])} without cuDNN's SDPA)" if "kv_no_cudnn_ms" in r else ""
+    no_cudnn = f" ({fmt(r['kv_no_cudnn_ms'])} without cuDNN's SDPA)" if "kv_no_cudnn_ms" in r else ""  # h200.json
     return f"KV cache {fmt(r['kv_cache_ms'])}/token{no_cudnn}, linear state {fmt(r['linear_state_ms'])}/token"
 
 
