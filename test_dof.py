@@ -2377,7 +2377,10 @@ def test_compiled_losses_without_a_cxx_compiler_are_one_sentence(monkeypatch):
                            "flash-linear-attention); without them the chunked scan runs")
 @pytest.mark.parametrize("T, scale", [(3, 1.0), (63, 1.0), (500, 1.0), (1000, 1.0), (500, 1e-7)])
 def test_fla_scan_equals_the_chunked_scan_forward_and_backward(T, scale):
-    """T = 3 < H (FLA refuses that shape: padded); scale 1e-7: denominators near 1e-13, as PRF features give."""
+    """T = 3 < H (FLA refuses that shape: padded); scale 1e-7: denominators near 1e-13, as PRF features give. The
+    bound is TF32's rounding (unit roundoff 2^-11 = 4.9e-4), the size of the errors measured (docs/results.md: output
+    4.2-4.6e-4, dq 1.0-1.3e-3), as Triton's fp32 dot products default to TF32. A wrong scale, layout or normaliser
+    gives errors near 1."""
     g = torch.Generator(device="cuda").manual_seed(T)
     phi_q, phi_k = (scale * torch.rand(1, 4, T, 64, device="cuda", generator=g) for _ in range(2))
     v = torch.randn(1, 4, T, 64, device="cuda", generator=g)
@@ -2387,7 +2390,7 @@ def test_fla_scan_equals_the_chunked_scan_forward_and_backward(T, scale):
     (y * dy).sum().backward()
     (y_fla * dy).sum().backward()
     errors = [rel(y_fla, y)] + [rel(a.grad, b.grad) for a, b in zip(theirs, ours)]      # output, dq, dk, dv
-    assert max(errors) < 1e-3, errors
+    assert max(errors) < 4e-3, errors
 
 
 def test_fla_scan_wraps_flas_contract_into_the_chunked_scans(monkeypatch):
