@@ -312,7 +312,7 @@ class GPT(nn.Module):
         c, T, p0 = self.config, idx.size(1), (cache.pos if cache is not None else 0)
         if c.family == "gpt2" and p0 + T > c.block_size:
             raise ModelError(f"{p0 + T} positions exceed GPT-2's learned {c.block_size}; use a shorter input")
-        pos = torch.arange(p0, p0 + T, device=idx.device)
+        pos = p0 + torch.arange(T, device=idx.device)                  # p0: an int, or a tensor (a graph's)
         x = self.wte(idx) + (self.wpe(pos) if c.family == "gpt2" else 0)                 # learned positions: GPT-2
         two_i = torch.arange(0, c.rotary_dim, 2, device=idx.device, dtype=torch.float32)    # rotary, for all layers
         angles = (pos.float()[:, None] * (1.0 / c.rope_base ** (two_i / max(1, c.rotary_dim)))).repeat(1, 2)  # (T, r)

@@ -2418,6 +2418,39 @@ def test_fla_scan_wraps_flas_contract_into_the_chunked_scans(monkeypatch):
         assert all(torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12) for a, b in zip(theirs, ours))
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device,linear", [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=CUDA),
+                                           pytest.param("cuda", True, marks=CUDA)])
+def test_graphed_decoder_equals_decoding_through_models_cache(device, linear):
+    """experiments/graphed_decode.py: after a prefill, tokens through the fixed buffers (position a tensor, a KV cache
+    of fixed capacity or the linear state copied back) give model.Cache's logits at every step, with the buffers'
+    addresses unchanged; on the CPU its step runs eagerly, on CUDA as one captured graph replayed. GPT-2 is refused."""
+    import graphed_decode
+    torch.manual_seed(0)
+    cfg = M.GPTConfig(family="llama", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
+                      block_size=256, rotary_dim=16, tie_embeddings=False, mlp_hidden=128, bias=False)
+    model = GPT(cfg).eval()
+    model = (model.linearize([8, 24], chunk_size=16) if linear else model).to(device)
+    idx = torch.randint(0, 300, (2, 30), device=device)
+    ours, ref = M.Cache(cfg.n_layer), M.Cache(cfg.n_layer)
+    with torch.no_grad():
+        model(idx[:, :21], cache=ours), model(idx[:, :21], cache=ref)
+        expected = [model(idx[:, t:t + 1], cache=ref) for t in range(21, 30)]
+    decoder = graphed_decode.GraphedDecoder(model, ours, idx[:, 20:21], steps=9, graph=device == "cuda")
+    assert (decoder.graph is not None) == (device == "cuda")
+    addresses = [{name: x.data_ptr() for name, x in layer.items()} for layer in ours]
+    for t, want in zip(range(21, 30), expected):
+        got = decoder(idx[:, t:t + 1])
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (t, (got - want).abs().max())
+    assert ours.pos.item() == ref.pos == 30 and sorted(ours[0]) == (["S", "pos", "s"] if linear else ["k", "pos", "v"])
+    assert [{name: x.data_ptr() for name, x in layer.items()} for layer in ours] == addresses
+    gpt2 = GPT(M.GPTConfig(family="gpt2", vocab_size=300, n_layer=1, n_head=2, n_embd=16, head_dim=8, block_size=64))
+    with pytest.raises(ModelError, match="^GPT-2's learned positions .* decode GPT-2 with model.generate$"):
+        graphed_decode.GraphedDecoder(gpt2, M.Cache(1), idx[:, :1].cpu(), graph=False)
+
+
 def test_l2_loss_blocks_equal_the_plain_kernel_error():
     """The blockwise l2 loss against the paper's kernel error written out here: K = exp(q.(k - mu) / sqrt d) and
     K^ = Phi(q).Phi(k - mu), Phi(x)_m = sqrt(alpha_m / M) exp(z_m.x / d^(1/4) - |x|^2 / (2 sqrt d)) from z, alpha."""
@@ -2818,7 +2851,7 @@ def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeyp
     """gpu_check.py's arithmetic: a distillation's ms/step is the median of the logged intervals after the first
     (10.5, 12.5, 11.5 after 500: 11.5), per 1,024-token sample 11.5 x 1024 / (2 x 64) = 92, its peak 3 MiB; time_ms
     the median after an untimed call; scan_cell SDPA over ours; decode_cell the KV cache also without cuDNN's SDPA
-    where measured; the targets met or MISSED as their sentences say."""
+    and both as one CUDA graph where measured; the targets met or MISSED as their sentences say."""
     import gpu_check  # experiments/gpu_check.py
     log = "".join(f"step {s}/30 | loss 1.234 | lr_z 0.01 | {ms} ms/step | 9,999 tok/s\n" for s, ms in
                   ((5, "500.0"), (10, "10.5"), (15, "12.5"), (20, "11.5"))) + "PEAK_BYTES 3145728\n"
@@ -2848,18 +2881,28 @@ def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeyp
     assert gpu_check.decode_cell(r) == "KV cache 40.00 ms/token, linear state 10.00 ms/token"
     assert gpu_check.decode_cell({**r, "kv_no_cudnn_ms": 5.0}) == \
         "KV cache 40.00 ms/token (5.00 ms without cuDNN's SDPA), linear state 10.00 ms/token"
+    graphed = {"graphed": True, "kv_cache_graph_ms": 2.0, "kv_cache_graph_err": 0.0042, "linear_state_graph_ms": 1.5,
+               "linear_state_graph_err": 0.0}
+    assert gpu_check.decode_cell({**r, **graphed}) == (
+        "KV cache 40.00 ms/token, linear state 10.00 ms/token; one graph a token: KV cache 2.00 ms/token "
+        "(logits within 4e-03), linear state 1.50 ms/token (logits within 0e+00)")
+    assert gpu_check.decode_cell({**r, "graphed": True, "graph_error": "RuntimeError: capture failed"}) == \
+        "KV cache 40.00 ms/token, linear state 10.00 ms/token; one graph a token: error (RuntimeError: capture failed)"
 
-    def targets(scan):                                  # softmax 3 against direct 4; decoding at worst 4 ms/token
+    def targets(scan, graphed=None):                    # softmax 3 against direct 4; decoding at worst 4 ms/token
         return "\n".join(gpu_check.targets({
             "distill": [{"model": "gpt2", "loss": "softmax", "ms_per_sample": 3.0},
                         {"model": "gpt2", "loss": "direct", "ms_per_sample": 4.0}],
-            "decode": [{"status": "ok", "ctx": c, "kv_cache_ms": a, "linear_state_ms": b} for c, a, b in
-                       ((1, 1.0, 4.0), (2, 2.0, 2.0))],
+            "decode": [{"status": "ok", "ctx": c, "kv_cache_ms": a, "linear_state_ms": b, **(graphed or {})}
+                       for c, a, b in ((1, 1.0, 4.0), (2, 2.0, 2.0))],
             "scan": [dict(status="ok", T=T, sdpa_fwd_ms=s, linear_fwd_ms=l, **({"fla_fwd_ms": f} if f else {}))
                      for T, s, l, f in scan]}))
     t = targets([(4096, 2.0, 5.0, 1.0), (8192, 2.0, 1.0, None)])                # FLA's scan is the faster at 4k
     assert "target softmax no slower than direct: met (3.0 against 4.0 ms/sample)" in t, t
     assert "target decoding <= 3 ms/token at ctx 1..2: MISSED (worst 4.00)" in t, t
+    assert "as one graph" not in t, t                                         # not measured: no line
+    t = targets([(4096, 2.0, 5.0, 1.0)], graphed)
+    assert "target decoding as one graph a token <= 3 ms/token at ctx 1..2: met (worst 2.00)" in t, t
     assert "faster than flash SDPA from 4k tokens (forward): met" in t, t
     t = targets([(4096, 2.0, 3.0, None), (8192, 2.0, 1.0, None)])              # ours slower at 4,096 itself
     assert "faster than flash SDPA from 4k tokens (forward): MISSED" in t, t
@@ -4968,7 +5011,10 @@ def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadlin
     assert [r["T"] for r in res["scan"]] == gpu_check.TINY["scan_T"]
     assert all(number(r[f"{a}_{m}_ms"]) for r in res["scan"] for a in ("linear", "sdpa") for m in ("fwd", "fwd_bwd"))
     assert [r["ctx"] for r in res["decode"]] == gpu_check.TINY["decode_ctx"]
-    assert all(number(r["kv_cache_ms"]) and number(r["linear_state_ms"]) for r in res["decode"])
+    assert all(number(r[f"{m}{s}"]) for r in res["decode"] for m in ("kv_cache", "linear_state")
+               for s in ("_ms", "_graph_ms"))
+    assert all(r["graphed"] is False and r["kv_cache_graph_err"] < 1e-2 and r["linear_state_graph_err"] < 1e-2
+               for r in res["decode"])                                    # no CUDA: the graph's step run eagerly
     assert res["dof"]["status"] == "ok" and number(res["dof"]["ms"]) and 0 < res["dof"]["mean_dof"] <= 64
     gpu_check.main(["--device", "cpu", "--tiny", "--budget-seconds", "0.001", "--out", str(out)])   # nothing fits
     res = json.loads(out.read_text())
