@@ -472,7 +472,7 @@ def scan_cell(r):
 def decode_cell(r):
     if r["status"] != "ok":
         return f"{r['status']} ({r['reason']})"
-    no_cudnn = f" ({fmt(r['kv_no_cudnn_ms'])} without cuDNN's SDPA)" if "kv_no_cudnn_ms" in r else ""  # h200.json
+    no_cudnn = f" ({fmt(r['kv_no_cudnn_ms'])} without cuDNN's SDPA)" if "kv_no_cudnn_ms" in r else ""  # h200-cudnn.json
     cell = f"KV cache {fmt(r['kv_cache_ms'])}/token{no_cudnn}, linear state {fmt(r['linear_state_ms'])}/token"
     if "graph_error" in r:
         return cell + f"; one graph a token: error ({r['graph_error']})"
