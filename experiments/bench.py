@@ -230,17 +230,22 @@ def prefilled(model, ctx, device):
     return cache, tok
 
 
+def mean_ms(fn, calls, device):
+    """Mean wall ms of `calls` calls of fn, the device synchronised before the first and after the last."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return 1e3 * (time.perf_counter() - t0) / calls
+
+
 @torch.no_grad()
 def decode_ms(model, ctx, steps, device):
     """Mean ms per generated token after a prefill of ctx tokens, through the decoding Cache: a KV cache for
     softmax attention, the fixed (M x D) state for linear attention."""
     cache, tok = prefilled(model, ctx, device)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        model(tok, cache=cache)
-    sync(device)
-    return 1e3 * (time.perf_counter() - t0) / steps
+    return mean_ms(lambda: model(tok, cache=cache), steps, device)
 
 
 @torch.no_grad()
@@ -365,12 +370,7 @@ def products_line(cfg, device):
         pq, pk, g = (torch.rand(cfg.B, 1, n, w, device=device) for n, w in ((b, m), (T, m), (b, T)))
         prod = lambda: (pq @ pk.mT, g @ pk, g.mT @ pq)
         prod()
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(10):
-            prod()
-        sync(device)
-        row.append(f"M={m}: {100 * (time.perf_counter() - t0):.2f} ms")
+        row.append(f"M={m}: {mean_ms(prod, 10, device):.2f} ms")
     print(f"\none head's loss products per block of {b} queries (B={cfg.B}, T={T}): " + ", ".join(row))
 
 

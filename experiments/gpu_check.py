@@ -59,7 +59,7 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import dof  # noqa: E402
-from bench import decode_ms, prefilled  # noqa: E402
+from bench import decode_ms, mean_ms, prefilled  # noqa: E402
 from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
 from common import (ModelError, check_out, check_positive, opt, parse_config,  # noqa: E402
                     pick_device, remove, run_main, sync, write_text_atomic)
@@ -430,12 +430,7 @@ def graphed_ms(model, ctx, steps, device, check=4):
     decoder = GraphedDecoder(model, cache, tok, steps=check + steps, graph=device.startswith("cuda"))
     got = torch.cat([decoder(tok).float() for _ in range(check)])
     err = ((got - want).abs().max() / want.abs().max()).item()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        decoder(tok)
-    sync(device)
-    return 1e3 * (time.perf_counter() - t0) / steps, err
+    return mean_ms(lambda: decoder(tok), steps, device), err
 
 
 # ----------------------------------------------------------------------------------------------------------------
