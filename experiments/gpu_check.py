@@ -356,7 +356,7 @@ def dof_profile(shape, J, device):
         sync(device)
         rec.update(status="ok", ms=1e3 * (time.perf_counter() - t0), mean_dof=N.mean().item(), max_dof=N.max().item())
     except Exception as e:                                           # a crash on the device is a finding
-        rec.update(status="error", error=f"{type(e).__name__}: {e}".splitlines()[0])
+        rec.update(status="error", error=crash(e))
     if torch.device(device).type != "cpu":
         t0 = time.perf_counter()
         dof.degrees_of_freedom(x[0], 2 ** -4)
@@ -380,6 +380,11 @@ def ops_section(cfg, shapes, device, left):
     return out
 
 
+def crash(e):
+    """What a row records of an exception raised on the device: its type and the first line of its message."""
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
 def rows_until(deadline_left, values, measure, key):
     """measure(v) for each v in order while the time left exceeds 4x the last row's time (the next row may be
     4x longer: T doubles, SDPA is quadratic), the first row's not counted (it compiles kernels and builds models
@@ -393,7 +398,7 @@ def rows_until(deadline_left, values, measure, key):
         try:
             out.append({key: v, "status": "ok", **measure(v)})
         except Exception as e:                                       # a crash on the device is a finding: go on
-            out.append({key: v, "status": "error", "reason": f"{type(e).__name__}: {e}".splitlines()[0]})
+            out.append({key: v, "status": "error", "reason": crash(e)})
         elapsed = time.perf_counter() - t0
         last = elapsed if i else 0.0                                 # the first row's one-time work: no estimate
     return out
@@ -415,7 +420,7 @@ def decode_section(cfg, shape, device, left):
                 row[f"{name}_graph_ms"], row[f"{name}_graph_err"] = graphed_ms(model, ctx, cfg.decode_steps, device)
         except Exception as e:
             row = {k: v for k, v in row.items() if "graph" not in k}
-            row["graph_error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            row["graph_error"] = crash(e)
         return {**row, "graphed": device.startswith("cuda")}
     return rows_until(left, cfg.decode_ctx, measure, "ctx")
 
