@@ -2421,12 +2421,14 @@ def test_fla_scan_wraps_flas_contract_into_the_chunked_scans(monkeypatch):
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("device,linear", [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=CUDA),
                                            pytest.param("cuda", True, marks=CUDA)])
-def test_graphed_decoder_equals_decoding_through_models_cache(device, linear):
+def test_graphed_decoder_equals_decoding_through_models_cache(device, linear, compiled):
     """experiments/graphed_decode.py: after a prefill, tokens through the fixed buffers (position a tensor, a KV cache
     of fixed capacity or the linear state copied back) give model.Cache's logits at every step, with the buffers'
-    addresses unchanged; on the CPU its step runs eagerly, on CUDA as one captured graph replayed. GPT-2 is refused."""
+    addresses unchanged; on the CPU its step runs eagerly, on CUDA as one captured graph replayed; compiled, the same
+    (torch.compile'd, fullgraph) step. GPT-2 is refused."""
     import graphed_decode
     torch.manual_seed(0)
     cfg = M.GPTConfig(family="llama", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
@@ -2438,7 +2440,9 @@ def test_graphed_decoder_equals_decoding_through_models_cache(device, linear):
     with torch.no_grad():
         model(idx[:, :21], cache=ours), model(idx[:, :21], cache=ref)
         expected = [model(idx[:, t:t + 1], cache=ref) for t in range(21, 30)]
-    decoder = graphed_decode.GraphedDecoder(model, ours, idx[:, 20:21], steps=9, graph=device == "cuda")
+    decoder = graphed_decode.GraphedDecoder(model, ours, idx[:, 20:21], steps=9, graph=device == "cuda",
+                                            compile=compiled)
+    assert (decoder.forward is model) != compiled
     assert (decoder.graph is not None) == (device == "cuda")
     addresses = [{name: x.data_ptr() for name, x in layer.items()} for layer in ours]
     for t, want in zip(range(21, 30), expected):
@@ -2888,6 +2892,15 @@ def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeyp
         "(logits within 4e-03), linear state 1.50 ms/token (logits within 0e+00)")
     assert gpu_check.decode_cell({**r, "graphed": True, "graph_error": "RuntimeError: capture failed"}) == \
         "KV cache 40.00 ms/token, linear state 10.00 ms/token; one graph a token: error (RuntimeError: capture failed)"
+    compiled = {"kv_cache_compiled_ms": 1.25, "kv_cache_compiled_err": 0.0031, "linear_state_compiled_ms": 0.5,
+                "linear_state_compiled_err": 1e-6}
+    assert gpu_check.decode_cell({**r, **graphed, **compiled, "graphed": False}) == (
+        "KV cache 40.00 ms/token, linear state 10.00 ms/token; the graph's step run eagerly: KV cache 2.00 ms/token "
+        "(logits within 4e-03), linear state 1.50 ms/token (logits within 0e+00); the compiled step run eagerly: "
+        "KV cache 1.25 ms/token (logits within 3e-03), linear state 0.50 ms/token (logits within 1e-06)")
+    assert gpu_check.decode_cell({**r, **graphed, "compiled_error": "BackendCompilerFailed: no Triton"}).endswith(
+        "linear state 1.50 ms/token (logits within 0e+00); one compiled graph a token: error (BackendCompilerFailed: "
+        "no Triton)")
 
     def targets(scan, graphed=None):                    # softmax 3 against direct 4; decoding at worst 4 ms/token
         return "\n".join(gpu_check.targets({
@@ -2903,6 +2916,9 @@ def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeyp
     assert "as one graph" not in t, t                                         # not measured: no line
     t = targets([(4096, 2.0, 5.0, 1.0)], graphed)
     assert "target decoding as one graph a token <= 3 ms/token at ctx 1..2: met (worst 2.00)" in t, t
+    assert "compiled" not in t, t
+    t = targets([(4096, 2.0, 5.0, 1.0)], {**graphed, **compiled, "kv_cache_compiled_ms": 3.5})
+    assert "target decoding as one compiled graph a token <= 3 ms/token at ctx 1..2: MISSED (worst 3.50)" in t, t
     assert "faster than flash SDPA from 4k tokens (forward): met" in t, t
     t = targets([(4096, 2.0, 3.0, None), (8192, 2.0, 1.0, None)])              # ours slower at 4,096 itself
     assert "faster than flash SDPA from 4k tokens (forward): MISSED" in t, t
@@ -5012,8 +5028,9 @@ def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadlin
     assert all(number(r[f"{a}_{m}_ms"]) for r in res["scan"] for a in ("linear", "sdpa") for m in ("fwd", "fwd_bwd"))
     assert [r["ctx"] for r in res["decode"]] == gpu_check.TINY["decode_ctx"]
     assert all(number(r[f"{m}{s}"]) for r in res["decode"] for m in ("kv_cache", "linear_state")
-               for s in ("_ms", "_graph_ms"))
-    assert all(r["graphed"] is False and r["kv_cache_graph_err"] < 1e-2 and r["linear_state_graph_err"] < 1e-2
+               for s in ("_ms", "_graph_ms", "_compiled_ms"))
+    assert all(r["graphed"] is False and all(r[f"{m}_{kind}_err"] < 1e-2 for m in ("kv_cache", "linear_state")
+                                             for kind in ("graph", "compiled"))
                for r in res["decode"])                                    # no CUDA: the graph's step run eagerly
     assert res["dof"]["status"] == "ok" and number(res["dof"]["ms"]) and 0 < res["dof"]["mean_dof"] <= 64
     gpu_check.main(["--device", "cpu", "--tiny", "--budget-seconds", "0.001", "--out", str(out)])   # nothing fits

@@ -22,8 +22,9 @@ the tokenizer files of tests/data beside them) and every token is random, so not
            is also compared with ours (relative error).
   decode   ms per generated token after a prefill of ctx tokens, Pythia-160M shape in bf16: the KV cache (softmax)
            against the fixed linear state (M = 64), as bench.py's decode table; then each replayed as one CUDA
-           graph a token (experiments/graphed_decode.py; on the CPU its step runs eagerly), with the largest logit
-           difference from model.Cache's decoding of the same tokens over the largest logit.
+           graph a token (experiments/graphed_decode.py; on the CPU its step runs eagerly), and again with the step
+           torch.compile'd first (the first row compiles), each with the largest logit difference from
+           model.Cache's decoding of the same tokens over the largest logit.
   dof      dof.degrees_of_freedom on a random (12, 12, J, 64) input on --device (and one layer on the CPU).
 
 Sections run in order of importance; each checks the --budget-seconds deadline first. distill, scan, decode and dof
@@ -404,6 +405,11 @@ def rows_until(deadline_left, values, measure, key):
     return out
 
 
+# how decode rows name GraphedDecoder's two forms: (on CUDA, on the CPU where its step runs eagerly)
+GRAPHED = {"graph": ("one graph a token", "the graph's step run eagerly"),
+           "compiled": ("one compiled graph a token", "the compiled step run eagerly")}
+
+
 def decode_section(cfg, shape, device, left):
     """Per-token decoding of one random model in bf16, softmax and linearised (M = 64), built for the first row."""
     models = []
@@ -415,24 +421,27 @@ def decode_section(cfg, shape, device, left):
             models.extend([softmax, softmax.linearize([BUDGET["gpt2"]] * softmax.config.n_layer)])
         row = {"kv_cache_ms": decode_ms(models[0], ctx, cfg.decode_steps, device),
                "linear_state_ms": decode_ms(models[1], ctx, cfg.decode_steps, device)}
-        try:                                                       # a graph that fails keeps the row's eager times
-            for name, model in zip(("kv_cache", "linear_state"), models):
-                row[f"{name}_graph_ms"], row[f"{name}_graph_err"] = graphed_ms(model, ctx, cfg.decode_steps, device)
-        except Exception as e:
-            row = {k: v for k, v in row.items() if "graph" not in k}
-            row["graph_error"] = crash(e)
+        for kind in GRAPHED:                                       # a graph that fails keeps the row's other times
+            try:
+                for name, model in zip(("kv_cache", "linear_state"), models):
+                    row[f"{name}_{kind}_ms"], row[f"{name}_{kind}_err"] = graphed_ms(model, ctx, cfg.decode_steps,
+                                                                                     device, kind == "compiled")
+            except Exception as e:
+                row = {k: v for k, v in row.items() if f"_{kind}_" not in k}
+                row[f"{kind}_error"] = crash(e)
         return {**row, "graphed": device.startswith("cuda")}
     return rows_until(left, cfg.decode_ctx, measure, "ctx")
 
 
 @torch.no_grad()
-def graphed_ms(model, ctx, steps, device, check=4):
-    """Mean ms per token of GraphedDecoder after a prefill of ctx tokens (as bench.decode_ms), and the largest
-    difference of its first `check` logits from model.Cache's for the same tokens, over the largest logit."""
+def graphed_ms(model, ctx, steps, device, compile=False, check=4):
+    """Mean ms per token of GraphedDecoder (its step torch.compile'd if `compile`) after a prefill of ctx tokens (as
+    bench.decode_ms), and the largest difference of its first `check` logits from model.Cache's for the same tokens,
+    over the largest logit."""
     cache, tok = prefilled(model, ctx, device)
     ref = copy.deepcopy(cache)
     want = torch.cat([model(tok, cache=ref).float() for _ in range(check)])
-    decoder = GraphedDecoder(model, cache, tok, steps=check + steps, graph=device.startswith("cuda"))
+    decoder = GraphedDecoder(model, cache, tok, steps=check + steps, graph=device.startswith("cuda"), compile=compile)
     got = torch.cat([decoder(tok).float() for _ in range(check)])
     err = ((got - want).abs().max() / want.abs().max()).item()
     return mean_ms(lambda: decoder(tok), steps, device), err
@@ -474,13 +483,13 @@ def decode_cell(r):
         return f"{r['status']} ({r['reason']})"
     no_cudnn = f" ({fmt(r['kv_no_cudnn_ms'])} without cuDNN's SDPA)" if "kv_no_cudnn_ms" in r else ""  # h200-cudnn.json
     cell = f"KV cache {fmt(r['kv_cache_ms'])}/token{no_cudnn}, linear state {fmt(r['linear_state_ms'])}/token"
-    if "graph_error" in r:
-        return cell + f"; one graph a token: error ({r['graph_error']})"
-    if "linear_state_graph_ms" in r:
-        how = "one graph a token" if r["graphed"] else "the graph's step run eagerly"
-        cell += f"; {how}: " + ", ".join(
-            f"{name} {fmt(r[f'{key}_graph_ms'])}/token (logits within {r[f'{key}_graph_err']:.0e})"
-            for name, key in (("KV cache", "kv_cache"), ("linear state", "linear_state")))
+    for kind, (graphed, eager) in GRAPHED.items():
+        if f"{kind}_error" in r:
+            cell += f"; {graphed}: error ({r[f'{kind}_error']})"
+        elif f"linear_state_{kind}_ms" in r:
+            cell += f"; {graphed if r['graphed'] else eager}: " + ", ".join(
+                f"{name} {fmt(r[f'{key}_{kind}_ms'])}/token (logits within {r[f'{key}_{kind}_err']:.0e})"
+                for name, key in (("KV cache", "kv_cache"), ("linear state", "linear_state")))
     return cell
 
 
@@ -518,7 +527,8 @@ def targets(res):
                    f"({soft['ms_per_sample']:.1f} against {direct['ms_per_sample']:.1f} ms/sample)")
     dec = [r for r in res["decode"] if r["status"] == "ok"]
     if dec:
-        graphed = [(" as one graph a token", "_graph_ms")] if all("linear_state_graph_ms" in r for r in dec) else []
+        graphed = [(f" as {how}", f"_{kind}_ms") for kind, (how, _) in GRAPHED.items()
+                   if all(f"linear_state_{kind}_ms" in r for r in dec)]
         for how, suffix in [("", "_ms")] + graphed:
             worst = max(max(r["kv_cache" + suffix], r["linear_state" + suffix]) for r in dec)
             out.append(f"target decoding{how} <= 3 ms/token at ctx {dec[0]['ctx']}..{dec[-1]['ctx']}: "

@@ -5,6 +5,7 @@ Used by experiments/gpu_check.py's decode rows:
 
     decoder = GraphedDecoder(model, cache, tok)    # after a prefill through model.Cache, as model.generate does
     logits = decoder(tok)                          # (B, 1) -> (B, 1, V), the cache advanced by one token
+    GraphedDecoder(model, cache, tok, compile=True)   # the step torch.compile'd first: fewer, fused kernels
 
 How it forks the core: a graph replays fixed addresses, so the cache's position becomes a device tensor (GPT.hidden
 adds it to its positions), the linear state (S, s) is copied back into the buffers the graph reads, and softmax
@@ -44,12 +45,14 @@ class StaticKV(SoftmaxAttention):
 
 class GraphedDecoder:
     """model(tok, cache) for one token (B, 1), captured once as a CUDA graph and replayed per call; without CUDA
-    (graph=False) the same step runs eagerly. `steps` more tokens must fit the KV caches' new capacity."""
-    def __init__(self, model, cache, tok, steps=4096, graph=True):
+    (graph=False) the same step runs eagerly. `steps` more tokens must fit the KV caches' new capacity. compile: the
+    step is torch.compile'd (inductor fuses the feature maps' and the state update's elementwise ops), with the
+    capacity a dynamic size, so one compile serves every context length."""
+    def __init__(self, model, cache, tok, steps=4096, graph=True, compile=False):
         if model.config.family == "gpt2":
             raise ModelError("GPT-2's learned positions are checked on the host at every step, which a graph cannot "
                              "replay; decode GPT-2 with model.generate")
-        self.model, self.cache, self.tok, n = model, cache, tok.clone(), cache.pos
+        self.cache, self.tok, n = cache, tok.clone(), cache.pos
         capacity = -(-(n + steps) // 64) * 64                      # n + steps, rounded up to a multiple of 64
         for block, layer in zip(model.h, cache):
             if isinstance(block.attn.core, SoftmaxAttention):      # the growing cache copied into a fixed one
@@ -58,10 +61,13 @@ class GraphedDecoder:
                     kept = layer[name]
                     layer[name] = kept.new_zeros(*kept.shape[:2], capacity, kept.size(3))
                     layer[name][:, :, :n] = kept[:, :, :n]
+                    if compile:
+                        torch._dynamo.mark_dynamic(layer[name], 2)
         cache.pos = torch.tensor(n, device=tok.device)
         for layer in cache:
             layer["pos"] = cache.pos
         self.buffers = [dict(layer) for layer in cache]            # what the graph reads: fixed from here on
+        self.forward = torch.compile(model, fullgraph=True) if compile else model
         self.graph = None
         if graph:
             self.graph, self.logits = self.capture()
@@ -69,7 +75,7 @@ class GraphedDecoder:
     @torch.no_grad()
     def step(self):
         """One token through the model; the state it returns copied into the buffers the next step reads."""
-        logits = self.model(self.tok, cache=self.cache)
+        logits = self.forward(self.tok, cache=self.cache)
         for layer, buffers in zip(self.cache, self.buffers):
             for name, x in buffers.items():
                 if layer[name] is not x:                           # the linear state, returned anew
