@@ -2804,6 +2804,30 @@ def test_bench_scan_table_and_its_verdicts_read_sdpa_over_linear(monkeypatch, ca
     assert (row[3], row[6], row[7], row[8]) == ("3.0x", "2.0", "2.0", "1.0"), row
 
 
+def test_bench_decode_compile_adds_a_compiled_column_per_decoder(monkeypatch, capsys):
+    """bench.py --decode-compile on a tiny shape with given times: each row gains the compiled step's ms for the KV
+    cache and the linear state, after the eager ones, and the largest logit difference is printed under the table."""
+    import bench  # experiments/bench.py
+    from model import GPTConfig
+    tiny = dict(vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, head_dim=16, mlp_hidden=64)
+    monkeypatch.setattr(bench, "GPTConfig", lambda **kw: GPTConfig(**{**kw, **tiny}))
+    monkeypatch.setattr(bench, "decode_ms", lambda model, ctx, steps, device: float(ctx))
+    calls = []
+
+    def graphed_ms(model, ctx, steps, device, compile=False):             # the linear state 1 ms faster
+        calls.append((ctx, compile))
+        return ctx / 2 + (not isinstance(model.h[0].attn.core, LinearAttention)), 1e-3 * len(calls)
+    monkeypatch.setattr(bench, "graphed_ms", graphed_ms)
+    bench.main(["--T", "--decode-ctx", "8", "16", "--decode-compile", "--M", "4", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "| context | softmax + KV cache | linear (M=4 state) | softmax + KV cache, step compiled | linear (M=4 " \
+           "state), step compiled |" in out, out
+    assert "| 8 | 8.0 | 8.0 | 5.0 | 4.0 |" in out and "| 16 | 16.0 | 16.0 | 9.0 | 8.0 |" in out, out
+    assert calls == [(8, True)] * 2 + [(16, True)] * 2
+    assert "differ from the eager step's by at most 4.0e-03 of the largest" in out, out
+    bench.main(["--T", "--decode-ctx", "8", "--M", "4", "--threads", "1"])
+    assert "compiled" not in capsys.readouterr().out and len(calls) == 4
+
 def test_bench_decoding_heads_and_step_times_leave_out_the_warm_up(tmp_path, monkeypatch, capsys):
     """bench.py on a fake clock: decode_ms is ms per decoded token after an untimed prefill (1 s a token: 1,000 ms);
     the heads table times rounds after the first (100 s a cell), per layer 1 and 2 s, per head 3 and 4 s, ratio

@@ -3,6 +3,7 @@
     python experiments/bench.py              # T = 1024, 4096, 16384; B = 1, H = 12, M = D = 64; chunk sweep 32..256
     python experiments/bench.py --T 1024 4096 --chunks 64 --repeats 5
     python experiments/bench.py --T --decode-steps 32                      # the decoding table alone
+    python experiments/bench.py --T --decode-compile                       # ... and with the step torch.compile'd
     python experiments/bench.py --T --decode-ctx --heads docs/results/heads/b32-dof-head-s0.json   # per-head dims
     python experiments/bench.py --T --decode-ctx --step softmax l2 direct     # aten ops and ms of a step per loss
 
@@ -20,7 +21,9 @@ Every (method, T, chunk size) runs in a fresh subprocess, so its peak memory is 
   matmul    the machine's dense fp32 rate: best of 5 timings of a 4096 x 4096 by 4096 x 4096 matmul.
 The tables are markdown; the lines under the first say whether linear is no slower than SDPA at T = 4096 and at
 least 6x faster at T = 16384, and whether its peak memory grows linearly in T. The decoding table times one token
-of a Pythia-160M-shape model with random weights: softmax with a KV cache against the linear state.
+of a Pythia-160M-shape model with random weights: softmax with a KV cache against the linear state (with
+--decode-compile, each also through experiments/graphed_decode.py with its step torch.compile'd: one CUDA graph a
+token on a GPU, the compiled step run eagerly on the CPU).
 The per-head table (--heads) times every layer's student core at SmolLM2-135M's shape (9 query heads, 3 key heads,
 D = 64) on random inputs, with the run's per-head DoF turned into dims two ways at the same total: per layer
 (M_l from each layer's largest head DoF, shared by its heads) and per head (M_lh from each head's DoF). Per step:
@@ -32,6 +35,7 @@ distill.py training step (distill.train_step) at the GPT-2-124M shape, random we
 """
 import collections
 import contextlib
+import copy
 import json
 import os
 import resource
@@ -50,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import (ModelError, check_free_memory, check_positive, opt, parse_config, pick_device,  # noqa: E402
                     read_json, run_main, sync)
+from graphed_decode import GraphedDecoder  # noqa: E402
 from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention  # noqa: E402
 
 
@@ -68,6 +73,8 @@ class BenchConfig:
     decode_ctx: list[int] = opt([256, 512, 1024, 2048], "context lengths for the decoding table (Pythia-160M shape, "
                                 "random weights); none to skip it")
     decode_steps: int = opt(32, "tokens decoded per context length (mean ms reported)")
+    decode_compile: bool = opt(False, "also time each decoder with its step torch.compile'd (experiments/"
+                               "graphed_decode.py: one CUDA graph a token on a GPU, eager on the CPU)")
     heads: str = opt("", "an experiments/per_head.py run's JSON (its per-head DoF, docs/results/heads/*.json): "
                      "time per-head against per-layer dims at the same total; empty to skip")
     heads_T: list[int] = opt([256, 1024], "tokens per sequence of the per-head table (distill.py's --block-size)")
@@ -249,6 +256,20 @@ def decode_ms(model, ctx, steps, device):
 
 
 @torch.no_grad()
+def graphed_ms(model, ctx, steps, device, compile=False, check=4):
+    """Mean ms per token of GraphedDecoder (its step torch.compile'd if `compile`) after a prefill of ctx tokens (as
+    decode_ms), and the largest difference of its first `check` logits from model.Cache's for the same tokens,
+    over the largest logit."""
+    cache, tok = prefilled(model, ctx, device)
+    ref = copy.deepcopy(cache)
+    want = torch.cat([model(tok, cache=ref).float() for _ in range(check)])
+    decoder = GraphedDecoder(model, cache, tok, steps=check + steps, graph=device.startswith("cuda"), compile=compile)
+    got = torch.cat([decoder(tok).float() for _ in range(check)])
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    return mean_ms(lambda: decoder(tok), steps, device), err
+
+
+@torch.no_grad()
 def decode_ops(model, device):
     """Aten ops of one decoded token after a prefill of 8 tokens and one decoded token (about one kernel launch
     each on a GPU)."""
@@ -279,17 +300,24 @@ def decode_table(cfg, device):
     print(f"\ndecoding, Pythia-160M shape (random weights), batch 1, on {device}, ms per token (mean of "
           f"{cfg.decode_steps}); aten ops per token: {decode_ops(softmax, device):,} through the KV cache, "
           f"{decode_ops(linear, device):,} through the linear state:\n")
-    print(f"| context | softmax + KV cache | linear (M={cfg.M} state) |")
-    print("|---:|---:|---:|")
-    res = []
+    heads = ["softmax + KV cache", f"linear (M={cfg.M} state)"]
+    how = "one compiled graph a token" if device.startswith("cuda") else "step compiled"
+    heads += [f"{h}, {how}" for h in heads] if cfg.decode_compile else []
+    print(f"| context | {' | '.join(heads)} |\n|---:|{'---:|' * len(heads)}")
+    res, errs = [], []
     for ctx in cfg.decode_ctx:
         res.append((ctx, decode_ms(softmax, ctx, cfg.decode_steps, device),
                     decode_ms(linear, ctx, cfg.decode_steps, device)))
-        print(f"| {ctx} | {res[-1][1]:.1f} | {res[-1][2]:.1f} |")
+        for model in (softmax, linear) if cfg.decode_compile else ():     # the first row compiles, untimed
+            ms, err = graphed_ms(model, ctx, cfg.decode_steps, device, compile=True)
+            res[-1], errs = res[-1] + (ms,), errs + [err]
+        print(f"| {ctx} | {' | '.join(f'{ms:.1f}' for ms in res[-1][1:])} |")
     lin = [r[2] for r in res]
     print(f"linear decode from {res[0][0]} to {res[-1][0]} tokens: {lin[-1] / lin[0]:.2f}x "
           f"({'flat, within 20%' if max(lin) <= 1.2 * min(lin) else 'NOT flat'}); "
           f"softmax: {res[-1][1] / res[0][1]:.2f}x")
+    if errs:
+        print(f"compiled decoding's logits differ from the eager step's by at most {max(errs):.1e} of the largest")
 
 
 def read_heads(path):

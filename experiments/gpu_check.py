@@ -33,7 +33,6 @@ and its crash is raised. The results print as one markdown table, with the targe
 (targets()), and go to --out as JSON.
 """
 
-import copy
 import importlib
 import importlib.util
 import json
@@ -60,12 +59,11 @@ from safetensors.torch import save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import dof  # noqa: E402
-from bench import decode_ms, mean_ms, prefilled  # noqa: E402
+from bench import decode_ms, graphed_ms  # noqa: E402
 from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
 from common import (ModelError, check_out, check_positive, opt, parse_config,  # noqa: E402
                     pick_device, remove, run_main, sync, write_text_atomic)
 from fla_scan import fla_linear_attention  # noqa: E402
-from graphed_decode import GraphedDecoder  # noqa: E402
 from model import GPT, PRF, GPTConfig, causal_linear_attention  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -431,20 +429,6 @@ def decode_section(cfg, shape, device, left):
                 row[f"{kind}_error"] = crash(e)
         return {**row, "graphed": device.startswith("cuda")}
     return rows_until(left, cfg.decode_ctx, measure, "ctx")
-
-
-@torch.no_grad()
-def graphed_ms(model, ctx, steps, device, compile=False, check=4):
-    """Mean ms per token of GraphedDecoder (its step torch.compile'd if `compile`) after a prefill of ctx tokens (as
-    bench.decode_ms), and the largest difference of its first `check` logits from model.Cache's for the same tokens,
-    over the largest logit."""
-    cache, tok = prefilled(model, ctx, device)
-    ref = copy.deepcopy(cache)
-    want = torch.cat([model(tok, cache=ref).float() for _ in range(check)])
-    decoder = GraphedDecoder(model, cache, tok, steps=check + steps, graph=device.startswith("cuda"), compile=compile)
-    got = torch.cat([decoder(tok).float() for _ in range(check)])
-    err = ((got - want).abs().max() / want.abs().max()).item()
-    return mean_ms(lambda: decoder(tok), steps, device), err
 
 
 # ----------------------------------------------------------------------------------------------------------------
