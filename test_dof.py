@@ -2711,10 +2711,12 @@ def test_bench_tables_larger_than_memory_are_refused_before_any_work(tmp_path, c
                                          r"--heads-T$"):
         bench.main(["--T", "--decode-ctx", "--heads", str(run), "--heads-T", "16", "--B", "100000000",
                     "--threads", "1"])
-    with pytest.raises(ModelError, match=r"^the decoding table at --M 100000000 and --decode-ctx 16 needs about "
-                                         r"[\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; lower --M or "
-                                         r"--decode-ctx$"):
+    with pytest.raises(ModelError, match=r"^the decoding table at --M 100000000, --decode-ctx 16 and --decode-batch 1 "
+                                         r"needs about [\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; lower --M, "
+                                         r"--decode-ctx or --decode-batch$"):
         bench.main(["--T", "--decode-ctx", "16", "--M", "100000000", "--threads", "1"])
+    with pytest.raises(ModelError, match=r"--decode-batch 10000000 needs about"):
+        bench.main(["--T", "--decode-ctx", "1024", "--decode-batch", "10000000", "--threads", "1"])
     assert capsys.readouterr().out == ""
 
 
@@ -2811,19 +2813,20 @@ def test_bench_decode_compile_adds_a_compiled_column_per_decoder(monkeypatch, ca
     from model import GPTConfig
     tiny = dict(vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, head_dim=16, mlp_hidden=64)
     monkeypatch.setattr(bench, "GPTConfig", lambda **kw: GPTConfig(**{**kw, **tiny}))
-    monkeypatch.setattr(bench, "decode_ms", lambda model, ctx, steps, device: float(ctx))
+    monkeypatch.setattr(bench, "decode_ms", lambda model, ctx, steps, device, batch: float(ctx * batch))
     calls = []
 
-    def graphed_ms(model, ctx, steps, device, compile=False):             # the linear state 1 ms faster
-        calls.append((ctx, compile))
+    def graphed_ms(model, ctx, steps, device, compile=False, batch=1):    # the linear state 1 ms faster
+        calls.append((ctx, compile, batch))
         return ctx / 2 + (not isinstance(model.h[0].attn.core, LinearAttention)), 1e-3 * len(calls)
     monkeypatch.setattr(bench, "graphed_ms", graphed_ms)
-    bench.main(["--T", "--decode-ctx", "8", "16", "--decode-compile", "--M", "4", "--threads", "1"])
+    bench.main(["--T", "--decode-ctx", "8", "16", "--decode-compile", "--decode-batch", "2", "--M", "4", "--threads",
+                "1"])
     out = capsys.readouterr().out
     assert "| context | softmax + KV cache | linear (M=4 state) | softmax + KV cache, step compiled | linear (M=4 " \
            "state), step compiled |" in out, out
-    assert "| 8 | 8.0 | 8.0 | 5.0 | 4.0 |" in out and "| 16 | 16.0 | 16.0 | 9.0 | 8.0 |" in out, out
-    assert calls == [(8, True)] * 2 + [(16, True)] * 2
+    assert "batch 2," in out and "| 8 | 16.0 | 16.0 | 5.0 | 4.0 |" in out and "| 16 | 32.0 | 32.0 | 9.0 | 8.0 |" in out
+    assert calls == [(8, True, 2)] * 2 + [(16, True, 2)] * 2
     assert "differ from the eager step's by at most 4.0e-03 of the largest" in out, out
     bench.main(["--T", "--decode-ctx", "8", "--M", "4", "--threads", "1"])
     assert "compiled" not in capsys.readouterr().out and len(calls) == 4

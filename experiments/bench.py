@@ -4,6 +4,7 @@
     python experiments/bench.py --T 1024 4096 --chunks 64 --repeats 5
     python experiments/bench.py --T --decode-steps 32                      # the decoding table alone
     python experiments/bench.py --T --decode-compile                       # ... and with the step torch.compile'd
+    python experiments/bench.py --T --decode-batch 16 --decode-ctx 2048      # 16 sequences decoded at once
     python experiments/bench.py --T --decode-ctx --heads docs/results/heads/b32-dof-head-s0.json   # per-head dims
     python experiments/bench.py --T --decode-ctx --step softmax l2 direct     # aten ops and ms of a step per loss
 
@@ -21,9 +22,9 @@ Every (method, T, chunk size) runs in a fresh subprocess, so its peak memory is 
   matmul    the machine's dense fp32 rate: best of 5 timings of a 4096 x 4096 by 4096 x 4096 matmul.
 The tables are markdown; the lines under the first say whether linear is no slower than SDPA at T = 4096 and at
 least 6x faster at T = 16384, and whether its peak memory grows linearly in T. The decoding table times one token
-of a Pythia-160M-shape model with random weights: softmax with a KV cache against the linear state (with
---decode-compile, each also through experiments/graphed_decode.py with its step torch.compile'd: one CUDA graph a
-token on a GPU, the compiled step run eagerly on the CPU).
+of a Pythia-160M-shape model with random weights (a token for each of --decode-batch sequences): softmax with a KV
+cache against the linear state (with --decode-compile, each also through experiments/graphed_decode.py with its step
+torch.compile'd: one CUDA graph a token on a GPU, the compiled step run eagerly on the CPU).
 The per-head table (--heads) times every layer's student core at SmolLM2-135M's shape (9 query heads, 3 key heads,
 D = 64) on random inputs, with the run's per-head DoF turned into dims two ways at the same total: per layer
 (M_l from each layer's largest head DoF, shared by its heads) and per head (M_lh from each head's DoF). Per step:
@@ -73,6 +74,7 @@ class BenchConfig:
     decode_ctx: list[int] = opt([256, 512, 1024, 2048], "context lengths for the decoding table (Pythia-160M shape, "
                                 "random weights); none to skip it")
     decode_steps: int = opt(32, "tokens decoded per context length (mean ms reported)")
+    decode_batch: int = opt(1, "sequences decoded at once in the decoding table (its KV cache grows with them)")
     decode_compile: bool = opt(False, "also time each decoder with its step torch.compile'd (experiments/"
                                "graphed_decode.py: one CUDA graph a token on a GPU, eager on the CPU)")
     heads: str = opt("", "an experiments/per_head.py run's JSON (its per-head DoF, docs/results/heads/*.json): "
@@ -86,7 +88,7 @@ class BenchConfig:
 
     def __post_init__(self):
         check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block",
-                              "step_tokens"))
+                              "step_tokens", "decode_batch"))
         if self.threads > (cpus := os.cpu_count() or 1):           # libgomp crashes creating that many
             raise ModelError(f"--threads {self.threads} is more than the {cpus} CPUs of this machine; pass at most "
                              f"{cpus}")
@@ -227,10 +229,11 @@ def speed_and_memory_lines(rows):
               + (" (at most linear in T)" if per_token[-1] <= 1.25 * min(per_token) else " (NOT linear in T)"))
 
 
-def prefilled(model, ctx, device):
-    """A decoding Cache after a prefill of ctx random tokens and one decoded token (the warm-up), and that token."""
+def prefilled(model, ctx, device, batch=1):
+    """A decoding Cache after a prefill of batch x ctx random tokens and one decoded token a sequence (the warm-up),
+    and those tokens (batch, 1)."""
     cache = Cache(model.config.n_layer)
-    idx = torch.randint(0, model.config.vocab_size, (1, ctx), device=device)
+    idx = torch.randint(0, model.config.vocab_size, (batch, ctx), device=device)
     model.hidden(idx, cache)                                         # prefill, without the (ctx, V) logits
     tok = idx[:, -1:]
     model(tok, cache=cache)                                          # warm-up step
@@ -248,19 +251,19 @@ def mean_ms(fn, calls, device):
 
 
 @torch.no_grad()
-def decode_ms(model, ctx, steps, device):
-    """Mean ms per generated token after a prefill of ctx tokens, through the decoding Cache: a KV cache for
-    softmax attention, the fixed (M x D) state for linear attention."""
-    cache, tok = prefilled(model, ctx, device)
+def decode_ms(model, ctx, steps, device, batch=1):
+    """Mean ms per decoding step (a token for each of `batch` sequences) after a prefill of ctx tokens, through the
+    decoding Cache: a KV cache for softmax attention, the fixed (M x D) state for linear attention."""
+    cache, tok = prefilled(model, ctx, device, batch)
     return mean_ms(lambda: model(tok, cache=cache), steps, device)
 
 
 @torch.no_grad()
-def graphed_ms(model, ctx, steps, device, compile=False, check=4):
-    """Mean ms per token of GraphedDecoder (its step torch.compile'd if `compile`) after a prefill of ctx tokens (as
-    decode_ms), and the largest difference of its first `check` logits from model.Cache's for the same tokens,
+def graphed_ms(model, ctx, steps, device, compile=False, check=4, batch=1):
+    """Mean ms per step of GraphedDecoder (its step torch.compile'd if `compile`) after a prefill of batch x ctx tokens
+    (as decode_ms), and the largest difference of its first `check` logits from model.Cache's for the same tokens,
     over the largest logit."""
-    cache, tok = prefilled(model, ctx, device)
+    cache, tok = prefilled(model, ctx, device, batch)
     ref = copy.deepcopy(cache)
     want = torch.cat([model(tok, cache=ref).float() for _ in range(check)])
     decoder = GraphedDecoder(model, cache, tok, steps=check + steps, graph=device.startswith("cuda"), compile=compile)
@@ -286,30 +289,31 @@ def decode_table(cfg, device):
                    block_size=2048, rotary_dim=16, parallel_residual=True, tie_embeddings=False, mlp_hidden=3072)
     with torch.device("meta"):
         weights = sum(p.numel() for p in GPT(mc).parameters())
-    ctx, L, H, D, M = max(cfg.decode_ctx), mc.n_layer, mc.n_head, mc.head_dim, cfg.M
-    # rough fp32 count: both models, the feature maps and states, the longest prefill's KV cache, activations,
-    # features and mask
-    check_free_memory(4 * (2 * weights + 2 * L * H * M * D + ctx * (2 * L * H * D + 4 * mc.mlp_hidden + 4 * H * M)
-                           + ctx * ctx), device, f"the decoding table at --M {M} and --decode-ctx {ctx}",
-                      "lower --M or --decode-ctx")
+    ctx, L, H, D, M, B = max(cfg.decode_ctx), mc.n_layer, mc.n_head, mc.head_dim, cfg.M, cfg.decode_batch
+    # rough fp32 count: both models, the feature maps and states, the longest prefill's KV caches (a second one for
+    # the compiled step), activations, features and mask
+    kv = 2 * L * H * D * (1 + cfg.decode_compile)
+    check_free_memory(4 * (2 * weights + 2 * L * H * M * D * B + B * ctx * (kv + 4 * mc.mlp_hidden + 4 * H * M + ctx)),
+                      device, f"the decoding table at --M {M}, --decode-ctx {ctx} and --decode-batch {B}",
+                      "lower --M, --decode-ctx or --decode-batch")
     softmax = GPT(mc).eval()
     linear = GPT(mc).eval()
     linear.load_state_dict(softmax.state_dict())
     linear = linear.linearize([cfg.M] * mc.n_layer)
     softmax, linear = softmax.to(device), linear.to(device)
-    print(f"\ndecoding, Pythia-160M shape (random weights), batch 1, on {device}, ms per token (mean of "
-          f"{cfg.decode_steps}); aten ops per token: {decode_ops(softmax, device):,} through the KV cache, "
-          f"{decode_ops(linear, device):,} through the linear state:\n")
+    print(f"\ndecoding, Pythia-160M shape (random weights), batch {B}, on {device}, ms per step (a token for each "
+          f"sequence; mean of {cfg.decode_steps}); aten ops per step: {decode_ops(softmax, device):,} through the KV "
+          f"cache, {decode_ops(linear, device):,} through the linear state:\n")
     heads = ["softmax + KV cache", f"linear (M={cfg.M} state)"]
     how = "one compiled graph a token" if device.startswith("cuda") else "step compiled"
     heads += [f"{h}, {how}" for h in heads] if cfg.decode_compile else []
     print(f"| context | {' | '.join(heads)} |\n|---:|{'---:|' * len(heads)}")
     res, errs = [], []
     for ctx in cfg.decode_ctx:
-        res.append((ctx, decode_ms(softmax, ctx, cfg.decode_steps, device),
-                    decode_ms(linear, ctx, cfg.decode_steps, device)))
+        res.append((ctx, decode_ms(softmax, ctx, cfg.decode_steps, device, B),
+                    decode_ms(linear, ctx, cfg.decode_steps, device, B)))
         for model in (softmax, linear) if cfg.decode_compile else ():     # the first row compiles, untimed
-            ms, err = graphed_ms(model, ctx, cfg.decode_steps, device, compile=True)
+            ms, err = graphed_ms(model, ctx, cfg.decode_steps, device, compile=True, batch=B)
             res[-1], errs = res[-1] + (ms,), errs + [err]
         print(f"| {ctx} | {' | '.join(f'{ms:.1f}' for ms in res[-1][1:])} |")
     lin = [r[2] for r in res]
