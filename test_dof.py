@@ -2831,6 +2831,7 @@ def test_bench_decode_compile_adds_a_compiled_column_per_decoder(monkeypatch, ca
     bench.main(["--T", "--decode-ctx", "8", "--M", "4", "--threads", "1"])
     assert "compiled" not in capsys.readouterr().out and len(calls) == 4
 
+
 def test_bench_decoding_heads_and_step_times_leave_out_the_warm_up(tmp_path, monkeypatch, capsys):
     """bench.py on a fake clock: decode_ms is ms per decoded token after an untimed prefill (1 s a token: 1,000 ms);
     the heads table times rounds after the first (100 s a cell), per layer 1 and 2 s, per head 3 and 4 s, ratio
