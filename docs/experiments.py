@@ -347,19 +347,22 @@ def paired_table(records, base="Fix"):
     return "\n".join(rows) + "\n\nMean ± standard error over the pairs."
 
 
-def layer_table(records, budget="32", allocs=("Fix", "DoF")):
-    """Where the dims went and what each layer's held-out KL did (mean over seeds)."""
+def layer_table(records, budget="32", allocs=("Fix", "DoF"), per_row=15):
+    """Where the dims went and what each layer's held-out KL did (mean over seeds), `per_row` layers a table."""
     g = groups(records)
     have = [a for a in allocs if f"{budget}/{a}" in g]
-    rows = ["| layer | " + " | ".join(f"{a} dim | {a} KL" for a in have) + " |", "|---:|" + "---:|" * 2 * len(have)]
     L = len(g[f"{budget}/{have[0]}"][0]["dims"]) if have else 0
-    for l in range(L):
-        cells = []
+    tables = []
+    for first in range(0, L, per_row):
+        layers = range(first, min(first + per_row, L))
+        rows = ["| layer | " + " | ".join(map(str, layers)) + " |", "|---|" + "---:|" * len(layers)]
         for a in have:
             rs = g[f"{budget}/{a}"]
-            cells += [f"{np.mean([r['dims'][l] for r in rs]):.0f}", f"{np.mean([r['val'][-1]['attn_kl'][l] for r in rs]):.3f}"]
-        rows.append(f"| {l} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+            dims = [f"{np.mean([r['dims'][l] for r in rs]):.0f}" for l in layers]
+            kl = [f"{np.mean([r['val'][-1]['attn_kl'][l] for r in rs]):.3f}" for l in layers]
+            rows += [f"| {a} dim | " + " | ".join(dims) + " |", f"| {a} KL | " + " | ".join(kl) + " |"]
+        tables.append("\n".join(rows))
+    return "\n\n".join(tables)
 
 
 def curves(records, path):
@@ -536,45 +539,6 @@ def allocation_table(records, base="Fix", best="Measured", curves_dir=None):
     return "\n".join(rows)
 
 
-def speed_table(results, grid="restructure"):
-    """docs/results/<grid>: the core against the code before it, side by side (speed.py), per quantity; where the
-    kernels were timed in a run of their own (speed-kernels.json), speed-step.json gives the step alone."""
-    rows = ["| quantity | before: median (min) of rounds | after: median (min) | after / before, medians | by minima |",
-            "|---|---:|---:|---:|---:|"]
-    apart = (Path(results) / grid / "speed-kernels.json").is_file()
-    for name in ("speed-step", "speed-kernels") if apart else ("speed-step",):
-        r = read(Path(results) / grid / f"{name}.json")
-        for k in (k for k in r["after"][0] if not (name == "speed-step" and apart and k != "step_ms")):
-            b, a = [x[k] for x in r["before"]], [x[k] for x in r["after"]]
-            rows.append(f"| {k.replace('_', ' ')} | {np.median(b):.1f} ({min(b):.1f}) | {np.median(a):.1f} ({min(a):.1f}) "
-                        f"| {np.median(a) / np.median(b):.2f}× | {min(a) / min(b):.2f}× |")
-    return "\n".join(rows)
-
-
-def identity_table(r):
-    """docs/results/<grid>/identity.json (identity.py): the same runs with both versions, compared exactly."""
-    rows = ["| run (SmolLM2-135M, budget 8) | feature tensors | bit-identical | dims equal | held-out numbers equal |",
-            "|---|---:|---|---|---|"]
-    for name, v in ((k, v) for k, v in r.items() if k != "command"):
-        rows.append(f"| {name}: `{v['flags'].split('--budget 8 ')[-1]}` | {v['tensors']} | {v['bit_identical']} | "
-                    f"{v['dims_equal']} | {v['validation_equal']} |")
-    return "\n".join(rows)
-
-
-def step_ops_table(results):
-    """docs/results/fast-loss/step.json: aten ops and ms of one training step per loss and layout, two versions."""
-    r = read(Path(results) / "fast-loss" / "step.json")
-    rows = ["| loss, layout of the layerwise losses | aten ops before | after | CPU ms before: median of rounds | after "
-            "| wall ms before | after |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for k, v in r["summary"].items():
-        loss, stack = k.split(", stack ")
-        layout = {"yes": "stacked (a GPU's)", "no": "layer by layer (a CPU's)"}[stack] if loss != "direct" else "–"
-        cpu = [v[k].get("cpu_ms", float("nan")) for k in ("before", "after")]
-        rows.append(f"| {loss}, {layout} | {v['before']['ops']:,} | {v['after']['ops']:,} | {cpu[0]:,.0f} | {cpu[1]:,.0f} "
-                    f"| {v['before']['ms']:,.0f} | {v['after']['ms']:,.0f} |")
-    return "\n".join(rows)
-
-
 def grid_blocks(grid, results, figures):
     """The generated blocks of one folder of docs/results: name -> markdown (and its figures, drawn)."""
     made = {}
@@ -582,7 +546,11 @@ def grid_blocks(grid, results, figures):
         import gpu_check
         for p in sorted((Path(results) / grid).glob("*.json")):
             res = read(p)
-            made[f"gpu:{p.stem}"] = "\n".join([gpu_check.table(res), ""] + gpu_check.targets(res))
+            table = gpu_check.table(res).splitlines()
+            for section in ("ops", "distill", "scan", "decode", "dof"):      # each beside the question it answers
+                rows = [row for row in table[2:] if row.startswith(f"| {section} |")]
+                made[f"gpu:{p.stem}-{section}"] = "\n".join(table[:2] + rows)
+            made[f"gpu:{p.stem}-targets"] = "\n".join(gpu_check.targets(res))
         return made
     if grid == "heads-kl":                       # experiments/heads.py: per-head error against M, synthetic check
         import heads
@@ -597,11 +565,6 @@ def grid_blocks(grid, results, figures):
     if grid == "zeroshot":                       # evaluate.py's results.json, not distill.py runs
         for p in sorted((Path(results) / grid).glob("*.json")):
             made[f"zeroshot:{p.stem}"] = zeroshot_table(read(p))
-        return made
-    if grid in ("restructure", "trim", "fast-loss", "budget"):   # side by side with the code before, from its scripts
-        made[f"{grid}:table"] = step_ops_table(results) if grid == "fast-loss" else speed_table(results, grid)
-        if (Path(results) / grid / "identity.json").is_file():
-            made[f"{grid}:identity"] = identity_table(read(Path(results) / grid / "identity.json"))
         return made
     if grid in ("curves", "allocation"):         # both read every M of the curves: a missing one is named here
         check_whole("curves", load("curves", results), results)
@@ -637,6 +600,29 @@ def grid_blocks(grid, results, figures):
     return made
 
 
+# the paired comparisons that answer the main questions: text, the grids whose runs are paired, group, its base
+OVERVIEW = (("DoF dims against Fix, budget 32", ("allocation",), "32/DoF", "Fix"),
+            ("DoF dims against Fix, budget 64", ("claim",), "64/DoF", "Fix"),
+            ("the measured allocation against Fix, 960 steps", ("converge",), "32/Measured", "Fix"),
+            ("100 direct steps after layerwise training, against none", ("claim", "recipe"), "64/DoF + direct", "DoF"),
+            ("240 more layerwise steps, against none", ("claim", "recipe"), "64/DoF, 240 more layerwise steps", "DoF"),
+            ("keys not centred, against centred", ("claim", "recipe"), "64/DoF, keys not centred", "DoF"),
+            ("per-head DoF dims against per-layer DoF dims", ("claim", "heads"), "32/DoF per head", "DoF"))
+
+
+def overview(results):
+    """One row per comparison of OVERVIEW: paired differences seed by seed, mean ± standard error."""
+    rows = ["| comparison | grid | seeds | Δ next-token loss | Δ attention KL |", "|---|---|---|---|---|"]
+    for text, grids, group, base in OVERVIEW:
+        records = [r for g in grids for r in load(g, results)]
+        d = paired_diffs(records, base)[group]
+        se = standard_error(d)
+        seeds = ", ".join(str(r["seed"]) for r in records if r["group"] == group)
+        rows.append(f"| {text} | {grids[-1]} | {seeds} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | "
+                    f"{d[:, 1].mean():+.3f} ± {se[1]:.3f} |")
+    return "\n".join(rows) + "\n\nMean ± standard error over the seeds, each seed's runs on the same windows."
+
+
 def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESULTS, figures=ROOT / "docs"):
     """Rebuild every generated block of `docs` (between their markers) and each grid's learning-curve figure;
     -> the blocks, name -> text."""
@@ -650,6 +636,8 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
             raise ModelError(f"{Path(results) / grid} holds a result file its script did not write ({type(e).__name__}"
                              f": {str(e)[:80]}); restore it (git checkout -- docs/results) or run its grid again") \
                 from None
+    if all((Path(results) / g).is_dir() for o in OVERVIEW for g in o[1]):
+        made["overview"] = overview(results)
     for doc in docs:
         text = Path(doc).read_text()
         for name, body in made.items():
