@@ -238,10 +238,11 @@ def read_gguf(path):
                          "llama ones load")
     cfg = gguf_config(tensors, meta)
     layout = gguf_layout(cfg, len(tensors))
-    # GGUF lists dims fastest-first
-    bad = sorted(set(layout) ^ set(tensors)) or [
-        name for name, (_, shape) in layout.items()
-        if tuple(int(d) for d in reversed(tensors[name].shape)) != shape]
+    bad = sorted(set(layout) ^ set(tensors))
+    if not bad:
+        # GGUF lists dims fastest-first
+        bad = [name for name, (_, shape) in layout.items()
+               if tuple(int(d) for d in reversed(tensors[name].shape)) != shape]
     if bad:
         n_layer = cfg["num_hidden_layers"]
         raise ModelError(f"{path} does not hold a plain {n_layer}-layer llama model of the sizes in "
@@ -256,7 +257,8 @@ def read_gguf(path):
             kind = t.tensor_type.name
             raise ModelError(f"{path}: gguf cannot dequantise tensor {name}'s {kind} type") from None
         # rotary pairs: llama.cpp's rows 2j, 2j+1 -> HF's j, j + D/2
-        if n := heads.get(name.split(".")[-2]):
+        n = heads.get(name.split(".")[-2])
+        if n:
             w = w.reshape(n, shape[0] // n // 2, 2, shape[1]).swapaxes(1, 2).reshape(shape)
         # a copy where w is a view of the mapped file
         sd[key] = torch.from_numpy(np.require(w, requirements="CW"))

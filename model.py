@@ -447,6 +447,7 @@ class GPT(nn.Module):
         c = self.config
         # DOOR: distill.py's --resume / --init-from should refuse these (checkpoint.check_dims)
         checkpoint.check_dims(dims, c.n_layer, per_head=core is not None)
+        # deepcopy's memo: every parameter and buffer stays the teacher's; only the cores are new
         shared = {id(t): t for t in (*self.parameters(), *self.buffers())}
         student = copy.deepcopy(self, shared)
         make = core or LinearAttention
