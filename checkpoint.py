@@ -133,7 +133,7 @@ def read_student(ckpt_dir):
 def check_dims(dims, n_layer, per_head=False):
     """dims: one whole number per layer of an n_layer-layer teacher (per_head: or a list a layer)."""
     listed = any(isinstance(m, (list, tuple)) for m in dims)
-    if len(dims) != n_layer or listed and not per_head:
+    if len(dims) != n_layer or (listed and not per_head):
         first = dims[0] if dims else None
         raise ModelError(f"the dims ({len(dims)}, the first {first}) are not a number per layer of "
                          f"this {n_layer}-layer teacher; pass a checkpoint of it (per-head dims: train "
