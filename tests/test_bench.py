@@ -38,7 +38,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("device,linear", [("cpu", False), ("cpu", True), pytest.param("cuda", False, marks=CUDA),
                                            pytest.param("cuda", True, marks=CUDA)])
 def test_graphed_decoder_equals_decoding_through_models_cache(device, linear, compiled):
-    """experiments/graphed_decode.py: after a prefill, tokens through the fixed buffers (position a tensor, a KV cache
+    """bench/graphed_decode.py: after a prefill, tokens through the fixed buffers (position a tensor, a KV cache
     of fixed capacity or the linear state copied back) give model.Cache's logits at every step, with the buffers'
     addresses unchanged; on the CPU its step runs eagerly, on CUDA as one captured graph replayed; compiled, the same
     (torch.compile'd, fullgraph) step. GPT-2 is refused."""
@@ -71,7 +71,7 @@ def test_graphed_decoder_equals_decoding_through_models_cache(device, linear, co
 def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys):
     """bench.py --heads on a two-layer, six-head run: one row per layout with the same features summed over heads,
     per-head rows in more groups, a ratio row, the products line; a per-layer table and a zero query block refused."""
-    import bench  # experiments/bench.py
+    import bench  # bench/bench.py
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"args": {"budget": 4, "dof": [[1.0, 2.0, 9.0, 2.0, 1.0, 3.0], [5.0] * 6]}}))
     bench.main(["--T", "--decode-ctx", "--heads", str(run), "--heads-T", "40", "--query-block", "16",
@@ -162,7 +162,7 @@ def test_bench_worker_reports_the_median_the_peak_in_mib_and_the_flops_written_o
     the mean), a peak of 3,072 KiB as 3.0 MiB, and the FLOPs counted term by term: for the scan at B 1, H 2, T 100,
     D 8, M 4, chunk 64 (padded to 128), the feature maps over T, the states and the full chunk blocks over the
     padded length; for SDPA 2 T^2 D H."""
-    import bench  # experiments/bench.py
+    import bench  # bench/bench.py
     monkeypatch.setattr(bench, "peak_meter", lambda device: lambda: 3072.0)
 
     def run(method, T, C, durations):
@@ -182,7 +182,7 @@ def test_bench_scan_table_and_its_verdicts_read_sdpa_over_linear(monkeypatch, ca
     """bench.py's scan rows from given measurements: the speed-up is SDPA's ms over linear's, KiB/token 1024 x the
     peak MiB over T, GFLOP/s the flops over the ms; the verdicts: no slower at 2 ms each (1.0x), 6x faster at 6 ms
     against 1, and a per-token peak that doubles is not linear."""
-    import bench  # experiments/bench.py
+    import bench  # bench/bench.py
     bench.speed_and_memory_lines([(4096, {"ms": 2.0, "peak_mib": 1.0}, {"ms": 2.0}),
                                   (16384, {"ms": 1.0, "peak_mib": 8.0}, {"ms": 6.0})])
     out = capsys.readouterr().out
@@ -200,7 +200,7 @@ def test_bench_scan_table_and_its_verdicts_read_sdpa_over_linear(monkeypatch, ca
 def test_bench_decode_compile_adds_a_compiled_column_per_decoder(monkeypatch, capsys):
     """bench.py --decode-compile on a tiny shape with given times: each row gains the compiled step's ms for the KV
     cache and the linear state, after the eager ones, and the largest logit difference is printed under the table."""
-    import bench  # experiments/bench.py
+    import bench  # bench/bench.py
     from model import GPTConfig
     tiny = dict(vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, head_dim=16, mlp_hidden=64)
     monkeypatch.setattr(bench, "GPTConfig", lambda **kw: GPTConfig(**{**kw, **tiny}))
@@ -227,7 +227,7 @@ def test_bench_decoding_heads_and_step_times_leave_out_the_warm_up(tmp_path, mon
     """bench.py on a fake clock: decode_ms is ms per decoded token after an untimed prefill (1 s a token: 1,000 ms);
     the heads table times rounds after the first (100 s a cell), per layer 1 and 2 s, per head 3 and 4 s, ratio
     3.00x and 2.00x; step_row's ms is the median step (1, 9, 2 s: 2,000 ms) and its ops count every op."""
-    import bench  # experiments/bench.py
+    import bench  # bench/bench.py
     clock = FakeClock()
 
     class Model:
@@ -256,7 +256,7 @@ def test_bench_decoding_heads_and_step_times_leave_out_the_warm_up(tmp_path, mon
 def test_bench_decode_ops_count_one_token_after_the_prefill_and_a_warm_up_token():
     """decode_ops: the aten ops of one decoded token, counted here after a prefill of 8 tokens and one token (the
     first token after a prefill also grows the KV cache)."""
-    import bench  # experiments/bench.py
+    import bench  # bench/bench.py
     torch.manual_seed(0)
     model = GPT(M.GPTConfig(family="neox", n_layer=2, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, rotary_dim=4,
                             vocab_size=64, block_size=32, mlp_hidden=32)).eval()
@@ -275,7 +275,7 @@ def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeyp
     (10.5, 12.5, 11.5 after 500: 11.5), per 1,024-token sample 11.5 x 1024 / (2 x 64) = 92, its peak 3 MiB; time_ms
     the median after an untimed call; scan_cell SDPA over ours; decode_cell the KV cache also without cuDNN's SDPA
     and both as one CUDA graph where measured; the targets met or MISSED as their sentences say."""
-    import gpu_check  # experiments/gpu_check.py
+    import gpu_check  # bench/gpu_check.py
     log = "".join(f"step {s}/30 | loss 1.234 | lr_z 0.01 | {ms} ms/step | 9,999 tok/s\n" for s, ms in
                   ((5, "500.0"), (10, "10.5"), (15, "12.5"), (20, "11.5"))) + "PEAK_BYTES 3145728\n"
 
@@ -346,7 +346,7 @@ def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeyp
 def test_gpu_check_rows_run_while_four_times_the_last_fits_the_first_not_counted(monkeypatch):
     """rows_until on a fake clock, 200 s left at the start: rows of 60 s (the first: kernels compiled and models
     built once, not counted), 10 s and 30 s (one raising) run; the fourth is skipped, as 4 x 30 s > the 100 s left."""
-    import gpu_check  # experiments/gpu_check.py
+    import gpu_check  # bench/gpu_check.py
     monkeypatch.setattr(gpu_check, "time", clock := FakeClock([60.0, 10.0, 30.0, 1.0, 1.0]))
 
     def measure(v):
@@ -364,12 +364,12 @@ def test_gpu_check_rows_run_while_four_times_the_last_fits_the_first_not_counted
 # heads.py and bench_scorer.py
 
 def test_heads_measures_every_map_at_every_M_and_reports_at_the_M_nearest_the_budget(setup, tmp_path, capsys):
-    """experiments/heads.py on two layers of the tiny GPT-2 with --Ms 4 8: every map's held-out KL per head at each
+    """bench/heads.py on two layers of the tiny GPT-2 with --Ms 4 8: every map's held-out KL per head at each
     M, each head at M = its rounded DoF, dims in proportion to the DoF summing to budget x heads, and the table and
     figure at M = 4, the M of --Ms nearest --budget 5 (they had looked up M = 32 whatever --Ms held); the trained maps
     from each init, draw by draw at that M, draw 0 being the table's."""
     d, ckpt, data = setup
-    heads = load_script("experiments/heads.py")
+    heads = load_script("bench/heads.py")
     heads.main(["--model", str(ckpt), "--data", str(data), "--layers", "0", "2", "--block-size", "64", "--J", "256",
                 "--Ms", "4", "8", "--budget", "5", "--steps", "2", "--seeds", "2", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "smollm2.json").read_text())
@@ -392,11 +392,11 @@ def test_heads_measures_every_map_at_every_M_and_reports_at_the_M_nearest_the_bu
 
 
 def test_heads_refuses_data_of_another_tokenizer_and_reports_one_draw_without_an_error(setup, tmp_path, capsys):
-    """experiments/heads.py checks --data's meta.json against the teacher's tokenizer, as distill.py does (it had
+    """bench/heads.py checks --data's meta.json against the teacher's tokenizer, as distill.py does (it had
     measured a GPT-2 teacher on SmolLM2's token ids); with --seeds 1 the paired difference of the trained maps is one
     draw, printed without the standard error (it had printed "± nan")."""
     d, ckpt, data = setup
-    heads = load_script("experiments/heads.py")
+    heads = load_script("bench/heads.py")
     other = tmp_path / "other"
     shutil.copytree(data, other)
     (other / "meta.json").write_text(json.dumps({"tokenizer": {"model": "smollm2-135m", "n_vocab": 49152}}))
@@ -412,11 +412,11 @@ def test_heads_refuses_data_of_another_tokenizer_and_reports_one_draw_without_an
 
 
 def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, student, tmp_path, capsys):
-    """experiments/bench_scorer.py: harness tokens (a window's worth for a truncated request) over the fast scorer's
-    time against the plain forward rate; run as a script it finds the core from experiments/; a bad option is one
+    """bench/bench_scorer.py: harness tokens (a window's worth for a truncated request) over the fast scorer's
+    time against the plain forward rate; run as a script it finds the core from bench/; a bad option is one
     sentence and exit code 2."""
     import common
-    bs = load_script("experiments/bench_scorer.py")
+    bs = load_script("bench/bench_scorer.py")
     torch.manual_seed(0)
     rows = bs.bench(model, enc, {"arc_easy": E.load_task("arc_easy", EVAL, 4)}, batch_size=4)
     assert rows["arc_easy"]["harness_tok_per_s"] > 0 and rows["arc_easy"]["plain_forward_tok_per_s"] > 0
@@ -424,7 +424,7 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, st
     assert "plain fwd tok/s" in capsys.readouterr().out
     ctx, cont = E.encode_pair(enc, " ".join(f"word{i}" for i in range(200)), " the end of it")
     assert bs.harness_tokens([[(ctx, cont)]], N_POS) == N_POS and bs.harness_tokens([[([1, 2], [3])]], N_POS) == 2
-    r = cli("experiments/bench_scorer.py", "--model", ckpt, "--tasks", "piqa", "--data-dir", EVAL, "--limit", 2,
+    r = cli("bench/bench_scorer.py", "--model", ckpt, "--tasks", "piqa", "--data-dir", EVAL, "--limit", 2,
             "--device", "cpu", "--output", tmp_path / "bench.json")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "harness tok/s" in r.stdout and json.loads((tmp_path / "bench.json").read_text())["teacher"]["piqa"]
@@ -445,7 +445,7 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, st
 def test_bench_scorer_plain_rate_is_no_wider_than_the_tokens_it_covers(model, monkeypatch):
     """The plain forward rate runs batches of at most ceil(tokens / length) rows, and counts the tokens it ran (a
     --batch-size of 10^9 had allocated 10^9 rows, 10^5 had run for minutes, to time 20 tokens)."""
-    bs = load_script("experiments/bench_scorer.py")
+    bs = load_script("bench/bench_scorer.py")
     shapes, clock = [], iter([0.0, 2.0])
 
     class Counted:
@@ -464,9 +464,9 @@ def test_bench_scorer_plain_rate_is_no_wider_than_the_tokens_it_covers(model, mo
 # gpu_check.py
 
 def test_gpu_check_tiny_on_cpu_measures_every_section_and_skips_past_the_deadline(tmp_path):
-    import gpu_check  # experiments/gpu_check.py
+    import gpu_check  # bench/gpu_check.py
     out = tmp_path / "check.json"
-    run = subprocess.run([sys.executable, "experiments/gpu_check.py", "--device", "cpu", "--tiny", "--out", str(out)],
+    run = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--tiny", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=script_env())
     assert run.returncode == 0, run.stderr[-2000:]
     assert "| section | case | measurement |" in run.stdout
@@ -520,7 +520,7 @@ def test_gpu_check_forkserver_ignores_a_ctrl_c_while_it_starts(tmp_path):
         import os, signal, sys, threading, time
         from multiprocessing import forkserver
         from pathlib import Path
-        sys.path.insert(0, "experiments")
+        sys.path.insert(0, "bench")
         import gpu_check
 
         def interrupt():
@@ -575,7 +575,7 @@ def test_gpu_check_stopped_while_a_distillation_runs_kills_it(tmp_path, monkeypa
 # allocation.py: its rank correlation, its fork of distill.py, its curves
 
 def test_spearman_gives_tied_values_their_mean_rank():
-    """experiments/allocation.py's rank correlation: ties (dims of 32 recur) share a rank, so the order in which tied
+    """bench/allocation.py's rank correlation: ties (dims of 32 recur) share a rank, so the order in which tied
     layers come plays no part."""
     import allocation as A
     assert A.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == A.spearman([1, 2, 2, 3], [1, 3, 2, 4])
@@ -583,7 +583,7 @@ def test_spearman_gives_tied_values_their_mean_rank():
 
 
 def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core(setup, tmp_path):
-    """experiments/allocation.py --rule dof-raw: dims allocated from the uncentred kernel's DoF although the keys are
+    """bench/allocation.py --rule dof-raw: dims allocated from the uncentred kernel's DoF although the keys are
     centred (the checkpoint records the rule as its alloc), resumed with the same flags; --predict writes the
     predictors and trains nothing."""
     import allocation as A
@@ -618,7 +618,7 @@ def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core
 
 
 def test_allocation_curves_damaged_or_not_positive_are_one_sentence(tmp_path):
-    """experiments/allocation.py --rule measured reads the curve runs through the checked reader."""
+    """bench/allocation.py --rule measured reads the curve runs through the checked reader."""
     import allocation as A
     (tmp_path / "fix-m4-s0.json").write_text('{"args": {"budget": 4')
     with pytest.raises(ModelError, match=r"fix-m4-s0.json is damaged or truncated"):
@@ -654,7 +654,7 @@ def test_allocation_curves_damaged_or_not_positive_are_one_sentence(tmp_path):
 # allocation.py's predictors and heads.py's per-head measurements, each pinned to a known answer
 
 def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untrained_students_kl(setup):
-    """experiments/allocation.py's predictors on the tiny GPT-2, written out: with q~ = q / d^(1/4) and k~ its centred
+    """bench/allocation.py's predictors on the tiny GPT-2, written out: with q~ = q / d^(1/4) and k~ its centred
     keys alike, entropy is the teacher's causal attention entropy (mean over sequences, heads and queries, then
     batches), qk-norm mean |q~| times mean |k~|, prf-var the mean of sum_j p_ij |q~_i + k~_j|^2; dof-max above dof-mean
     layer by layer; untrained-kl is the layerwise softmax loss of a student of M = budget drawn from --seed with its
@@ -689,11 +689,11 @@ def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untraine
 
 
 def test_heads_per_head_kl_is_a_mean_over_sequences_and_untrained_maps_over_draws():
-    """experiments/heads.py's pieces on random GQA queries and keys (4 heads, 2 KV heads): calibration_points' mu is
+    """bench/heads.py's pieces on random GQA queries and keys (4 heads, 2 KV heads): calibration_points' mu is
     each head's mean key and its points pool queries with centred keys (so they sum to the queries' sum when J takes
     them all); make_core centres each group by its own heads' mu; head_kl of two sequences is the mean of each one's;
     an untrained map's KL is the mean over --seeds draws s = 0, 1, 2 of make_core's draw s."""
-    heads = load_script("experiments/heads.py")
+    heads = load_script("bench/heads.py")
     B, H, Hkv, T, D = 2, 4, 2, 24, 8
     g = torch.Generator().manual_seed(0)
     qc, kc, qh, kh = (torch.randn(B, h, T, D, generator=g) + 0.5 for h in (H, Hkv, H, Hkv))
@@ -712,10 +712,10 @@ def test_heads_per_head_kl_is_a_mean_over_sequences_and_untrained_maps_over_draw
 
 
 def test_heads_proportional_dims_are_one_pool_of_every_measured_head(setup, monkeypatch):
-    """experiments/heads.py's equal-error comparison: M ~ N_lam over the heads of every measured layer together (mean
+    """bench/heads.py's equal-error comparison: M ~ N_lam over the heads of every measured layer together (mean
     M = --budget over all of them), not layer by layer; here layer 2's heads, of little DoF, get fewer than 4."""
     d, ckpt, data = setup
-    heads = load_script("experiments/heads.py")
+    heads = load_script("bench/heads.py")
     N = iter([torch.tensor([1.0, 3.0, 0.5, 4.0], dtype=torch.float64), torch.full((4,), 0.5, dtype=torch.float64)])
     monkeypatch.setattr(dof, "degrees_of_freedom", lambda *a, **k: next(N))
     cfg = common.parse_config(heads.HeadsConfig, [str(a) for a in ["--model", ckpt, "--data", data, "--layers", 0, 2,
@@ -727,10 +727,10 @@ def test_heads_proportional_dims_are_one_pool_of_every_measured_head(setup, monk
 
 
 def test_synthetic_kernel_error_is_that_of_the_plain_prf_estimate():
-    """experiments/heads.py's synthetic check, Gaussian draws: x = s N(0, I) from seed 0, M = round(N_lam), z from
+    """bench/heads.py's synthetic check, Gaussian draws: x = s N(0, I) from seed 0, M = round(N_lam), z from
     seed draw, K^ = phi phi^T / M with phi = exp(z.x~ - |x~|^2 / 2) (E K^ = K = exp(x x^T / sqrt d)); the error is
     |K^ - K|_F / |K|_F, written out."""
-    heads = load_script("experiments/heads.py")
+    heads = load_script("bench/heads.py")
     res = heads.synthetic(types.SimpleNamespace(lam=1e-3), J=16, d=4, draws=2)
     for row in res["rows"]:
         x = row["scale"] * torch.randn(16, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -743,9 +743,9 @@ def test_synthetic_kernel_error_is_that_of_the_plain_prf_estimate():
 
 
 def test_synthetic_table_counts_only_draws_where_leverage_is_strictly_lower():
-    """experiments/heads.py's synthetic table: "leverage lower" counts the draws where leverage's error is below the
+    """bench/heads.py's synthetic table: "leverage lower" counts the draws where leverage's error is below the
     Gaussian one's; a tie is not a win."""
-    heads = load_script("experiments/heads.py")
+    heads = load_script("bench/heads.py")
     m = lambda errors: {"kernel_error": float(np.mean(errors)), "kernel_error_median": float(np.median(errors)),
                         "kl": 0.5, "errors": errors, "kls": [0.5, 0.5, 0.5]}
     res = {"rows": [{"scale": 1.0, "dof": 2.0, "M": 2, "gaussian": m([1.0, 2.0, 3.0]), "leverage": m([1.0, 1.0, 4.0])}],

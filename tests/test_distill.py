@@ -454,9 +454,9 @@ def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
     assert not never.exists()
 
 
-SCRIPTS = ["distill.py", "dof.py", "evaluate.py", "docs/experiments.py", "docs/figures.py", "experiments/bench.py",
-           "experiments/gpu_check.py", "experiments/heads.py", "experiments/per_head.py", "experiments/leverage.py",
-           "experiments/bench_scorer.py", "experiments/direct_finetune.py", "data/text/prepare.py",
+SCRIPTS = ["distill.py", "dof.py", "evaluate.py", "docs/experiments.py", "docs/figures.py", "bench/bench.py",
+           "bench/gpu_check.py", "bench/heads.py", "experiments/per_head.py", "experiments/leverage.py",
+           "bench/bench_scorer.py", "experiments/direct_finetune.py", "data/text/prepare.py",
            "data/wikipedia/prepare.py", "experiments/fla_scan.py"]
 
 
@@ -974,37 +974,37 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
     (tmp_path / "taken" / "val.bin").mkdir()
     for split in ("train", "val"):
         np.arange(50, dtype=np.uint16).tofile(tmp_path / "short" / f"{split}.bin")
-    cases = [("experiments/bench.py", ["--T", "0"], r"--T must list numbers of at least 1, got \[0\]"),
-             ("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "bad.json"],
+    cases = [("bench/bench.py", ["--T", "0"], r"--T must list numbers of at least 1, got \[0\]"),
+             ("bench/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "bad.json"],
               r"bad.json is damaged or truncated .*; pass the JSON of an experiments/per_head.py run"),
-             ("experiments/bench.py", ["--threads", "0"], r"--threads must be a number of at least 1, got 0"),
-             ("experiments/bench.py", ["--T", "16", "--chunks", "--decode-ctx", "--heads", tmp_path / "short"],
+             ("bench/bench.py", ["--threads", "0"], r"--threads must be a number of at least 1, got 0"),
+             ("bench/bench.py", ["--T", "16", "--chunks", "--decode-ctx", "--heads", tmp_path / "short"],
               r"short is not a file; pass the JSON of an experiments/per_head.py run"),   # before the scan table
-             ("experiments/bench.py", ["--step", "mse"], r"--step mse: the losses are softmax, l2 and direct"),
-             ("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "ragged.json"],
+             ("bench/bench.py", ["--step", "mse"], r"--step mse: the losses are softmax, l2 and direct"),
+             ("bench/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "ragged.json"],
               r"ragged.json lacks a per-head DoF table or its budget \(ValueError\)"),
-             *[("experiments/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / f"{name}.json"], rf"{name}.json "
+             *[("bench/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / f"{name}.json"], rf"{name}.json "
                 r"holds no per-head table of finite DoF of at least 0 \(one row a layer\) and whole budget of at") for
                name in ("empty", "nan")],
-             ("experiments/allocation.py", ["--model", ckpt, "--predict", tmp_path / "no" / "p.json"],
+             ("bench/allocation.py", ["--model", ckpt, "--predict", tmp_path / "no" / "p.json"],
               r"--predict .*p.json is in .*no, which does not exist; pass a file path"),
-             ("experiments/allocation.py", ["--rule", "entropy", "--dims", "4,1,1,1"], r"--rule chooses the dims here; "
+             ("bench/allocation.py", ["--rule", "entropy", "--dims", "4,1,1,1"], r"--rule chooses the dims here; "
               r"drop --dims and --alloc, or run distill.py with them"),
-             ("experiments/allocation.py", ["--rule", "entropy", "--alloc", "clip"], r"--rule chooses the dims here"),
-             ("experiments/allocation.py", ["--predict", tmp_path / "p.json", "--resume"],
+             ("bench/allocation.py", ["--rule", "entropy", "--alloc", "clip"], r"--rule chooses the dims here"),
+             ("bench/allocation.py", ["--predict", tmp_path / "p.json", "--resume"],
               r"--predict computes the predictors of a fresh run; drop --resume and --init-from"),
-             ("experiments/allocation.py", ["--model", ckpt, "--data", data, "--rule", "measured", "--out-dir",
+             ("bench/allocation.py", ["--model", ckpt, "--data", data, "--rule", "measured", "--out-dir",
                                             tmp_path / "al", *FAST], r"curves in docs/results/curves are of a model "
               r"of 30 layers, and .* has 4; pass --curves of runs on this model"),
              ("experiments/leverage.py", ["--model", ckpt, "--data", data, "--pool", 10 ** 8, "--out-dir",
                                           tmp_path / "out", *FAST], r"--pool 100000000 candidates for each of up to "
               r"\d+ features a head needs about [\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; lower --pool"),
-             ("experiments/gpu_check.py", ["--budget-seconds", "-5"], r"--budget-seconds must be a number above 0"),
-             ("experiments/gpu_check.py", ["--block-size", "2048", "--out", tmp_path / "c.json"], r"--block-size 2048 "
+             ("bench/gpu_check.py", ["--budget-seconds", "-5"], r"--budget-seconds must be a number above 0"),
+             ("bench/gpu_check.py", ["--block-size", "2048", "--out", tmp_path / "c.json"], r"--block-size 2048 "
               r"is more than GPT-2's 1024 learned positions, which its distillation and ops rows use; pass at most"),
-             ("experiments/gpu_check.py", ["--scan-T", "0", "--out", tmp_path / "c.json"], r"--scan-T and --decode-ctx "
+             ("bench/gpu_check.py", ["--scan-T", "0", "--out", tmp_path / "c.json"], r"--scan-T and --decode-ctx "
               r"must list numbers of at least 1, got \[0\]"),
-             ("experiments/gpu_check.py", ["--out", tmp_path / "no" / "such" / "c.json"], r"--out .*c.json is in "
+             ("bench/gpu_check.py", ["--out", tmp_path / "no" / "such" / "c.json"], r"--out .*c.json is in "
               r".*such, which does not exist"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--num-threads", "0", tmp_path / "a.txt"],
               r"--num-threads must be a number of at least 1, got 0"),
@@ -1035,30 +1035,30 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
               r"cannot write .*taken/val.bin: it is a directory"),
              ("dof.py", ["--model", ckpt, "--data", data, "--batch-size", 10 ** 8, "--out", tmp_path / "out"], r"the "
               r"calibration pass at --batch-size 100000000 x --block-size 128 needs about [\d,.]+ GiB, more than the"),
-             ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "9", "--out", tmp_path / "out"],
+             ("bench/heads.py", ["--model", ckpt, "--data", data, "--layers", "9", "--out", tmp_path / "out"],
               r"has layers 0-3; pass --layers among them \(got \[9\]\)$"),
-             ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "0", "--block-size", "256", "--out",
+             ("bench/heads.py", ["--model", ckpt, "--data", data, "--layers", "0", "--block-size", "256", "--out",
                                        tmp_path / "out"], r"has a context of 128 tokens; pass a --block-size within "
               r"it \(got 256\)$"),                                               # had blamed --layers too
-             ("experiments/heads.py", ["--model", ckpt, "--data", tmp_path / "short", "--layers", "0", "--block-size",
+             ("bench/heads.py", ["--model", ckpt, "--data", tmp_path / "short", "--layers", "0", "--block-size",
                                        "100", "--J", "64", "--out", tmp_path / "out"], r"holds 50 tokens, fewer than"),
-             ("experiments/heads.py", ["--seeds", "0"], r"--seeds must be a number of at least 1, got 0"),
-             ("experiments/heads.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
-             ("experiments/heads.py", ["--out", tmp_path / "file" / "sub"], r"--out .*sub is inside the file .*file"),
-             ("experiments/heads.py", ["--model", ckpt, "--data", data], r"--out docs/results/heads-kl holds "
+             ("bench/heads.py", ["--seeds", "0"], r"--seeds must be a number of at least 1, got 0"),
+             ("bench/heads.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
+             ("bench/heads.py", ["--out", tmp_path / "file" / "sub"], r"--out .*sub is inside the file .*file"),
+             ("bench/heads.py", ["--model", ckpt, "--data", data], r"--out docs/results/heads-kl holds "
               r"SmolLM2-135M's committed numbers \(smollm2.json\); pass another --out for "),   # had replaced them
-             ("experiments/gpu_check.py", ["--work-dir", tmp_path / "file", "--out", tmp_path / "c.json"],
+             ("bench/gpu_check.py", ["--work-dir", tmp_path / "file", "--out", tmp_path / "c.json"],
               r"--work-dir .*file is a file; pass a directory"),                     # these three came after the work
-             ("experiments/heads.py", ["--J", "2000", "--calib-seqs", "2", "--block-size", "64"], r"--J 2000 is more "
+             ("bench/heads.py", ["--J", "2000", "--calib-seqs", "2", "--block-size", "64"], r"--J 2000 is more "
               r"than the 256 queries and keys a head has in --calib-seqs x --block-size; lower --J or raise"),
-             ("experiments/heads.py", ["--model", ckpt, "--data", data, "--layers", "0", "--block-size", "64",
+             ("bench/heads.py", ["--model", ckpt, "--data", data, "--layers", "0", "--block-size", "64",
                                        "--calib-seqs", 10 ** 8, "--out", tmp_path / "out"], r"100000004 sequences "
               r"\(--calib-seqs \+ --eval-seqs\) of 64 tokens with up to 128 features a head needs about [\d,.]+ GiB"),
              ("docs/experiments.py", ["--run", "claim", "--jobs", "0"], r"--jobs must be a number of at least 1"),
              ("docs/experiments.py", ["--run", "claim", "--match", "nothing"], r"no run of grid claim has a name "
               r"containing 'nothing'; its runs are b32-fix-s0, b32-fix-s1, "),         # had run none and exited 0
-             ("experiments/heads.py", ["--Ms", "--out", tmp_path / "out"], r"--Ms must be one or more feature counts"),
-             ("experiments/heads.py", ["--layers", "-1"], r"--layers must be one or more layers from 0, got \[-1\]")]
+             ("bench/heads.py", ["--Ms", "--out", tmp_path / "out"], r"--Ms must be one or more feature counts"),
+             ("bench/heads.py", ["--layers", "-1"], r"--layers must be one or more layers from 0, got \[-1\]")]
     for script, args, match in cases:
         before = snapshot(tmp_path)
         r = cli(script, *args)

@@ -232,7 +232,7 @@ def test_report_refuses_a_damaged_result_file_in_one_sentence(tmp_path, damage, 
 
 def test_report_without_matplotlib_notes_each_figure_it_does_not_draw(tmp_path, monkeypatch, capsys):
     """--report without matplotlib: the tables are rebuilt, and the layer curves (curves grid) and
-    experiments/heads.py's figure are each a note, as the learning curves are; they had been a ModuleNotFoundError."""
+    bench/heads.py's figure are each a note, as the learning curves are; they had been a ModuleNotFoundError."""
     for grid in ("curves", "heads-kl"):
         shutil.copytree(ROOT / "docs" / "results" / grid, tmp_path / "results" / grid)
     doc = tmp_path / "results.md"

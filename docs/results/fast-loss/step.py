@@ -5,7 +5,7 @@ both layouts of the layerwise losses (--stack yes: a GPU's, no: a CPU's; the old
 
     python docs/results/fast-loss/step.py --before ../before-fast --after . --out docs/results/fast-loss/step.json
 
---before, --after: checkouts of the two versions; the measurement is experiments/bench.py's step_row (of --after),
+--before, --after: checkouts of the two versions; the measurement is bench/bench.py's step_row (of --after),
 which uses only distill.py's API, applied to each version's distill.py.
 """
 import argparse
@@ -29,7 +29,7 @@ def main():
     p.add_argument("--out", default="step.json")
     a = p.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    bench_dir = str(Path(a.after).resolve() / "experiments")
+    bench_dir = str(Path(a.after).resolve() / "bench")
     res = {"before": [], "after": []}
     for r in range(a.rounds):
         for name in ("before", "after"):
