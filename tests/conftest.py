@@ -1,5 +1,5 @@
-"""What the files of tests/ share: the repository's paths (the core, experiments/ and bench/ importable), the
-fixtures of a tiny GPT-2 checkpoint, its data and a trained run, and the helpers that start the scripts."""
+"""What the files of tests/ share: the repository's paths, the fixtures of a tiny GPT-2 checkpoint, its data and a
+trained run, and the helpers that start the scripts. (pytest.ini puts the core, experiments/ and bench/ on sys.path.)"""
 
 from pathlib import Path
 import importlib.util
