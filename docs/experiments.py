@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]  # the core, and experiments/ (allocation, gpu_check, heads)
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # the core, and bench/ (allocation, gpu_check, heads)
 from common import (ModelError, atomic_path, check_positive, is_checkpoint, opt, parse_config, read_json,  # noqa: E402
                     run_main, write_text_atomic)
 
@@ -120,9 +120,9 @@ def curves_grid(seed=0):
 ALLOC_RULES = {  # group label -> (allocation field, script, flags): the allocation grid's rows
     "Fix": ("fix", "distill.py", ["--alloc", "fix"]),
     "DoF": ("dof", "distill.py", ["--alloc", "dof"]),
-    "DoF (uncentred kernel)": ("dof-raw", "experiments/allocation.py", ["--rule", "dof-raw"]),
-    "Measured": ("measured", "experiments/allocation.py", ["--rule", "measured", "--curves", "docs/results/curves"]),
-    "Entropy": ("entropy", "experiments/allocation.py", ["--rule", "entropy"]),   # best with the curves' gains
+    "DoF (uncentred kernel)": ("dof-raw", "bench/allocation.py", ["--rule", "dof-raw"]),
+    "Measured": ("measured", "bench/allocation.py", ["--rule", "measured", "--curves", "docs/results/curves"]),
+    "Entropy": ("entropy", "bench/allocation.py", ["--rule", "entropy"]),   # best with the curves' gains
 }
 
 
@@ -552,7 +552,7 @@ def grid_blocks(grid, results, figures):
                 made[f"gpu:{p.stem}-{section}"] = "\n".join(table[:2] + rows)
             made[f"gpu:{p.stem}-targets"] = "\n".join(gpu_check.targets(res))
         return made
-    if grid == "heads-kl":                       # experiments/heads.py: per-head error against M, synthetic check
+    if grid == "heads-kl":                       # bench/heads.py: per-head error against M, synthetic check
         import heads
         for p in sorted((Path(results) / grid).glob("*.json")):
             res = read(p)

@@ -2,9 +2,9 @@
 Per-head measurement on a real model: the error of untrained and trained feature maps against the feature count
 M, per head, and whether features in proportion to each head's DoF even out the error across heads.
 
-    python experiments/heads.py              # SmolLM2-135M layers 0, 15, 29 and the synthetic check; ~10 minutes
-    python experiments/heads.py --synthetic  # the synthetic Gaussian-kernel check alone; seconds
-    python docs/experiments.py --report    # their tables in docs/results.md, docs/fig-heads.png
+    python bench/heads.py                # SmolLM2-135M layers 0, 15, 29 and the synthetic check; ~10 minutes
+    python bench/heads.py --synthetic    # the synthetic Gaussian-kernel check alone; seconds
+    python docs/experiments.py --report  # their tables in docs/results.md, docs/fig-heads.png
 
 Error: held-out KL(p || p^) of each head's normalised causal attention rows (the softmax loss of distill.py),
 averaged over queries, on --eval-seqs sequences of val.bin; features drawn or trained on --calib-seqs sequences of
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its forks (leverage, per_head)
 import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402

@@ -1,8 +1,8 @@
 """
 One prepared GPU check, in one run of about seven minutes on one GPU with no network:
 
-    python experiments/gpu_check.py --out gpu_check.json                           # one H200: the paper's shapes
-    python experiments/gpu_check.py --device cpu --tiny --out /tmp/gpu_check.json  # tiny shapes: a CPU smoke test
+    python bench/gpu_check.py --out gpu_check.json                           # one H200: the paper's shapes
+    python bench/gpu_check.py --device cpu --tiny --out /tmp/gpu_check.json  # tiny shapes: a CPU smoke test
 
 Every model is built here with random weights (config.json + model.safetensors in the checkpoint's own key names,
 the tokenizer files of tests/data beside them) and every token is random, so nothing is downloaded. Sections:
@@ -14,7 +14,7 @@ the tokenizer files of tests/data beside them) and every token is random, so not
            median of distill.py's log intervals after the first (the warm-up); ms/sample: per 1024-token sample;
            peak: torch.cuda.max_memory_allocated (on the CPU: max RSS).
   ops      aten ops and ms of one training step per loss at the GPT-2 shape, 1 x --block-size tokens, and of the
-           per-head fork's (experiments/bench.py's step_row).
+           per-head fork's (bench/bench.py's step_row).
   scan     PRF features + model.causal_linear_attention, and FLA's chunk kernel on CUDA when flash-linear-attention
            is installed, against F.scaled_dot_product_attention(is_causal=True) (the flash kernel on CUDA); B = 1,
            H = 12, D = M = 64, bf16 inputs, forward and forward+backward, the median of --repeats calls ("oom" where
@@ -22,7 +22,7 @@ the tokenizer files of tests/data beside them) and every token is random, so not
            is also compared with ours (relative error).
   decode   ms per generated token after a prefill of ctx tokens, Pythia-160M shape in bf16: the KV cache (softmax)
            against the fixed linear state (M = 64), as bench.py's decode table; then each replayed as one CUDA
-           graph a token (experiments/graphed_decode.py; on the CPU its step runs eagerly), and again with the step
+           graph a token (bench/graphed_decode.py; on the CPU its step runs eagerly), and again with the step
            torch.compile'd first (the first row compiles), each with the largest logit difference from
            model.Cache's decoding of the same tokens over the largest logit.
   dof      dof.degrees_of_freedom on a random (12, 12, J, 64) input on --device (and one layer on the CPU).
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its forks (fla_scan, per_head)
 import dof  # noqa: E402
 from bench import decode_ms, graphed_ms  # noqa: E402
 from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402

@@ -1,11 +1,11 @@
 """
-experiments/bench_scorer.py: how much faster evaluate.py's default scorer (fast_scorer.py) is than scoring every
+bench/bench_scorer.py: how much faster evaluate.py's default scorer (fast_scorer.py) is than scoring every
 request the harness's way. For each task: the tokens the harness would feed the model (every request's window), over
 the fast scorer's wall time, against the model's plain forward rate (full logits, no padding) on as many tokens at
 the task's mean harness sequence length. A ratio above 1 is the speed-up the shared prefixes and batching bring.
 
-    python experiments/bench_scorer.py --model gpt2 --data-dir tests/data/eval --limit 50
-    python experiments/bench_scorer.py --model gpt2 --ckpt out/gpt2 --data-dir tests/data/eval --rounds 3
+    python bench/bench_scorer.py --model gpt2 --data-dir tests/data/eval --limit 50
+    python bench/bench_scorer.py --model gpt2 --ckpt out/gpt2 --data-dir tests/data/eval --rounds 3
 """
 import json
 import math

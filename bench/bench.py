@@ -1,12 +1,12 @@
 """Speed and memory of causal linear attention against softmax attention, side by side in one run.
 
-    python experiments/bench.py              # T = 1024, 4096, 16384; B = 1, H = 12, M = D = 64; chunk sweep 32..256
-    python experiments/bench.py --T 1024 4096 --chunks 64 --repeats 5
-    python experiments/bench.py --T --decode-steps 32                      # the decoding table alone
-    python experiments/bench.py --T --decode-compile                       # ... and with the step torch.compile'd
-    python experiments/bench.py --T --decode-batch 16 --decode-ctx 2048      # 16 sequences decoded at once
-    python experiments/bench.py --T --decode-ctx --heads docs/results/heads/b32-dof-head-s0.json   # per-head dims
-    python experiments/bench.py --T --decode-ctx --step softmax l2 direct     # aten ops and ms of a step per loss
+    python bench/bench.py              # T = 1024, 4096, 16384; B = 1, H = 12, M = D = 64; chunk sweep 32..256
+    python bench/bench.py --T 1024 4096 --chunks 64 --repeats 5
+    python bench/bench.py --T --decode-steps 32                      # the decoding table alone
+    python bench/bench.py --T --decode-compile                       # ... and with the step torch.compile'd
+    python bench/bench.py --T --decode-batch 16 --decode-ctx 2048      # 16 sequences decoded at once
+    python bench/bench.py --T --decode-ctx --heads docs/results/heads/b32-dof-head-s0.json   # per-head dims
+    python bench/bench.py --T --decode-ctx --step softmax l2 direct     # aten ops and ms of a step per loss
 
 Linear: the PRF feature map of queries and keys plus the chunked causal scan, forward only (torch.no_grad).
 Softmax: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True) on the same inputs.
@@ -23,7 +23,7 @@ Every (method, T, chunk size) runs in a fresh subprocess, so its peak memory is 
 The tables are markdown; the lines under the first say whether linear is no slower than SDPA at T = 4096 and at
 least 6x faster at T = 16384, and whether its peak memory grows linearly in T. The decoding table times one token
 of a Pythia-160M-shape model with random weights (a token for each of --decode-batch sequences): softmax with a KV
-cache against the linear state (with --decode-compile, each also through experiments/graphed_decode.py with its step
+cache against the linear state (with --decode-compile, each also through bench/graphed_decode.py with its step
 torch.compile'd: one CUDA graph a token on a GPU, the compiled step run eagerly on the CPU).
 The per-head table (--heads) times every layer's student core at SmolLM2-135M's shape (9 query heads, 3 key heads,
 D = 64) on random inputs, with the run's per-head DoF turned into dims two ways at the same total: per layer
@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its forks (per_head)
 from common import (ModelError, check_free_memory, check_positive, opt, parse_config, pick_device,  # noqa: E402
                     read_json, run_main, sync)
 from graphed_decode import GraphedDecoder  # noqa: E402
@@ -75,7 +76,7 @@ class BenchConfig:
                                 "random weights); none to skip it")
     decode_steps: int = opt(32, "tokens decoded per context length (mean ms reported)")
     decode_batch: int = opt(1, "sequences decoded at once in the decoding table (its KV cache grows with them)")
-    decode_compile: bool = opt(False, "also time each decoder with its step torch.compile'd (experiments/"
+    decode_compile: bool = opt(False, "also time each decoder with its step torch.compile'd (bench/"
                                "graphed_decode.py: one CUDA graph a token on a GPU, eager on the CPU)")
     heads: str = opt("", "an experiments/per_head.py run's JSON (its per-head DoF, docs/results/heads/*.json): "
                      "time per-head against per-layer dims at the same total; empty to skip")

@@ -1,7 +1,7 @@
 """
 Beyond the paper: decoding one token as one CUDA graph replay. A decoded token at batch 1 is hundreds of tiny
 kernels, so its time is the launches', not the arithmetic's (docs/results.md); a graph launches them all at once.
-Used by experiments/gpu_check.py's decode rows:
+Used by bench/gpu_check.py's decode rows:
 
     decoder = GraphedDecoder(model, cache, tok)    # after a prefill through model.Cache, as model.generate does
     logits = decoder(tok)                          # (B, 1) -> (B, 1, V), the cache advanced by one token

@@ -1,9 +1,9 @@
 """
 Beyond the paper: which allocation of a fixed feature budget helps, and how much could any allocation gain?
 
-    python experiments/allocation.py --rule dof-raw <distill.py flags>      # distil with another rule's dims
-    python experiments/allocation.py --rule measured --curves docs/results/curves <distill.py flags>
-    python experiments/allocation.py --predict docs/results/allocation/predictors-s0.json <distill.py flags>
+    python bench/allocation.py --rule dof-raw <distill.py flags>      # distil with another rule's dims
+    python bench/allocation.py --rule measured --curves docs/results/curves <distill.py flags>
+    python bench/allocation.py --predict docs/results/allocation/predictors-s0.json <distill.py flags>
 
 Under teacher forcing the layers are independent problems, so one Fix run at M trains every layer at M: Fix runs
 at M = 4 ... 128 give each layer's held-out error curve KL_l(M) (docs/results/curves/). The measured allocation
@@ -133,7 +133,7 @@ def slopes(Ms, KL):
 
 @dataclass
 class AllocationConfig(distill.DistillConfig):
-    """distill.py with the dims of an allocation rule beyond the core's (experiments/allocation.py)."""
+    """distill.py with the dims of an allocation rule beyond the core's (bench/allocation.py)."""
     rule: str = opt("dof-raw", "dof-raw (DoF of the uncentred kernel), measured (from --curves), or a predictor's "
                     "name (dims in proportion to it, see --predict)")
     curves: str = opt("docs/results/curves", "directory of the Fix curve runs (for --rule measured)")
