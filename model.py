@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import checkpoint
-import common as run
 
 
 @dataclass
@@ -273,14 +272,9 @@ class LinearAttention(nn.Module):
     in the cache."""
     def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
         super().__init__()
-        # DOOR: distill.py's --resume / --init-from should refuse this (checkpoint.check_student)
-        if feature_map not in FEATURE_MAPS:
-            known = ", ".join(FEATURE_MAPS)
-            raise run.ModelError(f"unknown feature map {feature_map!r}; choose one of {known}")
         self.n_head = n_head
         self.M = M
         self.chunk_size = chunk_size
-        self.scan = causal_linear_attention  # a fork may set another of its signature
         self.feature_map = FEATURE_MAPS[feature_map](n_head, head_dim, M)
         self.register_buffer("key_mean", torch.zeros(n_head, head_dim))  # (H, D)
 
@@ -302,7 +296,7 @@ class LinearAttention(nn.Module):
             phi_q, phi_k = self.features(*self.inputs(q, k))  # (B, H, T, M)
             v = repeat_kv(v, self.n_head)  # (B, H, T, D)
             if cache is None:
-                return self.scan(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
+                return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
             # decoding: the recurrent step for one token, the scan from the state for more
             state = (cache["S"], cache["s"]) if cache else None
             if state and v.size(2) == 1:
@@ -396,10 +390,6 @@ class GPT(nn.Module):
         """idx (B, T) -> final-normed hidden states (B, T, C); when decoding, cache.pos += T."""
         c, T = self.config, idx.size(1)
         p0 = cache.pos if cache is not None else 0  # an int, or a tensor (a graph's)
-        # DOOR: distill.py's --block-size and evaluate.py's --ppl-context should refuse this
-        if c.family == "gpt2" and p0 + T > c.block_size:
-            raise run.ModelError(f"{p0 + T} positions exceed GPT-2's learned {c.block_size}; "
-                                 "use a shorter input")
         pos = p0 + torch.arange(T, device=idx.device)  # (T,)
         x = self.wte(idx) + (self.wpe(pos) if c.family == "gpt2" else 0)  # learned positions: GPT-2
         # rotary, for all layers: angles pos_t / base^(2i / r), each i twice (T, r)
@@ -427,32 +417,22 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens):
         """Greedy decoding of max_new_tokens after idx (B, T), a forward pass a token (a Cache)."""
-        c, T = self.config, idx.size(1)
-        need = T + max_new_tokens - 1  # the last token is not fed
-        # DOOR: evaluate.py's --speed-tokens (lowered to the context today) should refuse this
-        if c.family == "gpt2" and need > c.block_size:
-            raise run.ModelError(f"{T} tokens and {max_new_tokens} new ones need {need} of GPT-2's "
-                                 f"{c.block_size} learned positions; generate fewer or shorten "
-                                 "the prompt")
-        cache = Cache(c.n_layer)
+        cache = Cache(self.config.n_layer)
         x = idx
         for _ in range(max_new_tokens):
             x = self.lm_head(self.hidden(x, cache)[:, -1]).argmax(-1, keepdim=True)  # (B, 1)
             idx = torch.cat((idx, x), dim=1)
         return idx
 
-    def linearize(self, dims, feature_map="prf", chunk_size=64, core=None):
-        """The student: every weight shared with the teacher, layer l's core a LinearAttention (or a
-        fork's `core`) of dims[l] features a head."""
+    def linearize(self, dims, feature_map="prf", chunk_size=64):
+        """The student: every weight shared with the teacher, layer l's core a LinearAttention of
+        dims[l] features a head."""
         c = self.config
-        # DOOR: distill.py's --resume / --init-from should refuse these (checkpoint.check_dims)
-        checkpoint.check_dims(dims, c.n_layer, per_head=core is not None)
         # deepcopy's memo: every parameter and buffer stays the teacher's; only the cores are new
         shared = {id(t): t for t in (*self.parameters(), *self.buffers())}
         student = copy.deepcopy(self, shared)
-        make = core or LinearAttention
         for block, m in zip(student.h, dims):
-            block.attn.core = make(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)
+            block.attn.core = LinearAttention(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)
         return student.to(self.wte.weight.device)
 
     @classmethod
