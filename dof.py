@@ -237,8 +237,7 @@ class DofConfig:
         B, H = self.batch_size, mc.n_head
         # 4-byte floats of a batch's activations and attention, its q and k twice; 8 bytes a token
         per_token = mc.n_layer * (3 * H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + H * T
-        floats = B * T * per_token
-        run.check_free_memory(4 * floats + 8 * self.calib_batches * B * T, device,
+        run.check_free_memory(4 * B * T * per_token + 8 * self.calib_batches * B * T, device,
                               f"the calibration pass at --batch-size {B} x --block-size {T}",
                               "lower --batch-size, --block-size or --calib-batches")
 
