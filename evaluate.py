@@ -279,11 +279,16 @@ def encode_pair(enc, context: str, continuation: str) -> tuple[list[int], list[i
     return ctx, whole[len(ctx):]
 
 
-def check_requests(enc, prompts: list[Prompt], max_len: int):
+def tokenize(enc, prompts: list[Prompt]) -> list[list[tuple[list[int], list[int]]]]:
+    """Every request of every document as (context tokens, continuation tokens)."""
+    return [[encode_pair(enc, *r) for r in p.requests] for p in prompts]
+
+
+def check_requests(tokenized, max_len: int):
     """The door to harness_window: every request has a context and 1 to max_len continuation
     tokens (checked by every process under torchrun, before any request is scored)."""
-    for p in prompts:
-        for context, continuation in (encode_pair(enc, *r) for r in p.requests):
+    for doc in tokenized:
+        for context, continuation in doc:
             if not 0 < len(continuation) <= max_len:
                 raise run.ModelError(f"a continuation of {len(continuation)} tokens cannot be "
                                      f"scored: it needs 1 to {max_len}, the model's context length")
@@ -342,7 +347,8 @@ def score_plain(model, tokenized, device="cpu", desc=None) -> list:
     """loglikelihood() of every request of this process's share of the documents, None elsewhere."""
     mine = set(run.shard(range(len(tokenized))))
     scored = []
-    for d, doc in enumerate(tqdm(tokenized, desc=desc, disable=desc is None, leave=False)):
+    bar = tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False)
+    for d, doc in enumerate(bar):
         if d in mine:
             scored.append([loglikelihood(model, c, t, device) for c, t in doc])
         else:
@@ -369,7 +375,7 @@ def score_requests(model, tokenized, batch_size=16, device="cpu", desc=None, pla
 def evaluate_task(model, enc, prompts, batch_size=16, device="cpu", desc=None, plain=False):
     """A task's result (n, acc, acc_norm, their stderrs, seconds) and its per-document samples."""
     t0 = time.perf_counter()
-    tokenized = [[encode_pair(enc, *r) for r in p.requests] for p in prompts]
+    tokenized = tokenize(enc, prompts)
     scores = score_requests(model, tokenized, batch_size, device, desc, plain)
     samples = []
     for i, (p, res) in enumerate(zip(prompts, scores)):
@@ -524,7 +530,7 @@ def main(argv=None, load=load_student):
     enc, config = tokenizer.load_tokenizer(cfg.model), models["teacher"].config
     cfg.check(config)
     for ps in prompts.values():
-        check_requests(enc, ps, config.block_size)
+        check_requests(tokenize(enc, ps), config.block_size)
     tokens = read_ppl(cfg, enc, config.vocab_size) if cfg.ppl else None
     report = {}
     if cfg.ppl:

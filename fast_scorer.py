@@ -177,9 +177,10 @@ def prefix_groups(shared: list[Shared], batch_size: int, spread: float = 0.25):
     while i < len(shared):
         P, j, n_rows = shared[i].shareable, i + 1, len(shared[i].rows)
         while j < len(shared):
-            fits = n_rows + len(shared[j].rows) <= 4 * batch_size
-            fits = fits and (j - i + 1) * P <= PREFIX_WINDOW
-            if not (fits and shared[j].shareable <= P * (1 + spread)):
+            rows_fit = n_rows + len(shared[j].rows) <= 4 * batch_size
+            prefixes_fit = (j - i + 1) * P <= PREFIX_WINDOW
+            near = shared[j].shareable <= P * (1 + spread)
+            if not (rows_fit and prefixes_fit and near):
                 break
             n_rows += len(shared[j].rows)
             j += 1
