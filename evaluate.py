@@ -234,8 +234,7 @@ def read_jsonl(source: Path, name: str) -> list:
         try:
             if line.strip():
                 docs.append((f"line {i}", json.loads(line)))
-        # not JSON, not UTF-8, or nested past Python's stack
-        except (ValueError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # not JSON or UTF-8, or nested too deep
             why = getattr(e, "msg", e)
             raise run.ModelError(f"{source} line {i} is not valid JSON ({why}); fix it") from None
     return docs
@@ -260,8 +259,7 @@ def load_task(name: str, data_dir: str | None = None, limit: int | None = None) 
         except KeyError as e:
             raise run.ModelError(f"{source} {where}: document has no field {e}; "
                                  f"see tests/data/eval/{name}.jsonl") from None
-        # TypeError: not a JSON object, ...
-        except (ValueError, TypeError, AttributeError, IndexError) as e:
+        except (ValueError, TypeError, AttributeError, IndexError) as e:  # TypeError: a list, ...
             raise run.ModelError(f"{source} {where}: malformed {name} document ({e})") from None
     return prompts[:limit]
 
