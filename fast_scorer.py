@@ -1,10 +1,13 @@
 """
-The shared-prefix batched scorer: the log-likelihoods of evaluate.loglikelihood (one request at a time), the same
-numbers with less work. Given each request's harness window (input tokens, scored (position, next token) pairs), it
- - gives requests that feed identical tokens one row (MMLU's four one-token answers: one row a question);
- - runs the tokens a document's rows begin with once, with a cache, and continues each row from a copy of it (KV
-   cache, or a linear-attention student's recurrent state); neighbouring documents' prefixes run together;
- - batches rows sorted by length with little right padding (causal: padding after a row changes nothing before it);
+The batched, prefix-sharing scorer: evaluate.loglikelihood's numbers (one request, one forward pass)
+with less work. Given each request's harness window (input tokens, scored (position, next token)
+pairs), it
+ - gives requests that feed identical tokens one row (MMLU's four one-token answers: one row);
+ - runs the tokens a document's rows begin with once, with a cache, and continues each row from a
+   copy of it (KV cache, or a linear-attention student's recurrent state); neighbouring documents'
+   prefixes run together;
+ - batches rows sorted by length with little right padding (causal: padding after a row changes
+   nothing before it);
  - runs the LM head only at the positions whose next token is scored, once per distinct position.
 The tests hold it to the plain scorer and to transformers.
 """
@@ -25,12 +28,13 @@ from model import Cache
 class Row:
     """One sequence fed to the model, and what is read from it."""
     tokens: list[int]
-    targets: list[tuple[int, int, int]] = field(default_factory=list)  # (position, next token, request number)
+    # (position, next token, request number)
+    targets: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def plan_rows(windows) -> list[list[Row]]:
-    """Per document, its distinct rows: requests that feed identical tokens share one (MMLU's four answers).
-    windows[d] lists document d's requests as (input tokens, [(position, next token)])."""
+    """Per document, its distinct rows: requests that feed identical tokens share one (MMLU's four
+    answers). windows[d] lists document d's requests as (input tokens, [(position, next token)])."""
     plans, k = [], 0
     for doc in windows:
         rows: dict[tuple[int, ...], Row] = {}
@@ -51,8 +55,8 @@ class Scores:
         self.done = np.zeros(n, dtype=bool)
 
     def add(self, model, h, targets):
-        """h (B, T, C) hidden states; targets [(b, position, next token, request)]. The LM head runs once per
-        distinct (b, position) and nowhere else."""
+        """h (B, T, C) hidden states; targets [(b, position, next token, request)]. The LM head
+        runs once per distinct (b, position) and nowhere else."""
         where: dict[tuple[int, int], int] = {}
         for b, p, _, _ in targets:
             where.setdefault((b, p), len(where))
@@ -72,20 +76,23 @@ def forward_rows(model, rows: list[Row], scores: Scores, device, cache=None):
     for b, row in enumerate(rows):
         x[b, :len(row.tokens)] = torch.tensor(row.tokens)
     h = model.hidden(x.to(device), cache)                                           # (B, T, C)
-    scores.add(model, h, [(b, p, t, k) for b, row in enumerate(rows) for p, t, k in row.targets])
+    targets = [(b, p, t, k) for b, row in enumerate(rows) for p, t, k in row.targets]
+    scores.add(model, h, targets)
 
 
 def batches(items, length, batch_size: int, max_padding: float = 0.1, min_tokens: int = 256):
-    """Items sorted longest first, cut into batches of at most batch_size items whose right padding stays under
-    max_padding of their real tokens, except that a batch below min_tokens positions keeps growing: a forward pass
-    reads every weight, so a tiny one costs about as much as a small one."""
+    """Items sorted longest first, cut into batches of at most batch_size items whose right padding
+    stays under max_padding of their real tokens, except that a batch below min_tokens positions
+    keeps growing: a forward pass reads every weight, so a tiny one costs about as much as a small
+    one."""
     items = sorted(items, key=lambda it: -length(it))
     batch, real = [], 0
     for it in items:
         n = length(it)
         if batch:
             padded = (len(batch) + 1) * length(batch[0])
-            if len(batch) == batch_size or (padded > min_tokens and padded > (1 + max_padding) * (real + n)):
+            too_padded = padded > min_tokens and padded > (1 + max_padding) * (real + n)
+            if len(batch) == batch_size or too_padded:
                 yield batch
                 batch, real = [], 0
         batch.append(it)
@@ -94,22 +101,25 @@ def batches(items, length, batch_size: int, max_padding: float = 0.1, min_tokens
         yield batch
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Shared prefixes: a document's rows begin with the same tokens; they run once, with a cache.
 
 @dataclass
 class Shared:
-    """A document whose rows begin with the same tokens: up to `shareable` of them can run once for all rows."""
+    """A document whose rows begin with the same tokens: up to `shareable` of them run once."""
     rows: list[Row]
     shareable: int  # every row keeps at least one token of its own
 
 
 def split_shared(plans: list[list[Row]]) -> tuple[list[Row], list[Shared]]:
-    """The rows of documents that share nothing (or have one row), and the documents that share a prefix."""
+    """The rows of documents that share nothing (or have one row), and the documents that share a
+    prefix."""
     alone, shared = [], []
     for rows in plans:
         seqs, shortest = [r.tokens for r in rows], min(len(r.tokens) for r in rows)
-        common = next((i for i, column in enumerate(zip(*seqs)) if len(set(column)) > 1), shortest)  # first differing
+        # the first position where the rows differ
+        differ = (i for i, column in enumerate(zip(*seqs)) if len(set(column)) > 1)
+        common = next(differ, shortest)
         P = min(common, shortest - 1) if len(rows) > 1 else 0
         if P == 0:
             alone += rows
@@ -119,7 +129,8 @@ def split_shared(plans: list[list[Row]]) -> tuple[list[Row], list[Shared]]:
 
 
 def _take(x, idx):
-    """Cache contents with their batch dimension (0) indexed by idx: one prefix's state copied to its rows."""
+    """Cache contents with their batch dimension (0) indexed by idx: one prefix's state copied to
+    its rows."""
     if torch.is_tensor(x):
         return x.index_select(0, idx)
     if isinstance(x, dict):
@@ -130,69 +141,85 @@ def _take(x, idx):
 
 
 def run_shared(model, docs: list[Shared], scores: Scores, batch_size: int, device):
-    """Documents whose rows share at least P tokens (P = the smallest `shareable`): those P tokens of every document
-    in one forward pass that fills a cache, then all the rows' remainders in batches of similar length, each row
-    continuing from a copy of its document's part of the cache."""
+    """Documents whose rows share at least P tokens (P = the smallest `shareable`): those P tokens
+    of every document in one forward pass that fills a cache, then all the rows' remainders in
+    batches of similar length, each row continuing from a copy of its document's part of the
+    cache."""
     P = min(s.shareable for s in docs)
     cache = Cache(model.config.n_layer)
-    h = model.hidden(torch.tensor([s.rows[0].tokens[:P] for s in docs], device=device), cache)  # (docs, P, C)
-    inside = [(d, p, t, k) for d, s in enumerate(docs) for r in s.rows for p, t, k in r.targets if p < P]
-    if inside:  # positions scored inside the prefix (their hidden state is the same for all the document's rows)
+    prefixes = torch.tensor([s.rows[0].tokens[:P] for s in docs], device=device)
+    h = model.hidden(prefixes, cache)                                               # (docs, P, C)
+    inside = [(d, p, t, k) for d, s in enumerate(docs) for r in s.rows for p, t, k in r.targets
+              if p < P]
+    # positions scored inside the prefix (their hidden state is the same for all the rows)
+    if inside:
         scores.add(model, h, inside)
     rows = [(d, Row(r.tokens[P:], [(p - P, t, k) for p, t, k in r.targets if p >= P]))
             for d, s in enumerate(docs) for r in s.rows]
     for batch in batches(rows, lambda dr: len(dr[1].tokens), batch_size):
         which = torch.tensor([d for d, _ in batch], device=device)
         row_cache = Cache(model.config.n_layer)
-        row_cache[:], row_cache.pos = [_take(layer, which) for layer in cache], P
+        row_cache[:] = [_take(layer, which) for layer in cache]
+        row_cache.pos = P
         forward_rows(model, [r for _, r in batch], scores, device, row_cache)
 
 
-PREFIX_WINDOW = 4096  # prefix tokens whose cache is held at once (GPT-2 124M: 12 layers x 2 x 768 floats each)
+# prefix tokens whose cache is held at once (GPT-2 124M: 12 layers x 2 x 768 floats each)
+PREFIX_WINDOW = 4096
 
 
 def prefix_groups(shared: list[Shared], batch_size: int, spread: float = 0.25):
-    """Documents sorted by shareable length, in groups of up to 4 x batch_size rows; a group shares the smallest
-    shareable length of its documents, so a document joins only if its own is at most `spread` longer."""
+    """Documents sorted by shareable length, in groups of up to 4 x batch_size rows; a group shares
+    the smallest shareable length of its documents, so a document joins only if its own is at
+    most `spread` longer."""
     shared = sorted(shared, key=lambda s: s.shareable)
     i = 0
     while i < len(shared):
         P, j, n_rows = shared[i].shareable, i + 1, len(shared[i].rows)
-        while (j < len(shared) and n_rows + len(shared[j].rows) <= 4 * batch_size and (j - i + 1) * P <= PREFIX_WINDOW
-               and shared[j].shareable <= P * (1 + spread)):
+        while j < len(shared):
+            rows_fit = n_rows + len(shared[j].rows) <= 4 * batch_size
+            prefixes_fit = (j - i + 1) * P <= PREFIX_WINDOW
+            near = shared[j].shareable <= P * (1 + spread)
+            if not (rows_fit and prefixes_fit and near):
+                break
             n_rows += len(shared[j].rows)
             j += 1
         yield shared[i:j]
         i = j
 
 
-# --------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The scorer.
 
 @torch.inference_mode()
 def score_windows(model, windows, batch_size: int = 16, device="cpu", desc: str | None = None,
                   share_prefix: bool = True, rank: int = 0, world_size: int = 1):
-    """(log-likelihood, is_greedy) of every request, one list per document, equal to the plain scorer's; windows[d]
-    lists document d's requests as (input tokens, [(position, next token)]). share_prefix=False: no shared prefixes.
-    rank, world_size: only the forward passes rank, rank + world_size, ... (each scores its requests whole), None
-    for the other requests; together a torchrun launch's processes compute exactly what one process computes."""
+    """(log-likelihood, is_greedy) of every request, one list per document, equal to the plain
+    scorer's; windows[d] lists document d's requests as (input tokens, [(position, next token)]).
+    share_prefix=False: no shared prefixes. rank, world_size: only the forward passes rank,
+    rank + world_size, ... (each scores its requests whole), None for the other requests; together
+    a torchrun launch's processes compute exactly what one process computes."""
     plans = plan_rows(windows)
-    alone, shared = split_shared(plans) if share_prefix else ([row for rows in plans for row in rows], [])
+    if share_prefix:
+        alone, shared = split_shared(plans)
+    else:
+        alone, shared = [row for rows in plans for row in rows], []
     scores = Scores(sum(len(doc) for doc in windows))
-    passes = ([(partial(forward_rows, model, batch, scores, device), batch)  # rows that share nothing (and MMLU's)
-               for batch in batches(alone, lambda r: len(r.tokens), batch_size)] +
-              [(partial(run_shared, model, docs, scores, batch_size, device), [r for s in docs for r in s.rows])
-               for docs in prefix_groups(shared, batch_size)])  # documents with a shared prefix, by its length
+    # rows that share nothing (and MMLU's), then documents with a shared prefix, by its length
+    passes = [(partial(forward_rows, model, batch, scores, device), batch)
+              for batch in batches(alone, lambda r: len(r.tokens), batch_size)]
+    passes += [(partial(run_shared, model, docs, scores, batch_size, device),
+                [r for s in docs for r in s.rows]) for docs in prefix_groups(shared, batch_size)]
     passes = passes[rank::world_size]
     requests = lambda rows: len({k for r in rows for _, _, k in r.targets})  # noqa: E731
-    with tqdm(total=sum(requests(rows) for _, rows in passes), desc=desc, disable=desc is None, unit="req",
-              leave=False) as pbar:
-        for run, rows in passes:
-            run()
+    total = sum(requests(rows) for _, rows in passes)
+    with tqdm(total=total, desc=desc, disable=desc is None, unit="req", leave=False) as pbar:
+        for run_pass, rows in passes:
+            run_pass()
             pbar.update(requests(rows))
     out, k = [], 0
     for doc in windows:
-        out.append([(float(scores.ll[k + j]), bool(scores.greedy[k + j])) if scores.done[k + j] else None
-                    for j in range(len(doc))])
+        out.append([(float(scores.ll[k + j]), bool(scores.greedy[k + j])) if scores.done[k + j]
+                    else None for j in range(len(doc))])
         k += len(doc)
     return out
