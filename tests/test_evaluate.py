@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from common import ModelError
 from model import GPT
 from tokenizer import load_tokenizer
+import checkpoint
 import common
 import distill
 import evaluate as E
@@ -183,7 +184,7 @@ def test_harness_window():
     inp, targets = E.harness_window([1], [2, 3, 4, 5, 6], 5)          # a continuation as long as the context
     assert inp == [1, 2, 3, 4, 5] and targets == [(0, 2), (1, 3), (2, 4), (3, 5), (4, 6)]
     with pytest.raises(ModelError, match=r"^a request with an empty context cannot be scored as the harness"):
-        E.harness_window([], [3, 4], 5)                           # its first target would be read at position -1
+        E.check_requests([[([], [3, 4])]], 5)                     # its first target would be read at position -1
 
 
 def tokenized(enc, prompts):
@@ -475,11 +476,10 @@ def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monk
                      E.load_task("winogrande", EVAL, 3))
     for plain in (False, True):
         one, shares = E.score_requests(model, docs, batch_size=2, plain=plain), []
-        monkeypatch.setattr(E, "all_gather", lambda share: shares.append(share) or [share, one])  # keep each share
+        monkeypatch.setattr(common, "all_gather", lambda share: shares.append(share) or [share, one])  # each share
         for rank in range(3):
-            for where in (E, common):
-                monkeypatch.setattr(where, "get_rank", lambda: rank)
-                monkeypatch.setattr(where, "get_world_size", lambda: 3)
+            monkeypatch.setattr(common, "get_rank", lambda: rank)
+            monkeypatch.setattr(common, "get_world_size", lambda: 3)
             E.score_requests(model, docs, batch_size=2, plain=plain)
         monkeypatch.undo()
         for d, doc in enumerate(docs):
@@ -675,7 +675,7 @@ def test_tasks_from_an_unreachable_hub_come_from_the_cache_at_once(monkeypatch):
     import datasets
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     probes, asked = [], []
-    monkeypatch.setattr(E, "hub_reachable", lambda: probes.append(1) and False)
+    monkeypatch.setattr(checkpoint, "hub_reachable", lambda: probes.append(1) and False)
 
     def load_dataset(path, name, split):
         asked.append(datasets.config.HF_HUB_OFFLINE)
@@ -736,18 +736,16 @@ def test_bad_input_in_library_raises_model_error():
     with pytest.raises(ModelError, match="does not exist"):
         E.load_task("piqa", "/nonexistent-dir")
     with pytest.raises(ModelError, match="a continuation of 0 tokens cannot be scored"):
-        E.harness_window([1, 2], [], N_POS)
+        E.check_requests([[([1, 2], [])]], N_POS)
 
 
-@pytest.mark.parametrize("plain", [True, False])
-def test_every_process_refuses_a_request_that_another_process_scores(model, monkeypatch, plain):
+def test_every_process_refuses_a_request_that_another_process_scores():
     """Under torchrun each process scores a share of the documents, but an unscorable request anywhere is refused by
-    every process: one that alone raised would stop without its sentence (only rank 0 prints)."""
-    monkeypatch.setattr(E, "shard", lambda items: items[1::2])                # rank 1 of 2: documents 1, 3, ...
-    monkeypatch.setattr(E, "all_gather", lambda obj: [obj])
+    every process (each checks every request before scoring): one that alone raised would stop without its sentence
+    (only rank 0 prints)."""
     docs = [[([1, 2], [3] * (N_POS + 1))], [([1, 2], [3])]]                  # document 0 is rank 0's
     with pytest.raises(ModelError, match=f"a continuation of {N_POS + 1} tokens cannot be scored"):
-        E.score_requests(model, docs, plain=plain)
+        E.check_requests(docs, N_POS)
 
 
 # ==================================================================================================================
