@@ -143,9 +143,9 @@ def _check_not_empty(f, value):
     if f.default is MISSING:
         todo = "pass a value"
     elif f.default is None:
-        todo = f"pass a value, or leave {flag} out"
+        todo = "pass a value, or drop the flag"
     else:
-        todo = f"pass a value, or leave {flag} out for its default, {f.default}"
+        todo = f"pass a value, or drop the flag to use its default, {f.default}"
     raise ModelError(f"{flag} is empty; {todo}")
 
 
