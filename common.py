@@ -1,5 +1,5 @@
-"""Plumbing the entry scripts share: one-sentence errors, command lines, devices, torchrun, files
-written whole or not at all."""
+"""Plumbing the entry scripts share: one-sentence errors, command lines, devices, torchrun,
+whole-or-nothing files."""
 
 import argparse
 import fcntl
@@ -158,8 +158,7 @@ def int64(text):
 
 
 def check_positive(cfg, names, minimum=1, above=False):
-    """A ModelError naming the first field of `names` below `minimum` (above=True: not above it)
-    or not finite."""
+    """A ModelError naming the first of `names` below `minimum` (above: not above it), or not finite."""
     for name in names:
         v = getattr(cfg, name)
         if v is None:
@@ -172,8 +171,7 @@ def check_positive(cfg, names, minimum=1, above=False):
 
 
 def check_free_memory(nbytes, device, what, todo):
-    """A ModelError, before anything large is allocated, where `what` needs more than the
-    device's free memory."""
+    """A ModelError, before any large allocation, where `what` needs more than the free memory."""
     if torch.device(device).type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
@@ -188,8 +186,7 @@ def check_free_memory(nbytes, device, what, todo):
 
 
 def pick_device(device="auto", dtype="auto"):
-    """--device/--dtype -> (device, autocast context); auto: cuda under bf16 autocast and TF32,
-    else cpu in fp32."""
+    """--device/--dtype -> (device, autocast); auto: cuda in bf16 autocast with TF32, else cpu fp32."""
     n = torch.cuda.device_count()
     devices = ["cpu"] + [f"cuda:{i}" for i in range(n)]
     if torch.backends.mps.is_available():
@@ -219,8 +216,7 @@ def sync(device):
 
 
 def launch():
-    """(RANK, WORLD_SIZE) that torchrun sets, (0, 1) under python; a ModelError for values
-    torchrun never sets."""
+    """(RANK, WORLD_SIZE) of torchrun, (0, 1) under python; a ModelError for values it never sets."""
     rank = os.environ.get("RANK", "0")
     world = os.environ.get("WORLD_SIZE", "1")
     numbers = rank.isdecimal() and world.isdecimal() and int(rank) < int(world)
@@ -233,8 +229,7 @@ def launch():
 
 
 def init_distributed(device):
-    """Under torchrun, join the process group (NCCL on cuda:LOCAL_RANK, else gloo) and mute ranks
-    above 0 -> the device."""
+    """Under torchrun, join the group (NCCL on cuda:LOCAL_RANK, else gloo), mute ranks > 0 -> device."""
     if launch()[1] == 1:
         return device
     cuda = device.startswith("cuda")
@@ -277,8 +272,7 @@ def all_gather(obj) -> list:
 
 
 def broadcast(obj, tensors=()):
-    """Rank 0's (picklable) obj, on every process; rank 0's `tensors` copied into every process's,
-    in place."""
+    """Rank 0's (picklable) obj on every process; rank 0's `tensors` copied into each's, in place."""
     if dist.is_initialized():
         for t in tensors:
             dist.broadcast(t, src=0)
@@ -286,8 +280,7 @@ def broadcast(obj, tensors=()):
 
 
 def all_mean(tensors):
-    """Each tensor replaced by its mean over the processes, in place, in one all-reduce (one dtype
-    and device)."""
+    """Each tensor replaced in place by its mean over the processes: one all-reduce, one dtype."""
     if not dist.is_initialized() or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -304,8 +297,7 @@ def barrier():
 
 @contextmanager
 def atomic_path(path, directory=False):
-    """Yield <path>.tmp (a directory if asked) to write: it replaces `path` on success, else it
-    goes and `path` stays."""
+    """Yield <path>.tmp (a directory if asked) to write: on success it replaces `path`, else it goes."""
     # a link stays, and its target is replaced
     path = Path(path).resolve()
     tmp = path.with_name(path.name + ".tmp")
@@ -338,8 +330,7 @@ def remove(path):
 
 
 def write_text_atomic(path, text):
-    """text -> path, whole or not at all; a lone surrogate (a JSON input's "\\ud800") is written as
-    that escape."""
+    """text -> path, whole or not at all; a lone surrogate ("\\ud800") is written as that escape."""
     try:
         with atomic_path(path) as tmp:
             tmp.write_text(text, encoding="utf-8", errors="backslashreplace")
@@ -350,8 +341,7 @@ def write_text_atomic(path, text):
 
 
 def check_out(out, files=(), flag="--out", file=False):
-    """A ModelError, before any work, unless a write into `out` (a directory for `files`;
-    file=True: a file) works."""
+    """A ModelError, before any work, unless `out` (a directory for `files`, or a file) is writable."""
     # a link: where its target is written
     p = Path(out).resolve()
     base = p.parent if file else p
@@ -394,8 +384,7 @@ def is_checkpoint(folder):
 
 @contextmanager
 def claim_out_dir(out_dir, resume=False, overwrite=False):
-    """Check --out-dir before any work (against --resume and --overwrite) and hold <out_dir>.lock
-    for the run."""
+    """Check --out-dir before any work (with --resume, --overwrite); hold <out_dir>.lock for the run."""
     out = Path(out_dir).resolve()
     _check_out_dir(out_dir, out, resume, overwrite)
     # under torchrun rank 0 writes, and holds the lock
@@ -438,8 +427,7 @@ def _check_out_dir(out_dir, out, resume, overwrite):
 
 @contextmanager
 def exclusive(lock, what, flag):
-    """Hold an flock on the file `lock` (freed by the OS even on a crash), or a ModelError naming
-    `flag`."""
+    """Hold an flock on the file `lock` (freed even on a crash), or a ModelError naming `flag`."""
     try:
         Path(lock).parent.mkdir(parents=True, exist_ok=True)
         # O_NONBLOCK: a fifo is ENXIO, not a hang
@@ -494,8 +482,7 @@ def torch_load(path, todo):
 
 
 def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None, min_tokens=1):
-    """A prepare.py uint16 .bin (memory-mapped) or, with enc, UTF-8 text -> min_tokens..max_tokens
-    ids below vocab_size."""
+    """A prepare.py .bin (memory-mapped) or, with enc, text -> min..max_tokens ids below vocab_size."""
     p = Path(path)
     if not p.is_file() or p.suffix != ".bin" and enc is None:
         if p.is_file():
@@ -528,8 +515,7 @@ def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None,
 
 
 def _encode_text_file(p, enc, max_tokens, special):
-    """The ids of a UTF-8 text file (with max_tokens: of a prefix that holds the first max_tokens
-    ids whole)."""
+    """The ids of a UTF-8 text file (with max_tokens: of a prefix holding the first max_tokens)."""
     try:
         # as it is: \r\n stays \r\n
         text = p.read_bytes().decode("utf-8")
@@ -577,8 +563,7 @@ def check_tokenizer(path, enc, model,
 
 
 def get_batch(data, B, T, gen, device, share=(0, 1)):
-    """B random windows -> (x, y) (B, T), y shifted by one; share (r, N): windows r, r+N, ... of
-    N*B draws."""
+    """B random windows -> x, y (B, T), y shifted by one; share (r, N): draws r, r+N, ... of N*B."""
     r, N = share
     ix = torch.randint(len(data) - T, (N * B,), generator=gen)[r::N].tolist()
     xy = torch.from_numpy(np.stack([data[i:i + T + 1].astype(np.int64) for i in ix]))
