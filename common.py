@@ -4,6 +4,7 @@ whole-or-nothing files."""
 import argparse
 import fcntl
 import functools
+import importlib
 import inspect
 import json
 import math
@@ -79,6 +80,36 @@ def _exit_stopped(by):
             where = f"; the last checkpoint in {out} is whole: add --resume to continue it"
     print(f"\nstopped by {by}{where}", file=sys.stderr)
     sys.exit(143 if by == "SIGTERM" else 130)
+
+
+# Forks. A fork is a script (experiments/*.py) that replaces names in the core's modules and runs a
+# core command with them: REPLACE = {(model, "FEATURE_MAPS"): {...}, (distill, "make_student"): f}.
+# FORK names the running fork; distill.py records it in its checkpoints, and the readers refuse a
+# fork's checkpoint in any other script.
+FORK = None
+
+
+def fork(script, replace, argv=None):
+    """Run a core command as the fork `script` (its __file__) with the names in `replace` set:
+    distill.py's, or evaluate.py's or dof.py's when argv starts with `evaluate` or `dof`."""
+    global FORK
+    FORK = os.path.relpath(Path(script).resolve(), Path(__file__).resolve().parent)
+    for (module, name), value in replace.items():
+        setattr(module, name, value)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    command = "distill"
+    if argv[:1] in (["evaluate"], ["dof"]):
+        command = argv.pop(0)
+    main = importlib.import_module(command).main
+    run_main(lambda: main(argv))
+
+
+def check_fork(made_by, what):
+    """A checkpoint made by the fork `made_by` (its config.json's "fork") opens only in that fork."""
+    if made_by is None or made_by == FORK:
+        return
+    raise ModelError(f"{what} was made by the fork {made_by}; open it with that script, e.g. "
+                     f"`python {made_by} evaluate --ckpt {what}`, or `python {made_by} --resume`")
 
 
 def opt(default, help, choices=None):
