@@ -40,9 +40,9 @@ from tokenizer import load_tokenizer
 
 @dataclass
 class DistillConfig:
-    """Distil softmax attention into linear attention with DoF-chosen feature dimensions (defaults:
-    the paper's GPT-2 setting; J, calib_batches, batch_size, max_steps, the schedule and key
-    centring are ours)."""
+    """Distil softmax attention into linear attention with DoF-chosen feature dimensions. Defaults:
+    the paper's GPT-2 setting; ours are J, calib_batches, batch_size, max_steps, the schedule and
+    key centring."""
     # the paper's knobs
     model: str = opt("gpt2", "teacher: hub id (gpt2, EleutherAI/pythia-160m), directory, .gguf "
                      "file or smollm2-135m")
@@ -101,8 +101,7 @@ class DistillConfig:
     dtype: str = opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",
                      ("auto", "float32", "bfloat16"))
 
-    # --resume refuses other values of these (the data, batches, losses and schedule), and another
-    # process count
+    # --resume refuses other values of these (the data, batches, losses, schedule)
     RESUMED = ("loss", "lr_z", "lr_alpha", "block_size", "data", "init_from", "batch_size",
                "grad_accum", "warmup_steps", "min_lr_frac", "eval_iters", "seed")
 
@@ -497,8 +496,7 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
 
 
 def restore(cfg, optim, gen):
-    """--resume: the optimizer, data position and torch RNG of --out-dir's checkpoint
-    -> (step, metrics)."""
+    """--resume: the optimizer, data position and torch RNG of --out-dir's -> (step, metrics)."""
     out, todo = Path(cfg.out_dir), "the checkpoint is damaged; pass --overwrite to start again"
     state = common.torch_load(out / "optim.pt", todo)
     metrics = common.read_json(out / "metrics.json", todo, dict)
@@ -726,8 +724,7 @@ def print_summary(cfg, teacher, student, metrics, step, enc, device):
 
 
 def main(argv=None, make=make_student):
-    """distill.py; a fork passes its config (of a DistillConfig subclass) and make (make_student's
-    signature)."""
+    """distill.py; a fork passes its config (a DistillConfig subclass's) and make."""
     cfg = argv if isinstance(argv, DistillConfig) else parse_args(argv)
     # refused before any work; one run at a time
     with common.claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite):
@@ -743,8 +740,7 @@ def main(argv=None, make=make_student):
 
 def run(cfg, make):
     """teacher -> token files -> calibration windows -> dims -> student -> training -> checkpoint,
-    every input checked before the work (the teacher, a checkpoint to start from, the memory, the
-    token files)."""
+    every input checked before the work (teacher, checkpoint to start from, memory, token files)."""
     device, amp = common.pick_device(cfg.device, cfg.dtype)
     # torchrun: a process per device, rank 0 prints
     device = common.init_distributed(device)
