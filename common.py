@@ -94,14 +94,26 @@ def fork(script, replace, argv=None):
     distill.py's, or evaluate.py's or dof.py's when argv starts with `evaluate` or `dof`."""
     global FORK
     FORK = os.path.relpath(Path(script).resolve(), Path(__file__).resolve().parent)
-    for (module, name), value in replace.items():
-        setattr(module, name, value)
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     command = "distill"
     if argv[:1] in (["evaluate"], ["dof"]):
         command = argv.pop(0)
     main = importlib.import_module(command).main
-    run_main(lambda: main(argv))
+    with replaced(replace):
+        run_main(lambda: main(argv))
+
+
+@contextmanager
+def replaced(replace):
+    """A fork's REPLACE set while inside, the core's names back after (for tests and instruments)."""
+    old = {key: getattr(*key) for key in replace}
+    for (module, name), value in replace.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for (module, name), value in old.items():
+            setattr(module, name, value)
 
 
 def check_fork(made_by, what):

