@@ -96,7 +96,7 @@ class DistillConfig:
     eval_iters: int = opt(4, "validation batches from val.bin")
     log_interval: int = opt(10, "one log line every this many steps")
     prompt: str = opt("The history of the city", "prompt of the greedy continuations printed at "
-                      "the end ('': none)")
+                      "the end ('': none)", empty_ok=True)
     seed: int = opt(0, "seed of the calibration windows, initial features and training windows")
     device: str = opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",

@@ -443,10 +443,12 @@ def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
     never = d / f"never-{random.random()}"                   # a fresh name each run of the session
     r = cli("distill.py", "--model", ckpt, "--data", data, "--loss", "mse", "--out-dir", never)
     assert r.returncode == 2 and "argument --loss: invalid choice: 'mse'" in r.stderr
-    for flag, value in (("--alloc", "random"), ("--feature-map", "relu")):
-        with pytest.raises(SystemExit) as e:
-            distill.main(["--model", str(ckpt), "--data", str(data), flag, value, "--out-dir", str(never)])
-        assert e.value.code == 2 and f"argument {flag}: invalid choice: {value!r}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        distill.main(["--model", str(ckpt), "--data", str(data), "--alloc", "random", "--out-dir", str(never)])
+    assert e.value.code == 2 and "argument --alloc: invalid choice: 'random'" in capsys.readouterr().err
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--feature-map", "relu", "--out-dir", never)
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --feature-map must be one of prf, performer, "
+                                                      "dijiang, got 'relu'")
     r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 0, "--out-dir", never)
     assert r.returncode == 2 and r.stderr.strip() == "error: --budget must be a number of at least 1, got 0"
     r = cli("distill.py", "--model", ckpt, "--data", data, "--seed", -1, "--out-dir", never)     # numpy's seeds
@@ -457,14 +459,19 @@ def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
 SCRIPTS = ["distill.py", "dof.py", "evaluate.py", "docs/experiments.py", "docs/figures.py", "bench/bench.py",
            "bench/gpu_check.py", "bench/heads.py", "experiments/per_head.py", "experiments/leverage.py",
            "bench/bench_scorer.py", "experiments/direct_finetune.py", "data/text/prepare.py",
-           "data/wikipedia/prepare.py", "experiments/fla_scan.py"]
+           "data/wikipedia/prepare.py", "experiments/fla_scan.py", "experiments/hedgehog.py"]
 
 
 def script_config(script):
-    """An entry script, imported as its own module, and its config dataclass (the one it defines)."""
+    """An entry script, imported as its own module, and its config dataclass (the one it defines, or for a fork
+    without one distill.py's); a fork's main runs it through common.fork, as its command line does."""
     mod = load_script(script)
-    return mod, next((v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__),
-                     E.EvalConfig)                                      # fla_scan.py: evaluate.py's command line
+    config = next((v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__),
+                  distill.DistillConfig)
+    if hasattr(mod, "REPLACE"):                                         # fla_scan.py's config is evaluate.py's
+        command = ["evaluate"] if issubclass(config, E.EvalConfig) else []
+        mod.main = lambda argv: common.fork(mod.__file__, mod.REPLACE, command + argv)
+    return mod, config
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -761,7 +768,7 @@ def test_init_from_takes_the_student_settings_of_the_checkpoint(tmp_path):
     (src / "config.json").write_text(json.dumps({"teacher": "gpt2", "dims": [6, 6], "feature_map": "performer",
                                                  "chunk_size": 32, "center_keys": True, "budget": 6}))
     cfg = distill.parse_args(["--data", "d", "--init-from", src, "--out-dir", tmp_path / "out"])
-    distill.from_checkpoint(cfg)
+    cfg = distill.with_checkpoint_settings(cfg, distill.from_checkpoint(cfg))
     assert (cfg.feature_map, cfg.chunk_size, cfg.center_keys, cfg.budget) == ("performer", 32, True, 6)
 
 
