@@ -685,7 +685,8 @@ def run_record(cfg, dims, layer_dof, meta, step):
             "tokenizer": meta["tokenizer"].get("model")}
     # a local teacher is known by its fingerprint, wherever it lies
     fingerprint = checkpoint.fingerprint(cfg.model) if checkpoint.is_local(cfg.model) else None
-    return {"teacher": cfg.model, "teacher_fingerprint": fingerprint, "dims": dims, "dof": layer_dof,
+    return {"teacher": cfg.model, "teacher_fingerprint": fingerprint,
+            "dims": dims, "dof": layer_dof,
             **{k: getattr(cfg, k) for k in FROM_CHECKPOINT + ("loss", "seed", "block_size")},
             "init_from": cfg.init_from or None, "world_size": common.get_world_size(), "step": step,
             "fork": common.FORK,
