@@ -664,7 +664,9 @@ def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untraine
     teacher = GPT.from_pretrained(ckpt)
     L, H = teacher.config.n_layer, teacher.config.n_head
     calib = dof.calibration_batches(common.read_tokens(data / "train.bin"), 2, 2, 64, 0, "cpu")
-    cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"], A.AllocationConfig)
+    with common.replaced(A.REPLACE):
+        cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"])
+    assert type(cfg) is A.AllocationConfig and distill.DistillConfig is not A.AllocationConfig
     P = A.predictors(cfg, teacher, calib)
     mask, mu = torch.ones(64, 64, dtype=torch.bool).tril(), dof.key_means(teacher, calib)
     ent, qk, var = np.zeros((3, L))
