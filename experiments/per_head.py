@@ -122,16 +122,17 @@ def make_student(cfg, teacher, calib, prev=None):
     return student, dims, N
 
 
-def load_student(ckpt_dir, device="cpu", dtype=torch.float32):
-    """model.load_student, its per-head dims checked against the teacher before the cores are
-    built."""
-    cfg, sd = checkpoint.read_student(ckpt_dir)
-    teacher = model.GPT.from_pretrained(cfg["teacher"], device, dtype)
+core_load_student = model.load_student
+
+
+def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
+    """The core's load_student, its per-head dims checked against the teacher before the cores
+    are built."""
+    cfg, _ = checkpoint.read_student(ckpt_dir)
+    if not isinstance(teacher, model.GPT):
+        teacher = model.GPT.from_pretrained(teacher or cfg["teacher"], device, dtype)
     check_per_head(cfg, ckpt_dir, teacher.config.n_layer, teacher.config.n_head)
-    checkpoint.check_student(cfg, teacher.config.n_layer, model.FEATURE_MAPS)
-    student = teacher.linearize(cfg["dims"], cfg["feature_map"], cfg["chunk_size"])
-    model.load_feature_state(student, sd, ckpt_dir)
-    return student.eval(), cfg
+    return core_load_student(ckpt_dir, device, dtype, teacher)
 
 
 @dataclass

@@ -31,6 +31,7 @@ import direct_finetune
 import fla_scan
 import hedgehog
 
+from test_loading import nudge
 from conftest import FAST, cli, distill_args, edit_json, features
 
 from test_dof import qkv, rel   # the method's test helpers
@@ -453,9 +454,10 @@ def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkp
             forked("per_head", per_head.REPLACE):
         E.load_student(short)
     shutil.copytree(ckpt, tmp_path / "other")                         # the fork's resume makes the core's checks
+    nudge(tmp_path / "other" / "model.safetensors")                    # another model, by one value
     r = cli("experiments/per_head.py", "--model", tmp_path / "other", "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
-    assert r.returncode == 2 and "distils" in r.stderr and "pass --model" in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 2 and "is another model" in r.stderr and "pass --model" in r.stderr, r.stderr[-3000:]
 
 
 def test_leverage_fork_starts_from_leverage_features_and_checks_its_flags(setup, tmp_path):
