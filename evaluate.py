@@ -575,17 +575,23 @@ def request_tensors(docs, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def document_loss(model, doc, gold: int, device="cpu") -> torch.Tensor:
-    """One document's loss: the cross-entropy of its choices' scores (each the summed continuation
-    log-likelihood that acc ranks, one forward pass a request) against the gold choice."""
+    """One document's loss: the cross-entropy of its choices' scores against the gold choice, each
+    score the summed continuation log-likelihood that acc ranks, as loglikelihood() computes it."""
     scores = []
-    for request in doc:
-        x, y = request_tensors([[request]], model.config.block_size)
-        scores.append(-model.nll(x.to(device), y.to(device))[0])
+    for context_tokens, continuation_tokens in doc:
+        L = model.config.block_size
+        inp, targets = harness_window(context_tokens, continuation_tokens, L)
+        logits = model(torch.tensor([inp], device=device))                      # (1, T, V)
+        logp = F.log_softmax(logits[0].float(), dim=-1)                          # (T, V)
+        pos = torch.tensor([p for p, _ in targets], device=device)
+        tok = torch.tensor([t for _, t in targets], device=device)
+        scores.append(logp[pos, tok].sum())
     return F.cross_entropy(torch.stack(scores), torch.tensor(gold, device=device))
 
 
 def batch_loss(model, docs, golds, device="cpu") -> torch.Tensor:
-    """The summed document_loss of `docs`, all their requests in one forward pass."""
+    """The summed document_loss of `docs`, all their requests in one forward pass (GPT.nll: a
+    sequence's logits at a time, not a batch's)."""
     x, y = request_tensors(docs, model.config.block_size)
     scores = -model.nll(x.to(device), y.to(device))                             # (N,)
     per_doc = scores.split([len(doc) for doc in docs])
