@@ -11,7 +11,7 @@ from model import GPT
 import common
 import evaluate as E
 
-from conftest import DATA, torchrun
+from conftest import DATA, load_script, torchrun
 
 TRAIN = DATA / "train"  # the first 40 documents of ARC-Easy's training and validation splits
 
@@ -172,6 +172,8 @@ def test_the_command_line_writes_both_models_zero_shot_and_fine_tuned(ckpt, stud
         assert set(task[label]["rules"]) == {"paper", "validation"}
         assert task[label]["epochs"][0]["validation"]["n"] == 3 and task[label]["epochs"][0]["eval"]["n"] == 3
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    table = load_script("docs/experiments.py").finetune_table(r)          # docs/results.md's table of such a file
+    assert "| arc_easy | student |" in table and "of the teacher's fine-tuned accuracy" in table
 
 
 def without_timings(r):
