@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from common import ModelError, is_checkpoint, read_file, read_json
+from common import ModelError, check_fork, is_checkpoint, read_file, read_json
 
 REFETCH = "download the checkpoint again or save it anew with save_pretrained"
 GGUF_TODO = "pass a whole .gguf file (re-download it) or a checkpoint directory"
@@ -117,6 +117,7 @@ def read_student(ckpt_dir):
             "saved run")
     f = Path(ckpt_dir) / "config.json"
     cfg = read_json(f, todo, dict)
+    check_fork(cfg.get("fork"), ckpt_dir)
     dims = cfg.get("dims")
     # a fork's per-head dims: one list per layer, all of one length
     per_head = (isinstance(dims, list) and all(map(positive_ints, dims))
@@ -130,19 +131,19 @@ def read_student(ckpt_dir):
     return cfg, read_file(Path(ckpt_dir) / "features.safetensors", todo, load_file)
 
 
-def check_dims(dims, n_layer, per_head=False):
-    """dims: one whole number per layer of an n_layer-layer teacher (per_head: or a list a layer)."""
-    listed = any(isinstance(m, (list, tuple)) for m in dims)
-    if len(dims) != n_layer or (listed and not per_head):
+def check_dims(dims, n_layer):
+    """dims: one whole number per layer of an n_layer-layer teacher."""
+    if len(dims) != n_layer or any(isinstance(m, (list, tuple)) for m in dims):
         first = dims[0] if dims else None
         raise ModelError(f"the dims ({len(dims)}, the first {first}) are not a number per layer of "
-                         f"this {n_layer}-layer teacher; pass a checkpoint of it (per-head dims: train "
-                         "with experiments/per_head.py, score with its evaluate)")
+                         f"this {n_layer}-layer teacher; pass a checkpoint of it")
 
 
 def check_student(cfg, n_layer, feature_maps):
     """read_student's config.json dict against its teacher's n_layer and the known feature maps."""
-    check_dims(cfg["dims"], n_layer)
+    # a fork's cores may take other dims (a list per layer); only the fork reads its checkpoints
+    if cfg.get("fork") is None:
+        check_dims(cfg["dims"], n_layer)
     if cfg["feature_map"] not in feature_maps:
         known = ", ".join(feature_maps)
         raise ModelError(f"unknown feature map {cfg['feature_map']!r}; choose one of {known}")

@@ -774,8 +774,8 @@ def check_output(output, model, ckpt, data_dir, ppl=None, flag="--output"):
                              "checkpoint's, the teacher's, its data or tasks); pass another path")
 
 
-def load_models(cfg: EvalConfig, device, load=load_student) -> dict:
-    """{"teacher": --model, "student": load(--ckpt)'s student}; --ckpt's teacher checked first."""
+def load_models(cfg: EvalConfig, device) -> dict:
+    """{"teacher": --model, "student": load_student(--ckpt)}; --ckpt's teacher checked first."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.ckpt is not None:
         todo = "pass a complete distill.py checkpoint as --ckpt"
@@ -785,7 +785,7 @@ def load_models(cfg: EvalConfig, device, load=load_student) -> dict:
                                  f"--model is '{cfg.model}'; pass --model {t}")
     models = {"teacher": GPT.from_pretrained(cfg.model, device=device, dtype=dtype)}
     if cfg.ckpt is not None:
-        models["student"] = load(cfg.ckpt, device=device, dtype=dtype)[0]
+        models["student"] = load_student(cfg.ckpt, device=device, dtype=dtype)[0]
     return models
 
 
@@ -811,17 +811,16 @@ def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict
     return report
 
 
-def main(argv=None, load=load_student):
+def main(argv=None):
     """Flags, tasks, models and what the model's config bounds, all checked first; then each
-    model's next-token loss, tasks and speed, printed and written to --output. A fork passes its
-    own load (load_student's signature) for its students."""
+    model's next-token loss, tasks and speed, printed and written to --output."""
     cfg = run.parse_config(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
     names = [] if cfg.tasks is None and (cfg.ppl or cfg.speed) else parse_tasks(cfg.tasks)
     prompts = {name: load_task(name, cfg.data_dir, cfg.limit) for name in names}
     training = load_training(cfg, prompts)
     # the model is cast to --dtype: no autocast
     device = run.init_distributed(run.pick_device(cfg.device, "float32")[0])
-    models = load_models(cfg, device, load)
+    models = load_models(cfg, device)
     enc, config = tokenizer.load_tokenizer(cfg.model), models["teacher"].config
     cfg.check(config)
     for ps in [*prompts.values(), *[ps for s in training.values() for ps in s.values()]]:

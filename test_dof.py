@@ -888,7 +888,7 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
     """layer_loss's blockwise form (T = 50 > query_block = 16: a last block of 2 rows) against softmax_loss, the
     plain T x T autograd form, in value and gradients; with query_block >= T (one block) too."""
     core, q, k = loss_case()
-    value = distill.layer_loss(core, q, k, "softmax", query_block=16, scale=1.0)
+    value = distill.layer_losses([core], [(q, k)], "softmax", query_block=16, scale=1.0)[0]
     g_fast = grads(core)
     core.zero_grad()
     qg, kg = core.inputs(q, k)
@@ -900,7 +900,7 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
     for a, b in zip(g_fast, g_plain):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
     core.zero_grad()
-    plain = distill.layer_loss(core, q, k, "softmax", query_block=50, scale=1.0)
+    plain = distill.layer_losses([core], [(q, k)], "softmax", query_block=50, scale=1.0)[0]
     assert plain.item() == pytest.approx(value.item(), rel=1e-5)
     for a, b in zip(grads(core), g_plain):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
@@ -975,7 +975,7 @@ def test_l2_loss_blocks_equal_the_plain_kernel_error():
     """The blockwise l2 loss against the paper's kernel error written out here: K = exp(q.(k - mu) / sqrt d) and
     K^ = Phi(q).Phi(k - mu), Phi(x)_m = sqrt(alpha_m / M) exp(z_m.x / d^(1/4) - |x|^2 / (2 sqrt d)) from z, alpha."""
     core, q, k = loss_case(seed=1)
-    value = distill.layer_loss(core, q, k, "l2", query_block=16, scale=1.0)
+    value = distill.layer_losses([core], [(q, k)], "l2", query_block=16, scale=1.0)[0]
     g_fast = grads(core)
     core.zero_grad()
     kc = M.repeat_kv(k, 4) - core.key_mean[:, None]

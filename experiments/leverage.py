@@ -8,8 +8,9 @@ with importance weights that keep the kernel estimate unbiased. A fork of distil
 
     python experiments/leverage.py --model smollm2-135m --data data/wikitext-smollm2 --center-keys ... --pool 16
 
-How it forks the core: distill.main runs with this file's make_student, which builds the core's student and then
-redraws each head's z and alpha from J of its calibration queries and keys (centred as the student sees them).
+How it forks the core: REPLACE sets distill.make_student to this file's, which builds the core's student and
+then redraws each head's z and alpha from J of its calibration queries and keys (centred as the student sees
+them), and distill.DistillConfig to one with --pool.
 Measured on SmolLM2's heads (docs/results.md): better than Gaussian features untrained from M = 16 on, 5-7% worse
 after 100 steps of training.
 """
@@ -24,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
-from common import ModelError, broadcast, check_free_memory, check_positive, opt, run_main  # noqa: E402
+import common as run  # noqa: E402
+from common import opt  # noqa: E402
 from model import feature_state  # noqa: E402
 
 
@@ -100,39 +102,44 @@ def init_leverage(core, x, lam, relative=False, pool=16, generator=None):
         f.z[h], f.log_alpha[h] = leverage_features(x[h].double(), f.M, lam, relative, pool, generator)
 
 
+core_make_student = distill.make_student
+
+
 def make_student(cfg, teacher, calib, prev=None):
-    """distill.make_student, then (for a fresh student) every layer's features redrawn by init_leverage (rank 0's,
-    for every process)."""
-    student, dims, N = distill.make_student(cfg, teacher, calib, prev)
-    if prev is None:                                  # a head's pool of candidates, their features and leverage
-        check_free_memory(8 * cfg.pool * max(dims) * (teacher.config.head_dim + 3 * cfg.J), "cpu", f"--pool {cfg.pool} "
-                          f"candidates for each of up to {max(dims):,} features a head", "lower --pool")
-        mu = torch.stack([c.key_mean for c in student.cores()])                     # (L, H, D): as the student
-        x = dof.collect_qk(teacher, calib, cfg.J, cfg.seed, mu)                      # (L, H, J, D)
+    """The core's make_student, then (for a fresh student) every layer's features redrawn by
+    init_leverage (rank 0's, for every process)."""
+    student, dims, N = core_make_student(cfg, teacher, calib, prev)
+    if prev is None:
+        # a head's pool of candidates, their features and leverage
+        what = f"--pool {cfg.pool} candidates for each of up to {max(dims):,} features a head"
+        nbytes = 8 * cfg.pool * max(dims) * (teacher.config.head_dim + 3 * cfg.J)
+        run.check_free_memory(nbytes, "cpu", what, "lower --pool")
+        mu = torch.stack([c.key_mean for c in student.cores()])  # (L, H, D): as the student
+        x = dof.collect_qk(teacher, calib, cfg.J, cfg.seed, mu)  # (L, H, J, D)
         gen = torch.Generator().manual_seed(cfg.seed)
         for core, xl in zip(student.cores(), x.cpu()):
             init_leverage(core, xl, cfg.lam, cfg.lam_relative, cfg.pool, gen)
-        broadcast(None, list(feature_state(student).values()))
+        run.broadcast(None, list(feature_state(student).values()))
     return student, dims, N
 
 
 @dataclass
 class LeverageConfig(distill.DistillConfig):
-    """distill.py with PRF features drawn from each head's ridge leverage density (experiments/leverage.py)."""
+    """distill.py with PRF features drawn from each head's ridge leverage density."""
     pool: int = opt(16, "candidate directions drawn per feature")
 
     def __post_init__(self):
         super().__post_init__()
-        check_positive(self, ("pool",), 1)
-        if self.feature_map != "prf" or self.init_from:
-            raise ModelError("leverage features are PRF directions drawn afresh: " + ("drop --init-from, whose "
-                             "checkpoint sets the starting features" if self.init_from else
-                             f"pass --feature-map prf, not {self.feature_map}"))
+        run.check_positive(self, ("pool",), 1)
+        if self.init_from:
+            raise run.ModelError("leverage features are PRF directions drawn afresh: drop "
+                                 "--init-from, whose checkpoint sets the starting features")
+        if self.feature_map != "prf":
+            raise run.ModelError("leverage features are PRF directions drawn afresh: pass "
+                                 f"--feature-map prf, not {self.feature_map}")
 
 
-def main(argv=None):
-    distill.main(distill.parse_args(argv, LeverageConfig), make=make_student)
-
+REPLACE = {(distill, "make_student"): make_student, (distill, "DistillConfig"): LeverageConfig}
 
 if __name__ == "__main__":
-    run_main(main)
+    run.fork(__file__, REPLACE)

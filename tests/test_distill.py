@@ -321,7 +321,7 @@ def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch
     monkeypatch.setattr(wiki, "hub_reachable", lambda: True)
     monkeypatch.setattr(wiki, "stream_articles", stream_articles)
     with pytest.raises(ModelError, match=r"the stream of .* broke \(ConnectionError: Read timed out\); run it again"):
-        wiki.main(args + ["--out", str(tmp_path / "all")])
+        wiki.main(args + ["--out", str(tmp_path / "all"), "--overwrite"])
     assert json.loads((tmp_path / "all" / "meta.json").read_text()) == meta       # the previous files as they were
     monkeypatch.setattr(wiki, "stream_articles", lambda name, config: (iter(paragraphs), len(paragraphs)))
     wiki.main(args + ["--out", str(tmp_path / "cap"), "--max-tokens", "5000"])
@@ -931,7 +931,7 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, copy(data, "meta.json", "gone"), x), r"holds token files but no meta.json"),
         (distill_args(ckpt, data, "/proc/no/out"), r"cannot write --out-dir /proc/no/out: /proc is not "),
         (distill_args(ckpt, data, data / "meta.json"), r"--out-dir .*meta.json is a file; pass a directory"),
-        (distill_args(ckpt, data, ""), r"--out-dir '' is the working directory or holds it, and every save"),
+        (distill_args(ckpt, data, ""), r"^--out-dir is empty; pass a value, or drop the flag"),
         (distill_args(ckpt, data, ".."), r"--out-dir '..' is the working directory or holds it"),
         (distill_args(ckpt, data, x, "--min-lr-frac", "-1"), r"--min-lr-frac must be a number of at least 0, got -1"),
         (distill_args(ckpt, data, x, "--min-lr-frac", "2"), r"^--min-lr-frac must be at most 1, got 2.0$"),
@@ -1024,7 +1024,7 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("data/wikipedia/prepare.py", ["--max-tokens", "-1"], r"--max-tokens must be a number of at least 0"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--val-fraction", "1",
                                        tmp_path / "a.txt"], r"--val-fraction must be between 0 and 1, got 1.0"),
-             ("data/wikipedia/prepare.py", ["--dataset", ""], r"--dataset and --config must name a hub dataset"),
+             ("data/wikipedia/prepare.py", ["--dataset", ""], r"--dataset is empty; pass a value"),
              ("data/wikipedia/prepare.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--seed", "-1"], r"--seed must be a number of at least 0, got -1"),   # distill.py's refusal

@@ -1,14 +1,17 @@
 """
-The paper's distillation corpus: English Wikipedia, streamed from the Hugging Face hub with `datasets`, a random
-fraction of its articles (the paper used 10%) tokenized with the teacher's tokenizer:
+The paper's distillation corpus: English Wikipedia, streamed from the Hugging Face hub with
+`datasets`, a random fraction of its articles (the paper used 10%) tokenized with the teacher's
+tokenizer:
 
-    python data/wikipedia/prepare.py --model gpt2 --fraction 0.1           # ~0.5B tokens, ~1 GB, hours
-    python data/wikipedia/prepare.py --model gpt2 --max-tokens 20000000    # a quick 20M-token sample
+    python data/wikipedia/prepare.py --model gpt2 --fraction 0.1        # ~0.5B tokens, ~1 GB, hours
+    python data/wikipedia/prepare.py --model gpt2 --max-tokens 20000000 # a quick 20M-token sample
 
-writes train.bin / val.bin (uint16 token ids) and meta.json next to this script (or --out). Articles are kept
-with probability --fraction (seeded, so the selection is reproducible), each followed by the end-of-text token;
-a kept article goes to val.bin with probability --val-fraction. Tokenization runs in --num-threads threads
-(tiktoken releases the GIL), a batch of articles at a time. Needs internet; offline, use data/text/prepare.py.
+writes train.bin / val.bin (uint16 token ids) and meta.json next to this script (or --out; one that
+holds token files already only with --overwrite). Articles are kept with probability --fraction
+(seeded, so the selection is reproducible), each followed by the end-of-text token; a kept article
+goes to val.bin with probability --val-fraction. Tokenization runs in --num-threads threads
+(tiktoken releases the GIL), a batch of articles at a time. Needs internet; offline, use
+data/text/prepare.py.
 """
 
 import os
@@ -19,19 +22,24 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repo root, for common.py, tokenizer.py, data/
+# the repo root, for common.py, tokenizer.py and data/
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from checkpoint import HubUnreachable, hub_reachable  # noqa: E402
-from common import ModelError, check_out, check_positive, opt, parse_config, run_main  # noqa: E402
+from common import ModelError, check_positive, opt, parse_config, run_main  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
-from data.text.prepare import FILES, eot_id, token_files, tokenizer_meta  # noqa: E402
+# FILES: what this script writes, as distill.py reads it from either prepare.py
+from data.text.prepare import FILES, check_out_dir, eot_id, token_files, tokenizer_meta  # noqa: E402,F401
 
-OFFLINE_HINT = "run it on a machine with internet access, or tokenize local text with data/text/prepare.py"
+OFFLINE_HINT = "run it on a machine with internet access, or tokenize local text with " \
+               "data/text/prepare.py"
 
 
 def stream_articles(name, config):
-    """The dataset's train split as a stream of article texts, or a one-sentence error when it cannot be reached."""
+    """The dataset's train split as a stream of article texts, or a one-sentence error when it
+    cannot be reached."""
     what = f"{name} ({config})"
-    if not hub_reachable():                          # fail at once, not after datasets' minute of retries
+    # fail at once, not after datasets' minute of retries
+    if not hub_reachable():
         raise HubUnreachable(what, OFFLINE_HINT)
     import datasets
     try:
@@ -39,10 +47,12 @@ def stream_articles(name, config):
         it = iter(ds)
         first = next(it)
     except Exception as e:
-        raise ModelError(f"could not stream {what} from the Hugging Face hub ({type(e).__name__}: {str(e)[:80]}); "
+        why = f"{type(e).__name__}: {str(e)[:80]}"
+        raise ModelError(f"could not stream {what} from the Hugging Face hub ({why}); "
                          f"{OFFLINE_HINT}") from None
     if "text" not in first:
-        raise ModelError(f"{what} has no 'text' column (columns: {', '.join(first)}); pass a Wikipedia-style dataset")
+        raise ModelError(f"{what} has no 'text' column (columns: {', '.join(first)}); pass a "
+                         "Wikipedia-style dataset")
     total = None
     try:
         total = ds.info.splits["train"].num_examples
@@ -54,16 +64,21 @@ def stream_articles(name, config):
         try:
             for row in it:
                 yield row["text"]
-        except Exception as e:                                   # the connection broke mid-stream
-            raise ModelError(f"the stream of {what} broke ({type(e).__name__}: {str(e)[:80]}); run it again, the "
-                             "previous token files are as they were") from None
+        # the connection broke mid-stream
+        except Exception as e:
+            why = f"{type(e).__name__}: {str(e)[:80]}"
+            raise ModelError(f"the stream of {what} broke ({why}); run it again, the previous "
+                             "token files are as they were") from None
     return texts(), total
 
 
 def kept_batches(texts, rng, fraction, batch_docs):
-    """Keep each article with probability `fraction` (one draw per article, kept or not: a reproducible selection);
-    yields (up to batch_docs kept articles, the articles seen up to each of them, articles seen so far)."""
-    batch, upto, seen = [], [], 0
+    """Keep each article with probability `fraction` (one draw per article, kept or not: a
+    reproducible selection); yields (up to batch_docs kept articles, the articles seen up to each of
+    them, articles seen so far)."""
+    batch = []
+    upto = []
+    seen = 0
     for text in texts:
         seen += 1
         if rng.random() < fraction:
@@ -71,23 +86,31 @@ def kept_batches(texts, rng, fraction, batch_docs):
             upto.append(seen)
         if len(batch) == batch_docs:
             yield batch, upto, seen
-            batch, upto = [], []
+            batch = []
+            upto = []
     yield batch, upto, seen
 
 
 def write_articles(cfg, enc, texts, files, bar):
-    """Tokenize the kept articles, each followed by end-of-text, into files["train"] or, with probability
-    cfg.val_fraction, files["val"]; stop once cfg.max_tokens are written. The bar counts tokens towards
-    cfg.max_tokens, or articles without it. -> (articles seen, articles kept)."""
-    keep_rng, val_rng = np.random.default_rng(cfg.seed).spawn(2)      # alike whatever --batch-docs is
-    eot, n_seen, n_kept, n_tok = eot_id(enc), 0, 0, 0
+    """Tokenize the kept articles, each followed by end-of-text, into files["train"] or, with
+    probability cfg.val_fraction, files["val"]; stop once cfg.max_tokens are written. The bar counts
+    tokens towards cfg.max_tokens, or articles without it. -> (articles seen, articles kept)."""
+    # two streams: alike whatever --batch-docs is
+    keep_rng, val_rng = np.random.default_rng(cfg.seed).spawn(2)
+    eot = eot_id(enc)
+    n_seen = 0
+    n_kept = 0
+    n_tok = 0
     for batch, upto, n_seen in kept_batches(texts, keep_rng, cfg.fraction, cfg.batch_docs):
         to_val = val_rng.random(len(batch)) < cfg.val_fraction
-        for ids, v, seen in zip(enc.encode_ordinary_batch(batch, num_threads=cfg.num_threads), to_val, upto):
+        encoded = enc.encode_ordinary_batch(batch, num_threads=cfg.num_threads)
+        for ids, v, seen in zip(encoded, to_val, upto):
             files["val" if v else "train"].write(ids + [eot])
-            n_tok, n_kept = n_tok + len(ids) + 1, n_kept + 1
+            n_tok += len(ids) + 1
+            n_kept += 1
             if cfg.max_tokens and n_tok >= cfg.max_tokens:
-                n_seen = seen                                      # not the rest of the batch
+                # the articles seen up to this one, not the rest of the batch
+                n_seen = seen
                 break
         bar.update((n_tok if cfg.max_tokens else n_seen) - bar.n)
         bar.set_postfix(kept=n_kept, tokens=f"{n_tok / 1e6:.1f}M")
@@ -98,9 +121,11 @@ def write_articles(cfg, enc, texts, files, bar):
 
 @dataclass
 class WikipediaConfig:
-    """Stream English Wikipedia, tokenize a random fraction of it into train.bin / val.bin / meta.json."""
+    """Stream English Wikipedia, tokenize a random fraction of it into train.bin / val.bin /
+    meta.json."""
     model: str = opt("gpt2", "checkpoint (hub id or directory) whose tokenizer to use")
-    out: str = opt(str(Path(__file__).resolve().parent), "output directory for train.bin, val.bin and meta.json")
+    out: str = opt(str(Path(__file__).resolve().parent), "output directory for train.bin, val.bin "
+                   "and meta.json")
     dataset: str = opt("wikimedia/wikipedia", "hub dataset with a 'text' column")
     config: str = opt("20231101.en", "dataset configuration (the dump date and language)")
     fraction: float = opt(0.1, "keep each article with this probability (paper: 0.1)")
@@ -109,33 +134,38 @@ class WikipediaConfig:
     seed: int = opt(0, "seed of the article selection and the train/val split")
     num_threads: int = opt(os.cpu_count() or 1, "tokenizer threads")
     batch_docs: int = opt(512, "articles tokenized per batch")
+    overwrite: bool = opt(False, "replace the token files an earlier run wrote into --out")
 
     def __post_init__(self):
         check_positive(self, ("num_threads", "batch_docs"))
-        check_positive(self, ("seed", "max_tokens"), 0)                  # numpy seeds are non-negative
+        # numpy seeds are non-negative
+        check_positive(self, ("seed", "max_tokens"), 0)
         if not 0 < self.fraction <= 1:
             raise ModelError(f"--fraction must be in (0, 1], got {self.fraction}")
         if not 0 < self.val_fraction < 1:
             raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         if not self.dataset.strip() or not self.config.strip():
-            raise ModelError("--dataset and --config must name a hub dataset and its configuration, e.g. "
-                             "wikimedia/wikipedia and 20231101.en")
-        check_out(self.out, FILES)
+            raise ModelError("--dataset and --config must name a hub dataset and its "
+                             "configuration, e.g. wikimedia/wikipedia and 20231101.en")
+        check_out_dir(self.out, self.overwrite)
 
 
 def prepare(cfg, enc):
-    """The articles cfg selects, tokenized with enc, -> cfg.out/train.bin, val.bin and meta.json; returns
-    meta.json's content."""
+    """The articles cfg selects, tokenized with enc, -> cfg.out/train.bin, val.bin and meta.json;
+    returns meta.json's content."""
     texts, total = stream_articles(cfg.dataset, cfg.config)
-    meta = {"source": "wikipedia", "dataset": cfg.dataset, "config": cfg.config, "fraction": cfg.fraction,
-            "max_tokens": cfg.max_tokens, "val_fraction": cfg.val_fraction, "seed": cfg.seed,
+    meta = {"source": "wikipedia", "dataset": cfg.dataset, "config": cfg.config,
+            "fraction": cfg.fraction, "max_tokens": cfg.max_tokens,
+            "val_fraction": cfg.val_fraction, "seed": cfg.seed,
             "tokenizer": tokenizer_meta(enc, cfg.model)}
-    bar = tqdm(total=cfg.max_tokens or total, unit="token" if cfg.max_tokens else "doc", desc="wikipedia",
-               smoothing=0.05)                                       # towards --max-tokens, or over the articles
+    # towards --max-tokens, or over the articles
+    unit = "token" if cfg.max_tokens else "doc"
+    bar = tqdm(total=cfg.max_tokens or total, unit=unit, desc="wikipedia", smoothing=0.05)
     with token_files(cfg.out, meta) as files, bar:
         n_seen, n_kept = write_articles(cfg, enc, texts, files, bar)
         meta.update(articles_seen=n_seen, articles_kept=n_kept)
-    print(f"wrote {cfg.out}: {meta['tokens']['train']:,} train and {meta['tokens']['val']:,} val tokens from "
+    tokens = meta["tokens"]
+    print(f"wrote {cfg.out}: {tokens['train']:,} train and {tokens['val']:,} val tokens from "
           f"{n_kept:,} of {n_seen:,} articles ({enc.name})")
     return meta
 
