@@ -6,6 +6,7 @@ and distilled students alike.
     python evaluate.py --model gpt2 --ckpt out/gpt2 --data-dir tests/data/eval  # teacher | student
     python evaluate.py --model gpt2 --ckpt out/gpt2 --ppl data/wikitext2/wiki.test.raw --speed
     torchrun --nproc_per_node 4 evaluate.py --model gpt2 --data-dir tests/data/eval --output r.json
+    python evaluate.py --model gpt2 --ckpt out/gpt2 --tasks arc_easy --finetune-epochs 3  # Table 3
 
 Each step of lm-eval (tasks/<task>, api/{task,metrics,model}.py, models/huggingface.py) is a
 function: the prompts, encode_pair, harness_window, loglikelihood (--plain), doc_metrics, stderr.
@@ -262,9 +263,11 @@ def hub_documents(name: str, split: str | None = None) -> tuple[str, list]:
             datasets.config.HF_HUB_OFFLINE = True
         rows = datasets.load_dataset(path, config, split=split)
     except Exception as e:  # offline, or the hub changed
+        todo = f"pass --data-dir DIR holding {name}.jsonl"
+        if split != harness_split:
+            todo = f"pass --train-dir DIR holding {name}_{split}.jsonl"
         raise run.ModelError(f"could not load {name} from the hub ({type(e).__name__} in "
-                             f"datasets.load_dataset{path, config, split}); pass --data-dir DIR "
-                             f"holding {name}.jsonl") from None
+                             f"datasets.load_dataset{path, config, split}); {todo}") from None
     return f"{path} ({config}, {split})", [(f"row {i}", dict(d)) for i, d in enumerate(rows)]
 
 
@@ -813,7 +816,8 @@ def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict
 
 def main(argv=None):
     """Flags, tasks, models and what the model's config bounds, all checked first; then each
-    model's next-token loss, tasks and speed, printed and written to --output."""
+    model's next-token loss, tasks (zero-shot, then fine-tuned on each) and speed, printed and
+    written to --output."""
     cfg = run.parse_config(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
     names = [] if cfg.tasks is None and (cfg.ppl or cfg.speed) else parse_tasks(cfg.tasks)
     prompts = {name: load_task(name, cfg.data_dir, cfg.limit) for name in names}
