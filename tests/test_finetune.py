@@ -254,3 +254,19 @@ def test_bad_fine_tuning_input_is_one_sentence_before_any_work(flags, sentence, 
     err = capsys.readouterr().err
     assert e.value.code == 2 and re.fullmatch("error: " + sentence + r"\n", err), err
     assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_without_a_train_dir_the_hubs_training_and_validation_splits_are_read(monkeypatch, capsys):
+    asked = []
+
+    def hub(name, split=None):
+        asked.append((name, split))
+        return "the hub", E.read_jsonl(TRAIN / "arc_easy_train.jsonl", name)
+    monkeypatch.setattr(E, "hub_documents", hub)
+    scored = arc(2)
+    splits = E.load_training(E.EvalConfig(finetune_epochs=1, limit=3), {"arc_easy": scored, "wsc273": []})
+    assert asked == [("arc_easy", "train"), ("arc_easy", "validation")]
+    assert list(splits) == ["arc_easy"] and splits["arc_easy"]["eval"] is scored
+    assert len(splits["arc_easy"]["train"]) == 40 and len(splits["arc_easy"]["validation"]) == 3
+    assert capsys.readouterr().out == "wsc273 has no training split: it is scored zero-shot\n"
+    assert E.load_training(E.EvalConfig(), {"arc_easy": scored}) == {}      # zero-shot: nothing read
