@@ -6,13 +6,17 @@ and distilled students alike.
     python evaluate.py --model gpt2 --ckpt out/gpt2 --data-dir tests/data/eval  # teacher | student
     python evaluate.py --model gpt2 --ckpt out/gpt2 --ppl data/wikitext2/wiki.test.raw --speed
     torchrun --nproc_per_node 4 evaluate.py --model gpt2 --data-dir tests/data/eval --output r.json
+    python evaluate.py --model gpt2 --ckpt out/gpt2 --tasks arc_easy --finetune-epochs 3  # Table 3
 
 Each step of lm-eval (tasks/<task>, api/{task,metrics,model}.py, models/huggingface.py) is a
 function: the prompts, encode_pair, harness_window, loglikelihood (--plain), doc_metrics, stderr.
 fast_scorer.py computes the same numbers in batches that share each document's prefix (the default).
 """
+import copy
 import json
 import math
+import shlex
+import sys
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -53,6 +57,19 @@ class EvalConfig:
     ppl_max_tokens: int | None = opt(None, "score only the first N tokens of the --ppl file")
     speed: bool = opt(False, "time prefill and token-by-token generation of one sequence")
     speed_tokens: int = opt(1000, "sequence length for --speed (at most the model's context)")
+    # fine-tuning on each task before it is scored: the paper's protocol (its Table 3)
+    finetune_epochs: int = opt(0, "fine-tune each model on each task for N epochs, scoring after "
+                                  "each (0: zero-shot; paper: 3; MMLU is always 1, the last)")
+    finetune_lr: str = opt("", "Adam learning rate, or a comma list: a grid searched on the "
+                                "teacher, its best reused for the student (default: the paper's "
+                                "Table 8 for GPT-2 and Pythia, else 1e-5, ours)")
+    finetune_batch_size: int | None = opt(None, "documents per step (default: the paper's Table 9 "
+                                                "for GPT-2 and Pythia, else 32, ours)")
+    train_dir: str | None = opt(None, "folder of <task>_train.jsonl and optionally "
+                                      "<task>_validation.jsonl in --data-dir's schema; default: "
+                                      "the hub's splits")
+    finetune_limit: int | None = opt(None, "train on the first N documents of each training split")
+    seed: int = opt(0, "seed of the order in which the training documents are drawn")
 
     def __post_init__(self):
         """The flags, checked before any work."""
@@ -63,6 +80,7 @@ class EvalConfig:
             check_output(self.output, self.model, self.ckpt, self.data_dir, self.ppl)
         if self.ppl:
             check_ppl_file(Path(self.ppl))
+        check_finetune(self)
 
     def check(self, model_config):
         """The flags that the model's config bounds, checked once it is known, before any work."""
@@ -83,6 +101,31 @@ def check_ppl_file(p: Path):
         return
     raise run.ModelError(f"--ppl {p} {why}; pass a uint16 token file (data/*/prepare.py) or a "
                          "text file")
+
+
+def parse_lrs(spec: str) -> list[float]:
+    """--finetune-lr's values; [] where it is empty (each task's default)."""
+    try:
+        lrs = [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        lrs = [math.nan]
+    if not all(math.isfinite(lr) and lr > 0 for lr in lrs):
+        raise run.ModelError(f"--finetune-lr must be positive numbers separated by commas, got "
+                             f"{spec!r}")
+    return lrs
+
+
+def check_finetune(cfg):
+    """The fine-tuning flags, checked before any work."""
+    run.check_positive(cfg, ("finetune_epochs",), 0)
+    run.check_positive(cfg, ("finetune_batch_size", "finetune_limit"), 1)
+    parse_lrs(cfg.finetune_lr)
+    if cfg.finetune_epochs and cfg.dtype != "float32":
+        raise run.ModelError("fine-tuning trains float32 weights (under bf16 autocast on CUDA); "
+                             "drop --dtype")
+    if cfg.train_dir and not Path(cfg.train_dir).is_dir():
+        raise run.ModelError(f"--train-dir {cfg.train_dir} is not a folder; pass the folder of "
+                             "<task>_train.jsonl files")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -208,9 +251,11 @@ def parse_tasks(spec: str | None) -> list[str]:
     return names
 
 
-def hub_documents(name: str) -> tuple[str, list]:
-    """The harness's dataset of a task, from the hub or its cache, as (where, document) pairs."""
-    path, config, split = TASKS[name][1]
+def hub_documents(name: str, split: str | None = None) -> tuple[str, list]:
+    """The harness's dataset of a task (or its `split`), from the hub or its cache, as (where,
+    document) pairs."""
+    path, config, harness_split = TASKS[name][1]
+    split = split or harness_split
     try:
         import datasets
         # offline: the cache at once, not a minute of retries; not probed again once it fails
@@ -218,9 +263,11 @@ def hub_documents(name: str) -> tuple[str, list]:
             datasets.config.HF_HUB_OFFLINE = True
         rows = datasets.load_dataset(path, config, split=split)
     except Exception as e:  # offline, or the hub changed
+        todo = f"pass --data-dir DIR holding {name}.jsonl"
+        if split != harness_split:
+            todo = f"pass --train-dir DIR holding {name}_{split}.jsonl"
         raise run.ModelError(f"could not load {name} from the hub ({type(e).__name__} in "
-                             f"datasets.load_dataset{path, config, split}); pass --data-dir DIR "
-                             f"holding {name}.jsonl") from None
+                             f"datasets.load_dataset{path, config, split}); {todo}") from None
     return f"{path} ({config}, {split})", [(f"row {i}", dict(d)) for i, d in enumerate(rows)]
 
 
@@ -240,12 +287,16 @@ def read_jsonl(source: Path, name: str) -> list:
     return docs
 
 
-def load_task(name: str, data_dir: str | None = None, limit: int | None = None) -> list[Prompt]:
-    """A task's documents (<data_dir>/<name>.jsonl, else the harness's dataset from the hub), each
-    checked and made its prompt (bad data fails at once, naming its file and line); the first
-    `limit` of them."""
+def load_task(name: str, data_dir: str | None = None, limit: int | None = None,
+              split: str | None = None) -> list[Prompt]:
+    """A task's documents (<data_dir>/<name>.jsonl, else the harness's dataset from the hub; with a
+    split, <data_dir>/<name>_<split>.jsonl or that split), each checked and made its prompt (bad
+    data fails at once, naming its file and line); the first `limit` of them."""
     if data_dir is None:
-        source, docs = hub_documents(name)
+        source, docs = hub_documents(name, split)
+    elif split:
+        source = Path(data_dir) / f"{name}_{split}.jsonl"
+        docs = read_jsonl(source, name)
     else:
         source = Path(data_dir) / f"{name}.jsonl"
         docs = read_jsonl(source, name)
@@ -462,6 +513,254 @@ def speed(model, n_tokens: int = 1000, device="cpu") -> dict:
 
 
 # --------------------------------------------------------------------------------------------------
+# Fine-tuning on each task first, the paper's protocol (Sec. 4.2, App. C): every weight trained on
+# the multiple-choice cross-entropy of the scores acc ranks; accuracy after each epoch.
+
+# Tables 8 and 9: each task's learning rate and batch size (documents a step), GPT-2 and Pythia-1B
+PAPER_FINETUNE = {
+    "gpt2": {"piqa": (1e-4, 128), "logiqa": (5e-5, 64), "arc_easy": (1e-4, 64),
+             "arc_challenge": (1e-5, 64), "winogrande": (5e-4, 128), "mmlu": (1e-6, 64),
+             "wsc273": (1e-6, 128)},
+    "neox": {"piqa": (1e-5, 64), "logiqa": (5e-5, 32), "arc_easy": (5e-5, 32),
+             "arc_challenge": (5e-5, 32), "winogrande": (5e-5, 64), "mmlu": (5e-6, 32),
+             "wsc273": (5e-5, 64)},
+}
+OUR_FINETUNE = (1e-5, 32)  # other families: the paper is silent
+
+# the hub's (training, validation) splits; validation None where it is the scored split or absent
+TRAIN_SPLITS = {
+    "piqa": ("train", None),
+    "arc_easy": ("train", "validation"),
+    "arc_challenge": ("train", "validation"),
+    "logiqa": ("train", "validation"),
+    "mmlu": ("auxiliary_train", "validation"),
+    "winogrande": ("train", None),
+    "wsc273": None,  # WSC273 has only its test split: scored zero-shot
+}
+
+
+def load_training(cfg: EvalConfig, prompts: dict) -> dict:
+    """{task: {"train": prompts, "validation": prompts (where there is a validation split), "eval":
+    the scored prompts}} of every task that has a training split, checked as the scored ones are."""
+    splits = {}
+    for name in prompts if cfg.finetune_epochs else []:
+        if TRAIN_SPLITS[name] is None:
+            print(f"{name} has no training split: it is scored zero-shot")
+            continue
+        train, validation = TRAIN_SPLITS[name]
+        if cfg.train_dir:
+            if not (Path(cfg.train_dir) / f"{name}_train.jsonl").is_file():
+                raise run.ModelError(f"--train-dir {cfg.train_dir} holds no {name}_train.jsonl, "
+                                     f"the training split of {name}; add it or drop {name}")
+            train = "train"
+            has = (Path(cfg.train_dir) / f"{name}_validation.jsonl").is_file()
+            validation = "validation" if has else None
+        splits[name] = {"train": load_task(name, cfg.train_dir, cfg.finetune_limit, train),
+                        "eval": prompts[name]}
+        if validation:
+            splits[name]["validation"] = load_task(name, cfg.train_dir, cfg.limit, validation)
+    return splits
+
+
+def request_tensors(docs, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every request of `docs` (tokenized) as its harness window, right-padded: inputs (N, T) and
+    targets (N, T), -1 where nothing is scored. Padding on the right changes no score: the model
+    is causal."""
+    windows = [harness_window(c, t, max_len) for doc in docs for c, t in doc]
+    T = max(len(inp) for inp, _ in windows)
+    x = torch.zeros(len(windows), T, dtype=torch.long)
+    y = torch.full((len(windows), T), -1, dtype=torch.long)
+    for i, (inp, targets) in enumerate(windows):
+        x[i, :len(inp)] = torch.tensor(inp)
+        for pos, token in targets:
+            y[i, pos] = token
+    return x, y
+
+
+def document_loss(model, doc, gold: int, device="cpu") -> torch.Tensor:
+    """One document's loss: the cross-entropy of its choices' scores against the gold choice, each
+    score the summed continuation log-likelihood that acc ranks, as loglikelihood() computes it."""
+    scores = []
+    for context_tokens, continuation_tokens in doc:
+        L = model.config.block_size
+        inp, targets = harness_window(context_tokens, continuation_tokens, L)
+        logits = model(torch.tensor([inp], device=device))                      # (1, T, V)
+        logp = F.log_softmax(logits[0].float(), dim=-1)                          # (T, V)
+        pos = torch.tensor([p for p, _ in targets], device=device)
+        tok = torch.tensor([t for _, t in targets], device=device)
+        scores.append(logp[pos, tok].sum())
+    return F.cross_entropy(torch.stack(scores), torch.tensor(gold, device=device))
+
+
+def batch_loss(model, docs, golds, device="cpu") -> torch.Tensor:
+    """The summed document_loss of `docs`, all their requests in one forward pass (GPT.nll: a
+    sequence's logits at a time, not a batch's)."""
+    x, y = request_tensors(docs, model.config.block_size)
+    scores = -model.nll(x.to(device), y.to(device))                             # (N,)
+    per_doc = scores.split([len(doc) for doc in docs])
+    losses = [F.cross_entropy(s, torch.tensor(g, device=device)) for s, g in zip(per_doc, golds)]
+    return torch.stack(losses).sum()
+
+
+def chunks(docs: list, max_requests: int) -> list[list[int]]:
+    """Indices of docs in runs of at most max_requests requests (at least one document each)."""
+    runs = [[]]
+    for i, doc in enumerate(docs):
+        if runs[-1] and sum(len(docs[j]) for j in runs[-1]) + len(doc) > max_requests:
+            runs.append([])
+        runs[-1].append(i)
+    return [r for r in runs if r]
+
+
+def train_step(model, opt, docs, golds, cfg, device) -> float:
+    """One Adam step on the mean loss of a batch of documents; under torchrun each process takes a
+    share and the gradients are averaged. Returns the batch's mean loss (every process's)."""
+    mine = run.shard(list(range(len(docs))))
+    # all_mean divides the processes' summed gradients by their number: scale up to the batch mean
+    scale = run.get_world_size() / len(docs)
+    total = torch.zeros((), device=device)
+    cuda = torch.device(device).type == "cuda"
+    opt.zero_grad(set_to_none=False)
+    for part in chunks([docs[i] for i in mine], cfg.batch_size):
+        ids = [mine[i] for i in part]
+        with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=cuda):
+            loss = batch_loss(model, [docs[i] for i in ids], [golds[i] for i in ids], device)
+        (loss * scale).backward()
+        total += loss.detach() * scale
+    run.all_mean([p.grad for p in model.parameters()])
+    run.all_mean([total])
+    opt.step()
+    return float(total)
+
+
+def finetune(model, enc, splits, lr: float, epochs: int, B: int, cfg, device, desc=None) -> dict:
+    """A copy of the model, every weight its own (a student's teacher weights too), fine-tuned on
+    splits["train"] for `epochs` epochs of Adam at lr (constant, no weight decay: the paper is
+    silent), B documents a step; after each epoch its result on the scored split ("eval") and on
+    "validation"."""
+    model = copy.deepcopy(model).float().train().requires_grad_(True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # a process without documents in a step adds zeros
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    tokenized, golds = tokenize(enc, splits["train"]), [p.gold for p in splits["train"]]
+    steps = math.ceil(len(golds) / B)
+    out = {"lr": lr, "epochs": [], "stopped": None}
+    bar = tqdm(total=epochs * steps, desc=desc, disable=desc is None, unit="step", leave=False)
+    for epoch in range(1, epochs + 1):
+        t0 = time.perf_counter()
+        gen = torch.Generator().manual_seed(cfg.seed + epoch)
+        order = torch.randperm(len(golds), generator=gen).tolist()
+        losses = []
+        for i in range(0, len(order), B):
+            batch = order[i:i + B]
+            losses.append(train_step(model, opt, [tokenized[j] for j in batch],
+                                     [golds[j] for j in batch], cfg, device))
+            bar.update()
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if not math.isfinite(losses[-1]):
+                out["stopped"] = f"lr {lr:g}: the loss is {losses[-1]} in epoch {epoch}; stopped"
+                print(out["stopped"])
+                return out
+        seconds = time.perf_counter() - t0
+        out["epochs"].append(score_epoch(model, enc, splits, epoch, losses, seconds, cfg, device))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", acc=f"{out['epochs'][-1]['eval']['acc']:.4f}")
+    return out
+
+
+def score_epoch(model, enc, splits, epoch, losses, seconds, cfg, device) -> dict:
+    """One epoch's record: its mean loss and training seconds, and the model's result on each
+    scored split."""
+    model.eval()
+    record = {"epoch": epoch, "loss": sum(losses) / len(losses), "train_seconds": seconds}
+    for split in ("eval", "validation"):
+        if split in splits:
+            record[split] = evaluate_task(model, enc, splits[split], cfg.batch_size, device,
+                                          None, cfg.plain)[0]
+    model.train()
+    return record
+
+
+def best_epoch(epochs: list[dict], split: str) -> int:
+    """The index of the epoch whose acc on `split` is highest (the first of ties)."""
+    accs = [e[split]["acc"] for e in epochs]
+    return accs.index(max(accs))
+
+
+def rules(epochs: list[dict]) -> dict:
+    """The paper's rule (the best epoch on the scored split; with one epoch, MMLU's, the last) and,
+    where a validation split was scored, the honest one (the epoch best on validation, its
+    result on the scored split)."""
+    out = {}
+    if not epochs:
+        return out
+    i = best_epoch(epochs, "eval")
+    out["paper"] = {"epoch": epochs[i]["epoch"], **epochs[i]["eval"]}
+    if "validation" in epochs[0]:
+        i = best_epoch(epochs, "validation")
+        out["validation"] = {"epoch": epochs[i]["epoch"], **epochs[i]["eval"]}
+    return out
+
+
+def finetune_task(cfg, models: dict, enc, name: str, splits: dict, device) -> dict:
+    """Every model fine-tuned on one task: the learning-rate grid on the teacher, the lr of its best
+    result (by the paper's rule) reused for the student."""
+    family = models["teacher"].config.family
+    lr, B = PAPER_FINETUNE.get(family, {}).get(name, OUR_FINETUNE)
+    lrs = parse_lrs(cfg.finetune_lr) or [lr]
+    B = cfg.finetune_batch_size or B
+    epochs = 1 if name == "mmlu" else cfg.finetune_epochs
+    desc = f"fine-tune teacher {name}" if run.is_main() else None
+    grid = [finetune(models["teacher"], enc, splits, lr, epochs, B, cfg, device, desc)
+            for lr in lrs]
+    for point in grid:
+        point["rules"] = rules(point["epochs"])
+    done = [point for point in grid if point["stopped"] is None]
+    if not done:
+        print(f"{name}: no learning rate of the grid kept the teacher's loss finite; the task is "
+              "not fine-tuned")
+        return {"teacher": {"grid": grid, "lr": None}}
+    best = max(done, key=lambda point: point["rules"]["paper"]["acc"])
+    out = {"teacher": {**best, "batch_size": B, "grid": grid}}
+    for label in [k for k in models if k != "teacher"]:
+        desc = f"fine-tune {label} {name}" if run.is_main() else None
+        result = finetune(models[label], enc, splits, best["lr"], epochs, B, cfg, device, desc)
+        out[label] = {**result, "rules": rules(result["epochs"]), "batch_size": B}
+    return out
+
+
+def finetune_tasks(cfg, models, enc, training, device, zero_shot, argv) -> dict:
+    """finetune_task of every task with a training split, each model's zero-shot result beside its
+    fine-tuned ones, the command, and a table of them."""
+    argv = sys.argv[1:] if argv is None else argv
+    out = {"command": shlex.join(["python", "evaluate.py", *argv]), "tasks": {}}
+    for name, splits in training.items():
+        t0 = time.perf_counter()
+        task = finetune_task(cfg, models, enc, name, splits, device)
+        for label, result in task.items():
+            part = zero_shot if label == "teacher" else zero_shot[label]
+            result["zero_shot"] = part["results"][name]
+        task["seconds"] = round(time.perf_counter() - t0, 3)
+        out["tasks"][name] = task
+    print_finetune(out["tasks"])
+    return out
+
+
+def print_finetune(tasks: dict):
+    """Each task and model: zero-shot acc, the lr, acc after each epoch, both rules' acc."""
+    fmt = lambda r: "-" if r is None else f"{r['acc']:.4f}"  # noqa: E731
+    head = f"{'task':<14} {'model':<8} {'zero-shot':>9} {'lr':>8}"
+    print(head + "  acc after each epoch -> paper's rule | validation's rule")
+    for name, task in tasks.items():
+        for label, r in task.items():
+            if label == "seconds" or r.get("lr") is None:
+                continue
+            accs = " ".join(fmt(e["eval"]) for e in r["epochs"])
+            paper, honest = r["rules"].get("paper"), r["rules"].get("validation")
+            print(f"{name:<14} {label:<8} {fmt(r['zero_shot']):>9} {r['lr']:>8.1e}  {accs} -> "
+                  f"{fmt(paper)} | {fmt(honest)}")
+
+
+# --------------------------------------------------------------------------------------------------
 # The command line.
 
 def check_output(output, model, ckpt, data_dir, ppl=None, flag="--output"):
@@ -517,16 +816,18 @@ def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict
 
 def main(argv=None):
     """Flags, tasks, models and what the model's config bounds, all checked first; then each
-    model's next-token loss, tasks and speed, printed and written to --output."""
+    model's next-token loss, tasks (zero-shot, then fine-tuned on each) and speed, printed and
+    written to --output."""
     cfg = run.parse_config(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
     names = [] if cfg.tasks is None and (cfg.ppl or cfg.speed) else parse_tasks(cfg.tasks)
     prompts = {name: load_task(name, cfg.data_dir, cfg.limit) for name in names}
+    training = load_training(cfg, prompts)
     # the model is cast to --dtype: no autocast
     device = run.init_distributed(run.pick_device(cfg.device, "float32")[0])
     models = load_models(cfg, device)
     enc, config = tokenizer.load_tokenizer(cfg.model), models["teacher"].config
     cfg.check(config)
-    for ps in prompts.values():
+    for ps in [*prompts.values(), *[ps for s in training.values() for ps in s.values()]]:
         check_requests(tokenize(enc, ps), config.block_size)
     tokens = read_ppl(cfg, enc, config.vocab_size) if cfg.ppl else None
     report = {}
@@ -539,6 +840,8 @@ def main(argv=None):
             report["ppl"][k] = r
     if prompts:
         report.update(run_tasks(cfg, models, enc, prompts, device))
+    if training:
+        report["finetune"] = finetune_tasks(cfg, models, enc, training, device, report, argv)
     if run.is_main() and cfg.speed:  # timings: rank 0 alone
         report["speed"] = {k: speed(m, cfg.speed_tokens, device) for k, m in models.items()}
         for k, r in report["speed"].items():

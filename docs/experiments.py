@@ -420,6 +420,53 @@ def zeroshot_table(report):
     return "\n".join(rows)
 
 
+def finetune_table(report):
+    """evaluate.py's results.json with --finetune-epochs: per task and model the zero-shot accuracy, the
+    accuracy after each epoch, both rules' picks, seconds an epoch; the teacher's grid; what the student keeps."""
+    rows = ["| task | model | lr | zero-shot acc | acc after each epoch | validation acc after each epoch | "
+            "paper's rule | validation rule | s/epoch |", "|---|---|---|---|---|---|---|---|---|"]
+    acc = lambda r: "–" if r is None else f"{r['acc']:.3f} ± {r['acc_stderr']:.3f}"  # noqa: E731
+    notes = []
+    for task, models in report["finetune"]["tasks"].items():
+        for label, r in models.items():
+            if label == "seconds" or r.get("lr") is None:
+                continue
+            epochs, rules = r["epochs"], r["rules"]
+            honest = rules.get("validation")
+            pick = "–" if honest is None else f"{acc(honest)} (epoch {honest['epoch']})"
+            seconds = np.mean([e["train_seconds"] for e in epochs])
+            each = " / ".join(f"{e['eval']['acc']:.3f}" for e in epochs)
+            on_validation = " / ".join(f"{e['validation']['acc']:.3f}" for e in epochs if "validation" in e)
+            rows.append(f"| {task} | {label} | {r['lr']:g} | {acc(r['zero_shot'])} | {each} | "
+                        f"{on_validation or '–'} | {acc(rules['paper'])} (epoch {rules['paper']['epoch']}) | "
+                        f"{pick} | {seconds:.0f} |")
+        notes += finetune_notes(task, models)
+    return "\n".join(rows) + "\n\n" + "\n".join(f"- {n}" for n in notes)
+
+
+def finetune_notes(task, models):
+    """The teacher's learning-rate grid, and the share of the teacher's fine-tuned accuracy each student keeps."""
+    teacher, points = models["teacher"], []
+    for point in teacher["grid"]:
+        if point["stopped"]:
+            points.append(f"{point['lr']:g}: diverged")
+        else:
+            points.append(f"{point['lr']:g}: {point['rules']['paper']['acc']:.3f}")
+    notes = [f"{task}: the teacher's grid (lr: its accuracy by the paper's rule) {', '.join(points)}."]
+    if teacher.get("lr") is None:
+        return notes
+    for label in [k for k in models if k not in ("teacher", "seconds")]:
+        kept = []
+        for rule, name in (("paper", "the paper's rule"), ("validation", "the validation rule")):
+            if rule in teacher["rules"]:
+                share = models[label]["rules"][rule]["acc"] / teacher["rules"][rule]["acc"]
+                kept.append(f"{share:.0%} by {name}")
+        zero = models[label]["zero_shot"]["acc"] / teacher["zero_shot"]["acc"]
+        notes.append(f"{task}: the {label} keeps {' and '.join(kept)} of the teacher's fine-tuned accuracy "
+                     f"({zero:.0%} of its zero-shot accuracy).")
+    return notes
+
+
 def blocks(grid, records):
     """The generated markdown blocks of one grid: name -> text; the per-layer table where it has budget-32 DoF runs."""
     made = {f"{grid}:summary": summary_table(records), f"{grid}:paired": paired_table(records)}
@@ -561,6 +608,10 @@ def grid_blocks(grid, results, figures):
             else:
                 made[f"heads-kl:{p.stem}"] = heads.table(res)
                 heads.figure(res, Path(figures) / "fig-heads.png")
+        return made
+    if grid == "finetune":                       # evaluate.py's results.json with --finetune-epochs
+        for p in sorted((Path(results) / grid).glob("*.json")):
+            made[f"finetune:{p.stem}"] = finetune_table(read(p))
         return made
     if grid == "zeroshot":                       # evaluate.py's results.json, not distill.py runs
         for p in sorted((Path(results) / grid).glob("*.json")):

@@ -1,0 +1,272 @@
+"""evaluate.py's fine-tuning (the paper's protocol): the loss, the training, the learning-rate grid, the two
+rules for the epoch, the teacher left alone under its student, torchrun and bad input."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from model import GPT
+import common
+import evaluate as E
+
+from conftest import DATA, load_script, torchrun
+
+TRAIN = DATA / "train"  # the first 40 documents of ARC-Easy's training and validation splits
+
+
+def cfg_for(ckpt):
+    return E.EvalConfig(model=str(ckpt), device="cpu", batch_size=6)
+
+
+def arc(n, split="train"):
+    return E.load_task("arc_easy", TRAIN, n, split)
+
+
+def test_batched_loss_and_its_gradient_equal_the_plain_per_document_form(model, enc):
+    """All requests of a batch in one right-padded forward pass: the plain form's summed loss and gradient."""
+    prompts = arc(5)  # 3 to 5 choices, windows of different lengths
+    docs, golds = E.tokenize(enc, prompts), [p.gold for p in prompts]
+    params = list(model.parameters())
+    plain = sum(E.document_loss(model, doc, gold) for doc, gold in zip(docs, golds))
+    plain_grads = torch.autograd.grad(plain, params)
+    batched = E.batch_loss(model, docs, golds)
+    batched_grads = torch.autograd.grad(batched, params)
+    torch.testing.assert_close(batched, plain, rtol=1e-5, atol=1e-5)
+    for b, p in zip(batched_grads, plain_grads):
+        torch.testing.assert_close(b, p, rtol=1e-4, atol=1e-6)
+
+
+def test_the_loss_ranks_the_scores_the_scorer_gives(model, enc):
+    """document_loss is the cross-entropy of exactly the log-likelihoods that acc ranks."""
+    prompt = arc(1)[0]
+    doc = E.tokenize(enc, [prompt])[0]
+    lls = [E.loglikelihood(model, c, t)[0] for c, t in doc]
+    expected = torch.nn.functional.cross_entropy(torch.tensor(lls), torch.tensor(prompt.gold))
+    with torch.no_grad():
+        got = E.document_loss(model, doc, prompt.gold)
+    assert float(got) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_fine_tuned_on_its_eval_set_a_tiny_model_reaches_accuracy_one(ckpt, model, enc):
+    """Trained on 8 documents and scored on the same 8: about chance before, every one right after."""
+    prompts = arc(8)
+    zero_shot = E.evaluate_task(model, enc, prompts)[0]["acc"]
+    result = E.finetune(model, enc, {"train": prompts, "eval": prompts}, 3e-2, 5, 4, cfg_for(ckpt), "cpu")
+    assert zero_shot < 0.5 and result["stopped"] is None
+    assert result["epochs"][-1]["eval"]["acc"] == 1.0
+    assert result["epochs"][-1]["loss"] < result["epochs"][0]["loss"]
+
+
+def test_fine_tuning_is_seeded(ckpt, model, enc):
+    prompts = arc(4)
+    runs = [E.finetune(model, enc, {"train": prompts, "eval": prompts}, 1e-3, 1, 2, cfg_for(ckpt), "cpu")
+            for _ in range(2)]
+    for r in runs:
+        r["epochs"][0].pop("train_seconds")
+        r["epochs"][0]["eval"].pop("seconds")
+    assert runs[0] == runs[1]
+
+
+def test_a_non_finite_loss_stops_its_grid_point_with_one_sentence(ckpt, model, enc, capsys):
+    prompts = arc(4)
+    result = E.finetune(model, enc, {"train": prompts, "eval": prompts}, 1e30, 3, 2, cfg_for(ckpt), "cpu")
+    assert re.fullmatch(r"lr 1e\+30: the loss is (nan|inf) in epoch 1; stopped", result["stopped"])
+    assert result["stopped"] in capsys.readouterr().out and result["epochs"] == []
+
+
+def history(*accs):
+    """A hand-made run: each epoch's eval acc, and its validation acc where given as a pair."""
+    epochs = []
+    for i, a in enumerate(accs, 1):
+        scored, validation = a if isinstance(a, tuple) else (a, None)
+        epochs.append({"epoch": i, "eval": {"acc": scored}})
+        if validation is not None:
+            epochs[-1]["validation"] = {"acc": validation}
+    return epochs
+
+
+def test_the_papers_rule_and_the_validation_rule_on_a_hand_made_history():
+    r = E.rules(history((0.5, 0.8), (0.7, 0.6), (0.6, 0.9)))
+    assert r["paper"] == {"epoch": 2, "acc": 0.7}                # the best epoch on the scored split
+    assert r["validation"] == {"epoch": 3, "acc": 0.6}           # chosen on validation, reported on the scored split
+    assert E.rules(history(0.6, 0.6, 0.5)) == {"paper": {"epoch": 1, "acc": 0.6}}  # ties: the first; no validation
+    assert E.rules(history(0.4)) == {"paper": {"epoch": 1, "acc": 0.4}}            # MMLU's one epoch: the last
+    assert E.rules([]) == {}
+
+
+def fake_model(family):
+    """A stand-in for a model: finetune_task reads only its config's family."""
+    return type("Model", (), {"config": type("Config", (), {"family": family})})()
+
+
+def test_the_grid_picks_the_lr_whose_teacher_accuracy_is_best_and_reuses_it_for_the_student(ckpt, monkeypatch):
+    models = {"teacher": fake_model("gpt2"), "student": fake_model("gpt2")}
+    teacher_accs = {1e-5: [0.3, 0.4], 5e-5: [0.6, 0.5], 1e-4: None, 5e-4: [0.2, 0.55]}  # None: diverged
+    calls = []
+
+    def fake(model, enc, splits, lr, epochs, B, cfg, device, desc=None):
+        calls.append((lr, epochs, B))
+        accs = teacher_accs[lr] if model is models["teacher"] else [0.45, 0.5]
+        if accs is None:
+            return {"lr": lr, "epochs": [], "stopped": f"lr {lr:g}: the loss is nan in epoch 1; stopped"}
+        return {"lr": lr, "epochs": history(*accs), "stopped": None}
+    monkeypatch.setattr(E, "finetune", fake)
+    cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=2, finetune_lr="1e-5,5e-5,1e-4,5e-4")
+    out = E.finetune_task(cfg, models, None, "arc_easy", {}, "cpu")
+    assert out["teacher"]["lr"] == 5e-5 and out["student"]["lr"] == 5e-5
+    assert [point["lr"] for point in out["teacher"]["grid"]] == [1e-5, 5e-5, 1e-4, 5e-4]
+    assert out["student"]["rules"]["paper"] == {"epoch": 2, "acc": 0.5}
+    assert calls[-1] == (5e-5, 2, 64)  # the student: the chosen lr, Table 9's batch size
+
+
+def test_defaults_follow_the_papers_tables_8_and_9(ckpt, monkeypatch):
+    seen = []
+
+    def fake(model, enc, splits, lr, epochs, B, cfg, device, desc=None):
+        seen.append((lr, epochs, B))
+        return {"lr": lr, "epochs": history(0.5), "stopped": None}
+    monkeypatch.setattr(E, "finetune", fake)
+    cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=3)
+    E.finetune_task(cfg, {"teacher": fake_model("gpt2")}, None, "arc_easy", {}, "cpu")
+    E.finetune_task(cfg, {"teacher": fake_model("neox")}, None, "mmlu", {}, "cpu")
+    E.finetune_task(cfg, {"teacher": fake_model("llama")}, None, "piqa", {}, "cpu")
+    assert seen == [(1e-4, 3, 64), (5e-6, 1, 32), (1e-5, 3, 32)]   # MMLU: one epoch; llama: ours
+
+
+def test_the_students_fine_tune_leaves_the_teacher_bit_identical(ckpt, enc):
+    """linearize shares every weight with the teacher: fine-tuning the student trains its own copy."""
+    teacher = GPT.from_pretrained(ckpt)
+    torch.manual_seed(0)
+    student = teacher.linearize([8, 8], chunk_size=16)
+    before = {k: t.clone() for k, t in teacher.state_dict().items()}
+    student_before = {k: t.clone() for k, t in student.state_dict().items()}
+    prompts = arc(4)
+    result = E.finetune(student, enc, {"train": prompts, "eval": prompts}, 1e-2, 1, 2, cfg_for(ckpt), "cpu")
+    assert result["stopped"] is None
+    for k, t in teacher.state_dict().items():
+        assert torch.equal(t, before[k]), k
+    for k, t in student.state_dict().items():
+        assert torch.equal(t, student_before[k]), k
+
+
+def test_the_command_line_writes_both_models_zero_shot_and_fine_tuned(ckpt, student, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    E.main(["--device", "cpu", "--model", str(ckpt), "--ckpt", str(student), "--tasks", "arc_easy,wsc273",
+            "--data-dir", str(DATA / "eval"), "--limit", "3", "--train-dir", str(TRAIN), "--finetune-limit", "4",
+            "--finetune-epochs", "2", "--finetune-lr", "1e-4,1e-3", "--finetune-batch-size", "2",
+            "--output", str(out)])
+    printed = capsys.readouterr().out
+    assert "wsc273 has no training split: it is scored zero-shot" in printed
+    r = json.loads(out.read_text())
+    ft = r["finetune"]
+    assert ft["command"].startswith("python evaluate.py --device cpu --model ")
+    assert list(ft["tasks"]) == ["arc_easy"] and list(r["results"]) == ["arc_easy", "wsc273"]
+    task = ft["tasks"]["arc_easy"]
+    assert [p["lr"] for p in task["teacher"]["grid"]] == [1e-4, 1e-3]
+    assert task["student"]["lr"] == task["teacher"]["lr"]
+    for label in ("teacher", "student"):
+        assert task[label]["zero_shot"] == (r if label == "teacher" else r["student"])["results"]["arc_easy"]
+        assert [e["epoch"] for e in task[label]["epochs"]] == [1, 2]
+        assert set(task[label]["rules"]) == {"paper", "validation"}
+        assert task[label]["epochs"][0]["validation"]["n"] == 3 and task[label]["epochs"][0]["eval"]["n"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    table = load_script("docs/experiments.py").finetune_table(r)          # docs/results.md's table of such a file
+    assert "| arc_easy | student |" in table and "of the teacher's fine-tuned accuracy" in table
+
+
+def without_timings(r):
+    """The report less what a clock or the launch sets (seconds, the world size, the command's flags)."""
+    if isinstance(r, dict):
+        return {k: without_timings(v) for k, v in r.items()
+                if k not in ("seconds", "train_seconds", "world_size", "output", "command", "loss")}
+    if isinstance(r, list):
+        return [without_timings(v) for v in r]
+    return r
+
+
+def losses(r):
+    return [e["loss"] for m in r["finetune"]["tasks"]["arc_easy"].values() if isinstance(m, dict)
+            for e in m.get("epochs", [])]
+
+
+def test_torchrun_two_processes_equal_one(ckpt, student, tmp_path):
+    """Each process trains on a share of every batch and the gradients are averaged: the accuracies equal one
+    process's, the losses within float noise."""
+    args = ["--model", ckpt, "--ckpt", student, "--tasks", "arc_easy", "--data-dir", DATA / "eval", "--limit", "4",
+            "--train-dir", TRAIN, "--finetune-limit", "5", "--finetune-epochs", "2", "--finetune-lr", "1e-3",
+            "--finetune-batch-size", "3", "--device", "cpu"]
+    E.main([*map(str, args), "--output", str(tmp_path / "one.json")])
+    r = torchrun("evaluate.py", *args, "--output", tmp_path / "two.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    assert without_timings(two) == without_timings(one)
+    assert losses(two) == pytest.approx(losses(one), rel=1e-4)
+
+
+def bad_train_dir(tmp_path):
+    """A copy of TRAIN whose training file's second document has no answerKey."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    lines = (TRAIN / "arc_easy_train.jsonl").read_text().splitlines()
+    doc = json.loads(lines[1])
+    del doc["answerKey"]
+    (bad / "arc_easy_train.jsonl").write_text("\n".join([lines[0], json.dumps(doc)] + lines[2:]) + "\n")
+    return bad
+
+
+BAD = [  # flags after --model --tasks arc_easy --data-dir --output, and the sentence on stderr
+    (["--finetune-epochs", "-1"], r"--finetune-epochs must be a number of at least 0, got -1"),
+    (["--finetune-epochs", "1", "--finetune-lr", "0"], r"--finetune-lr must be positive numbers separated by "
+                                                       r"commas, got '0'"),
+    (["--finetune-lr", "1e-4,-5e-5"], r"--finetune-lr must be positive numbers separated by commas, got "
+                                      r"'1e-4,-5e-5'"),
+    (["--finetune-lr", "1e-4,x"], r"--finetune-lr must be positive numbers separated by commas, got '1e-4,x'"),
+    (["--finetune-lr", "nan"], r"--finetune-lr must be positive numbers separated by commas, got 'nan'"),
+    (["--finetune-batch-size", "0"], r"--finetune-batch-size must be a number of at least 1, got 0"),
+    (["--finetune-limit", "0"], r"--finetune-limit must be a number of at least 1, got 0"),
+    (["--finetune-epochs", "1", "--dtype", "bfloat16"], r"fine-tuning trains float32 weights \(under bf16 "
+                                                        r"autocast on CUDA\); drop --dtype"),
+    (["--finetune-epochs", "1", "--train-dir", "nowhere"], r"--train-dir \S+nowhere is not a folder; pass the "
+                                                           r"folder of <task>_train.jsonl files"),
+    (["--finetune-epochs", "1", "--train-dir", "empty"], r"--train-dir \S+empty holds no arc_easy_train.jsonl, "
+                                                         r"the training split of arc_easy; add it or drop arc_easy"),
+    (["--finetune-epochs", "1", "--train-dir", "bad"], r"\S+bad/arc_easy_train.jsonl line 2: document has no field "
+                                                       r"'answerKey'; see tests/data/eval/arc_easy.jsonl"),
+    (["--finetune-epochs", "1", "--tasks", "arc_easy,hellaswag"], r"unknown task 'hellaswag'; known tasks: .+"),
+]
+
+
+@pytest.mark.parametrize("flags, sentence", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_bad_fine_tuning_input_is_one_sentence_before_any_work(flags, sentence, ckpt, tmp_path, capsys,
+                                                               monkeypatch):
+    """Exit code 2, one sentence, no model loaded and nothing written."""
+    bad_train_dir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    monkeypatch.setattr(E, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    flags = [str(tmp_path / f) if f in ("nowhere", "empty", "bad") else f for f in flags]
+    with pytest.raises(SystemExit) as e:
+        common.run_main(lambda: E.main(["--device", "cpu", "--model", str(ckpt), "--tasks", "arc_easy",
+                                        "--data-dir", str(DATA / "eval"), "--output", str(tmp_path / "r.json"),
+                                        *flags]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and re.fullmatch("error: " + sentence + r"\n", err), err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_without_a_train_dir_the_hubs_training_and_validation_splits_are_read(monkeypatch, capsys):
+    asked = []
+
+    def hub(name, split=None):
+        asked.append((name, split))
+        return "the hub", E.read_jsonl(TRAIN / "arc_easy_train.jsonl", name)
+    monkeypatch.setattr(E, "hub_documents", hub)
+    scored = arc(2)
+    splits = E.load_training(E.EvalConfig(finetune_epochs=1, limit=3), {"arc_easy": scored, "wsc273": []})
+    assert asked == [("arc_easy", "train"), ("arc_easy", "validation")]
+    assert list(splits) == ["arc_easy"] and splits["arc_easy"]["eval"] is scored
+    assert len(splits["arc_easy"]["train"]) == 40 and len(splits["arc_easy"]["validation"]) == 3
+    assert capsys.readouterr().out == "wsc273 has no training split: it is scored zero-shot\n"
+    assert E.load_training(E.EvalConfig(), {"arc_easy": scored}) == {}      # zero-shot: nothing read
