@@ -92,14 +92,13 @@ FORK = None
 def fork(script, replace, argv=None):
     """Run a core command as the fork `script` (its __file__) with the names in `replace` set:
     distill.py's, or evaluate.py's or dof.py's when argv starts with `evaluate` or `dof`."""
-    global FORK
-    FORK = os.path.relpath(Path(script).resolve(), Path(__file__).resolve().parent)
+    name = os.path.relpath(Path(script).resolve(), Path(__file__).resolve().parent)
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     command = "distill"
     if argv[:1] in (["evaluate"], ["dof"]):
         command = argv.pop(0)
     main = importlib.import_module(command).main
-    with replaced(replace):
+    with replaced({**replace, (sys.modules[__name__], "FORK"): name}):
         run_main(lambda: main(argv))
 
 
@@ -124,11 +123,10 @@ def check_fork(made_by, what):
                      f"`python {made_by} evaluate --ckpt {what}`, or `python {made_by} --resume`")
 
 
-def opt(default, help, choices=None):
+def opt(default, help, choices=None, empty_ok=False):
     """A config field with its help text (and allowed values), read by parse_config. Its flag
-    refuses an empty value unless its default is empty or its help says what '' means, as
-    "('': none)" does."""
-    metadata = {"help": help, "choices": choices}
+    refuses an empty value unless its default is empty or empty_ok (it says what '' means)."""
+    metadata = {"help": help, "choices": choices, "empty_ok": empty_ok}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -178,9 +176,9 @@ def _add_flag(p, f, hint):
 
 
 def _check_not_empty(f, value):
-    """A ModelError for "" given to the field f, unless its default is "" or its help says what ''
-    means: an empty path would name the working directory."""
-    if value != "" or f.default == "" or "('':" in f.metadata["help"]:
+    """A ModelError for "" given to the field f, unless its default is "" or it is empty_ok: an
+    empty path would name the working directory."""
+    if value != "" or f.default == "" or f.metadata["empty_ok"]:
         return
     flag = "--" + f.name.replace("_", "-")
     if f.default is MISSING:

@@ -904,7 +904,7 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
     assert plain.item() == pytest.approx(value.item(), rel=1e-5)
     for a, b in zip(grads(core), g_plain):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
-    assert distill.layer_loss(core, q, k, "softmax", query_block=16).item() == value.item()   # no-grad path
+    assert distill.layer_losses([core], [(q, k)], "softmax", query_block=16)[0].item() == value.item()   # no-grad path
 
 
 def test_blockwise_losses_at_underflow_and_overflow_equal_the_plain_form_or_stay_finite():

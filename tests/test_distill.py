@@ -29,16 +29,18 @@ import torch.nn.functional as F
 from common import ModelError
 from model import GPT, LinearAttention
 from tokenizer import load_tokenizer
+import checkpoint
 import common
 import distill
 import dof
 import evaluate as E
 import model as M
 
-from conftest import (FAST, PROXY_VARIABLES, ROOT, TEXT, TOK, TOKENIZER, cli, distill_args, features, load_script,
-                      needs_smollm2, script_env, snapshot, torchrun)
+from conftest import (FAST, PROXY_VARIABLES, ROOT, TEXT, TOK, TOKENIZER, cli, distill_args, edit_json, features,
+                      load_script, needs_smollm2, script_env, snapshot, torchrun)
 
 from test_dof import small_pair, tiny_gpt2   # the method's test helpers
+from test_loading import nudge
 
 
 # ==================================================================================================================
@@ -443,10 +445,12 @@ def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
     never = d / f"never-{random.random()}"                   # a fresh name each run of the session
     r = cli("distill.py", "--model", ckpt, "--data", data, "--loss", "mse", "--out-dir", never)
     assert r.returncode == 2 and "argument --loss: invalid choice: 'mse'" in r.stderr
-    for flag, value in (("--alloc", "random"), ("--feature-map", "relu")):
-        with pytest.raises(SystemExit) as e:
-            distill.main(["--model", str(ckpt), "--data", str(data), flag, value, "--out-dir", str(never)])
-        assert e.value.code == 2 and f"argument {flag}: invalid choice: {value!r}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        distill.main(["--model", str(ckpt), "--data", str(data), "--alloc", "random", "--out-dir", str(never)])
+    assert e.value.code == 2 and "argument --alloc: invalid choice: 'random'" in capsys.readouterr().err
+    r = cli("distill.py", "--model", ckpt, "--data", data, "--feature-map", "relu", "--out-dir", never)
+    assert r.returncode == 2 and r.stderr.strip() == ("error: --feature-map must be one of prf, performer, "
+                                                      "dijiang, got 'relu'")
     r = cli("distill.py", "--model", ckpt, "--data", data, "--budget", 0, "--out-dir", never)
     assert r.returncode == 2 and r.stderr.strip() == "error: --budget must be a number of at least 1, got 0"
     r = cli("distill.py", "--model", ckpt, "--data", data, "--seed", -1, "--out-dir", never)     # numpy's seeds
@@ -457,14 +461,19 @@ def test_bad_choices_exit_nonzero_through_the_cli(setup, capsys):
 SCRIPTS = ["distill.py", "dof.py", "evaluate.py", "docs/experiments.py", "docs/figures.py", "bench/bench.py",
            "bench/gpu_check.py", "bench/heads.py", "experiments/per_head.py", "experiments/leverage.py",
            "bench/bench_scorer.py", "experiments/direct_finetune.py", "data/text/prepare.py",
-           "data/wikipedia/prepare.py", "experiments/fla_scan.py"]
+           "data/wikipedia/prepare.py", "experiments/fla_scan.py", "experiments/hedgehog.py"]
 
 
 def script_config(script):
-    """An entry script, imported as its own module, and its config dataclass (the one it defines)."""
+    """An entry script, imported as its own module, and its config dataclass (the one it defines, or for a fork
+    without one distill.py's); a fork's main runs it through common.fork, as its command line does."""
     mod = load_script(script)
-    return mod, next((v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__),
-                     E.EvalConfig)                                      # fla_scan.py: evaluate.py's command line
+    config = next((v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__),
+                  distill.DistillConfig)
+    if hasattr(mod, "REPLACE"):                                         # fla_scan.py's config is evaluate.py's
+        command = ["evaluate"] if issubclass(config, E.EvalConfig) else []
+        mod.main = lambda argv: common.fork(mod.__file__, mod.REPLACE, command + argv)
+    return mod, config
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -582,8 +591,11 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
     args = ["--model", ckpt, "--data", data, "--budget", "16", "--max-steps", "50", "--out-dir", out, *FAST]
     run_bad(args, r"already exists and is not empty; pass --resume to continue it, --overwrite to replace it")
     run_bad(args + ["--resume", "--dims", "8,8,24,24"], r"was trained with dims .*, not --dims 8,8,24,24; drop --dims")
-    other = shutil.copytree(ckpt, tmp_path / "other-teacher")
-    run_bad(["--model", other] + args[2:] + ["--resume"], r"distils .*gpt2-tiny, not .*other-teacher")
+    other = shutil.copytree(ckpt, tmp_path / "other-teacher")                 # a copy with one value changed
+    nudge(other / "model.safetensors")
+    run_bad(["--model", other] + args[2:] + ["--resume"],
+            r"^--resume \S+ was distilled from the teacher \S+gpt2-tiny, and --model \S+other-teacher is another model "
+            r"\(its config or weights differ\); pass --model \S+gpt2-tiny or a copy of it$")
     run_bad(args + ["--resume", "--overwrite"], r"contradict")
     run_bad(args + ["--resume", "--batch-size", "2"],
             r"was started with --batch-size 4, not 2; resume it with the flags it was started with")
@@ -761,7 +773,7 @@ def test_init_from_takes_the_student_settings_of_the_checkpoint(tmp_path):
     (src / "config.json").write_text(json.dumps({"teacher": "gpt2", "dims": [6, 6], "feature_map": "performer",
                                                  "chunk_size": 32, "center_keys": True, "budget": 6}))
     cfg = distill.parse_args(["--data", "d", "--init-from", src, "--out-dir", tmp_path / "out"])
-    distill.from_checkpoint(cfg)
+    cfg = distill.with_checkpoint_settings(cfg, distill.from_checkpoint(cfg))
     assert (cfg.feature_map, cfg.chunk_size, cfg.center_keys, cfg.budget) == ("performer", 32, True, 6)
 
 
@@ -791,9 +803,38 @@ def test_init_from_starts_at_the_checkpoint_then_trains_and_resumes(trained, set
     distill.main(base + ["--max-steps", "4", "--out-dir", str(tmp_path / "part"), "--resume"])
     part = features(tmp_path / "part")
     assert all(torch.allclose(full[k], part[k], rtol=0, atol=1e-6) for k in full)
-    other = shutil.copytree(ckpt, tmp_path / "other-teacher")
+    other = shutil.copytree(ckpt, tmp_path / "other-teacher")                 # a copy with one value changed
+    nudge(other / "model.safetensors")
     run_bad(["--model", other] + base[2:] + ["--out-dir", tmp_path / "never"],
-            r"--init-from .* distils .*gpt2-tiny, not .*other-teacher; pass --model")
+            r"^--init-from \S+ was distilled from the teacher \S+gpt2-tiny, and --model \S+other-teacher is another")
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_moved_teacher_resumes_and_starts_its_students(setup, tmp_path):
+    """config.json records a local teacher's fingerprint: after the teacher's folder moves, --resume and --init-from
+    with --model at its new place go on (they had asked for the old path), the resumed run ends as the uninterrupted
+    one and its checkpoint names the new place; a checkpoint without a fingerprint (older) is compared by path."""
+    d, ckpt, data = setup
+    old, moved = tmp_path / "teacher", tmp_path / "moved"
+    shutil.copytree(ckpt, old)
+    flags = ["--budget", "16", "--decay-steps", "4", "--eval-interval", "2"]
+    distill.main(distill_args(old, data, tmp_path / "full", "--max-steps", "4", *flags))
+    distill.main(distill_args(old, data, tmp_path / "part", "--max-steps", "2", *flags))
+    old.rename(moved)
+    distill.main(distill_args(moved, data, tmp_path / "part", "--max-steps", "4", "--resume", *flags))
+    full, part = (json.loads((tmp_path / p / "config.json").read_text()) for p in ("full", "part"))
+    assert full["teacher"] == str(old) and part["teacher"] == str(moved) and part["step"] == 4
+    assert part["teacher_fingerprint"] == full["teacher_fingerprint"] == checkpoint.fingerprint(ckpt)
+    a, b = features(tmp_path / "full"), features(tmp_path / "part")
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    distill.main(distill_args(moved, data, tmp_path / "start", "--init-from", tmp_path / "full", "--max-steps", "0"))
+    c = features(tmp_path / "start")
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    edit_json(tmp_path / "full" / "config.json", teacher_fingerprint=None)
+    run_bad(distill_args(moved, data, tmp_path / "never", "--init-from", tmp_path / "full"),
+            r"^--init-from \S+full was distilled from teacher '\S+teacher' but --model is '\S+moved'; pass --model "
+            r"\S+teacher$")
+    assert not (tmp_path / "never").exists()
 
 
 def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setup):
