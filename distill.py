@@ -12,6 +12,7 @@ train each layer on the teacher's own queries and keys from one frozen pass (ind
 each layer's gradient alone is that of their sum).
 """
 
+import copy
 import math
 import sys
 import time
@@ -129,6 +130,12 @@ class DistillConfig:
         self.init_from = self.init_from and str(Path(self.init_from).resolve())
         if Path(self.model).exists():
             self.model = str(Path(self.model).resolve())
+
+    def updated(self, **values):
+        """A copy with these values, computed from the flags (whose checks are not run again)."""
+        new = copy.copy(self)
+        vars(new).update(values)
+        return new
 
     def check(self, teacher_config):
         """The flags that the teacher bounds, checked once it is loaded, before any work."""

@@ -2,7 +2,6 @@
 --resume) checked at the door against this run's flags, and the run's own written whole and
 resumed exactly (rank 0 writes each whole into <out_dir>.tmp, then renames it into place)."""
 
-import copy
 import json
 from collections import namedtuple
 from dataclasses import asdict
@@ -43,27 +42,28 @@ def from_checkpoint(cfg):
 
 
 def with_checkpoint_settings(cfg, prev):
-    """A copy of cfg with Checkpoint prev's FROM_CHECKPOINT settings (config.json records them;
-    the flags' checks are not run again)."""
-    new = copy.copy(cfg)
-    vars(new).update({k: prev.config.get(k, getattr(cfg, k)) for k in FROM_CHECKPOINT})
-    return new
+    """A copy of cfg with Checkpoint prev's FROM_CHECKPOINT settings (config.json records them)."""
+    return cfg.updated(**{k: prev.config.get(k, getattr(cfg, k)) for k in FROM_CHECKPOINT})
 
 
 def check_resume(cfg, path, prev):
-    """--resume: RESUMED's flags as the checkpoint was started with, the schedule's length and
-    torchrun's process count (a fork's checkpoint opens only in that fork: read_student)."""
+    """--resume: RESUMED's flags as the checkpoint was started with, the schedule's length,
+    torchrun's process count, and no flag of a fork's that this script lacks."""
     args = prev.get("args")
     if not isinstance(args, dict):
         raise common.ModelError(f"{path}'s config.json records no args, the flags to resume it "
                                 f"with; pass --init-from {path} and another --out-dir to train on "
                                 "from its features")
-    # a flag of a fork's that the core's checkpoint lacks: its default
+    # a fork's flag that the script which started it lacks: its default
     defaults = {name: getattr(type(cfg), name, None) for name in cfg.RESUMED}
     was = defaults | args | {"nproc_per_node": prev.get("world_size", 1),
                              "decay_steps": args.get("decay_steps") or args.get("max_steps")}
     now = asdict(cfg) | {"decay_steps": cfg.decay_steps or cfg.max_steps,
                          "nproc_per_node": common.get_world_size()}
+    if lost := sorted(k for k in was.keys() - now.keys() if was[k]):
+        raise common.ModelError(f"{path} was started with --{lost[0].replace('_', '-')} "
+                                f"{was[lost[0]]!r}, which this script lacks; resume it with the "
+                                "script that started it (experiments/*.py)")
     for name in cfg.RESUMED + ("decay_steps", "nproc_per_node"):
         a, b = was.get(name), now[name]
         # one directory, however spelled

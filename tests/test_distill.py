@@ -509,7 +509,7 @@ def test_a_path_the_system_refuses_is_one_sentence(setup, tmp_path):
     d, ckpt, data = setup
     long = tmp_path / ("a" * 300)
     for flags in (["--out-dir", long], ["--data", long, "--out-dir", tmp_path / "out"]):
-        r = cli("distill.py", "--model", ckpt, *flags)
+        r = cli("distill.py", "--model", ckpt, "--block-size", 64, *flags)             # within its context
         assert r.returncode == 2 and re.fullmatch(rf"error: {long}(/meta.json)?: File name too long; pass another "
                                                   r"path\n", r.stderr), r.stderr
     assert not (tmp_path / "out").exists()
@@ -1241,15 +1241,15 @@ def test_out_dir_a_mount_point_and_a_stale_tmp_that_is_a_link(setup, tmp_path, m
 
 
 def test_a_short_context_teacher_and_a_fixed_feature_map(setup, tmp_path, capsys):
-    """A teacher of 16 positions ends with continuations that fit its context (8 tokens), not a crash; a fixed
-    feature map (performer) has nothing to train, and says so."""
+    """A teacher of 16 positions (windows of --block-size 16: more is refused) ends with continuations that fit its
+    context (8 tokens), not a crash; a fixed feature map (performer) has nothing to train, and says so."""
     d, ckpt, data = setup
     from transformers import GPT2Config, GPT2LMHeadModel
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16)).save_pretrained(tmp_path / "t16")
     for name, to in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
         shutil.copy(TOKENIZER / name, tmp_path / "t16" / to)
     distill.main(distill_args(tmp_path / "t16", data, tmp_path / "run", "--max-steps", "1", "--J", "16", "--prompt",
-                              "one two three four five six seven eight nine ten"))          # the last flag wins
+                              "one two three four five six seven eight nine ten", "--block-size", "16"))  # last wins
     out = capsys.readouterr().out
     assert "(its last 8 tokens):" in out and out.count("  teacher: ") == out.count("  student: ") == 1, out[-800:]
     distill.main(distill_args(ckpt, data, tmp_path / "perf", "--feature-map", "performer", "--max-steps", "2"))
