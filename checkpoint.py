@@ -2,16 +2,20 @@
 model.py's; the checks of a student checkpoint (config.json, features) against its teacher."""
 
 import contextlib
+import hashlib
 import importlib.util
+import json
 import re
 import socket
 import threading
+import zlib
 from pathlib import Path
 from urllib.parse import urlparse
 from urllib.request import getproxies
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common import ModelError, check_fork, is_checkpoint, read_file, read_json
@@ -54,28 +58,93 @@ def locate(name, patterns):
     return path
 
 
-def read_checkpoint(name):
-    """What locate finds -> (HF-style config dict, state dict of tensors under its HF key names)."""
+def teacher_files(name):
+    """What locate finds -> (its HF-style config dict or None for a .gguf file, [(a weights file,
+    what to do if it is unreadable)]): a checkpoint directory's config.json and safetensors files
+    (one, or the shards its index lists), or the .gguf file itself."""
     p = locate(name, ["config.json", "*.safetensors", "*.safetensors.index.json"])
     if p.is_file():
         # a .gguf file; any other file fails there as not GGUF
-        return read_gguf(str(p))
+        return None, [(p, GGUF_TODO)]
     if is_checkpoint(p):
         raise ModelError(f"{name} is a distill.py checkpoint, not a teacher; pass its teacher as "
                          "--model and it as --ckpt (evaluate.py) or --init-from (distill.py)")
     hf_cfg = read_json(p / "config.json", REFETCH, dict)
     index = p / "model.safetensors.index.json"
     if (p / "model.safetensors").is_file() or not index.is_file():
-        return hf_cfg, read_file(p / "model.safetensors", REFETCH, load_file)
+        return hf_cfg, [(p / "model.safetensors", REFETCH)]
     shards = read_json(index, REFETCH, dict).get("weight_map")
     if not shards or not isinstance(shards, dict) or not all(isinstance(s, str) for s in shards.values()):
         raise ModelError(f"{index} lacks its \"weight_map\" of tensor names to shard files; "
                          f"{REFETCH}")
     todo = f"download every shard that {index.name} lists"
+    return hf_cfg, [(p / shard, todo) for shard in sorted(set(shards.values()))]
+
+
+def read_checkpoint(name):
+    """What locate finds -> (HF-style config dict, state dict of tensors under its HF key names)."""
+    hf_cfg, files = teacher_files(name)
+    if hf_cfg is None:
+        return read_gguf(str(files[0][0]))
     sd = {}
-    for shard in sorted(set(shards.values())):
-        sd.update(read_file(p / shard, todo, load_file))
+    for f, todo in files:
+        sd.update(read_file(f, todo, load_file))
     return hf_cfg, sd
+
+
+def is_local(name):
+    """Whether a --model names a local directory or file (a teacher known by what it is), not a
+    hub id or smollm2-135m (known by name)."""
+    return str(name).lower() != "smollm2-135m" and Path(name).exists()
+
+
+def fingerprint(name):
+    """A local teacher -> 16 hex digits of sha256 over what it is: its config (config_from_hf's)
+    and, per tensor, its name, type, shape and the CRC-32 of its bytes. Equal for a copy, wherever
+    it lies; another for another config or any changed value (CRC-32 misses no change within 4
+    bytes). One more read of the weights (0.2 s for 512 MB of bf16 on a CPU core)."""
+    hf_cfg, files = teacher_files(name)
+    if hf_cfg is None:
+        # a .gguf file: the config its metadata gives, its tensors as stored (quantised)
+        tensors, hf_cfg, _ = open_llama_gguf(str(files[0][0]))
+        sums = {k: (t.tensor_type.name, [int(d) for d in t.shape], zlib.crc32(t.data))
+                for k, t in tensors.items()}
+    else:
+        sums = {}
+        for f, todo in files:
+            sums.update(read_file(f, todo, tensor_sums))
+    # the config as model.py reads it: not the keys it ignores (transformers_version, ...)
+    config = config_from_hf(hf_cfg, str(name))
+    what = json.dumps({"config": config, "tensors": sums}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+def tensor_sums(path):
+    """A safetensors file -> {tensor name: (its dtype, shape, CRC-32 of its bytes)}, a tensor at a
+    time."""
+    sums = {}
+    with safe_open(path, "pt") as f:
+        for k in f.keys():
+            t = f.get_tensor(k)
+            data = t.reshape(-1).view(torch.uint8).numpy()
+            sums[k] = (str(t.dtype), list(t.shape), zlib.crc32(data))
+    return sums
+
+
+def check_teacher(prev, model, where):
+    """--model against the teacher that read_student's config prev was distilled from, before any
+    work: a local teacher by its fingerprint where prev records one (so a moved or copied teacher
+    serves), hub ids, smollm2-135m and older checkpoints by name (a path resolved)."""
+    was = prev["teacher"]
+    recorded = prev.get("teacher_fingerprint")
+    if recorded is not None and is_local(model):
+        if fingerprint(model) != recorded:
+            raise ModelError(f"{where} was distilled from the teacher {was}, and --model "
+                             f"{model} is another model (its config or weights differ); pass "
+                             f"--model {was} or a copy of it")
+    elif Path(str(was)).resolve() != Path(model).resolve():
+        raise ModelError(f"{where} was distilled from teacher '{was}' but --model is '{model}'; "
+                         f"pass --model {was}")
 
 
 class HubUnreachable(ModelError):
@@ -226,11 +295,9 @@ def gguf_layout(cfg, n_tensors):
     return layout
 
 
-def read_gguf(path):
-    """A llama-architecture GGUF file -> (a LlamaConfig-shaped config dict, HF LlamaForCausalLM
-    keys -> fp32 tensors in HF's shapes, dequantised, Q/K rows un-permuted); lm_head.weight only
-    where the head is not tied."""
-    import gguf
+def open_llama_gguf(path):
+    """A GGUF file -> ({name: its gguf.ReaderTensor}, gguf_config's dict, gguf_layout's), once
+    checked to hold a plain llama model of the sizes in its metadata."""
     tensors, meta = open_gguf(path)
     arch = meta("general.architecture", "unknown")
     scaling = meta("llama.rope.scaling.type", "none")
@@ -248,6 +315,15 @@ def read_gguf(path):
         n_layer = cfg["num_hidden_layers"]
         raise ModelError(f"{path} does not hold a plain {n_layer}-layer llama model of the sizes in "
                          f"its metadata (tensors missing, unexpected or of other shapes: {bad[:3]})")
+    return tensors, cfg, layout
+
+
+def read_gguf(path):
+    """A llama-architecture GGUF file -> (a LlamaConfig-shaped config dict, HF LlamaForCausalLM
+    keys -> fp32 tensors in HF's shapes, dequantised, Q/K rows un-permuted); lm_head.weight only
+    where the head is not tied."""
+    import gguf
+    tensors, cfg, layout = open_llama_gguf(path)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     sd = {}
     for name, (key, shape) in layout.items():

@@ -481,17 +481,17 @@ def check_output(output, model, ckpt, data_dir, ppl=None, flag="--output"):
 
 
 def load_models(cfg: EvalConfig, device) -> dict:
-    """{"teacher": --model, "student": load_student(--ckpt)}; --ckpt's teacher checked first."""
+    """{"teacher": --model, "student": load_student(--ckpt) on it}; --ckpt's teacher checked
+    first (checkpoint.check_teacher)."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.ckpt is not None:
         todo = "pass a complete distill.py checkpoint as --ckpt"
-        t = run.read_json(Path(cfg.ckpt) / "config.json", todo).get("teacher")
-        if t is not None and Path(str(t)).resolve() != Path(cfg.model).resolve():
-            raise run.ModelError(f"checkpoint {cfg.ckpt} was distilled from teacher '{t}' but "
-                                 f"--model is '{cfg.model}'; pass --model {t}")
+        prev = run.read_json(Path(cfg.ckpt) / "config.json", todo)
+        if prev.get("teacher") is not None:
+            checkpoint.check_teacher(prev, cfg.model, f"checkpoint {cfg.ckpt}")
     models = {"teacher": GPT.from_pretrained(cfg.model, device=device, dtype=dtype)}
     if cfg.ckpt is not None:
-        models["student"] = load_student(cfg.ckpt, device=device, dtype=dtype)[0]
+        models["student"] = load_student(cfg.ckpt, device, dtype, teacher=models["teacher"])[0]
     return models
 
 

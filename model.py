@@ -466,11 +466,14 @@ def load_feature_state(student, sd, where):
     student.load_state_dict(sd, strict=False)
 
 
-def load_student(ckpt_dir, device="cpu", dtype=torch.float32):
+def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
     """A distill.py checkpoint directory -> (the teacher in `dtype` with its trained fp32 cores,
-    config.json's dict)."""
+    config.json's dict). teacher: the GPT to linearise (its weights shared), or the name or path
+    to load it from; by default config.json's. Whoever names it has checked it
+    (checkpoint.check_teacher)."""
     cfg, sd = checkpoint.read_student(ckpt_dir)
-    teacher = GPT.from_pretrained(cfg["teacher"], device, dtype)
+    if not isinstance(teacher, GPT):
+        teacher = GPT.from_pretrained(teacher or cfg["teacher"], device, dtype)
     checkpoint.check_student(cfg, teacher.config.n_layer, FEATURE_MAPS)
     student = teacher.linearize(cfg["dims"], cfg["feature_map"], cfg["chunk_size"])
     load_feature_state(student, sd, ckpt_dir)

@@ -28,10 +28,8 @@ def from_checkpoint(cfg):
     run (a resumed run must end as the uninterrupted one would)."""
     path = cfg.out_dir if cfg.resume else cfg.init_from
     prev, sd = checkpoint.read_student(path)
-    if prev["teacher"] != cfg.model:
-        flag = "--resume" if cfg.resume else "--init-from"
-        raise common.ModelError(f"{flag} {path} distils {prev['teacher']}, not {cfg.model}; "
-                                f"pass --model {prev['teacher']}")
+    flag = "--resume" if cfg.resume else "--init-from"
+    checkpoint.check_teacher(prev, cfg.model, f"{flag} {path}")
     if cfg.resume:
         check_resume(cfg, path, prev)
     if cfg.dims and dof.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
@@ -153,7 +151,10 @@ def run_record(cfg, dims, layer_dof, meta, step):
     """config.json: the student that load_student reads (teacher, dims, settings), and its run."""
     data = {"dir": cfg.data, "tokens": meta.get("tokens"), "source": meta.get("source"),
             "tokenizer": meta["tokenizer"].get("model")}
-    return {"teacher": cfg.model, "dims": dims, "dof": layer_dof,
+    # a local teacher is known by its fingerprint, wherever it lies
+    fingerprint = checkpoint.fingerprint(cfg.model) if checkpoint.is_local(cfg.model) else None
+    return {"teacher": cfg.model, "teacher_fingerprint": fingerprint,
+            "dims": dims, "dof": layer_dof,
             **{k: getattr(cfg, k) for k in FROM_CHECKPOINT + ("loss", "seed", "block_size")},
             "init_from": cfg.init_from or None, "world_size": common.get_world_size(), "step": step,
             "fork": common.FORK,

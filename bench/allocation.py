@@ -14,8 +14,10 @@ runs. The rules (--rule, or distill.py's --alloc for the core's):
   measured   the measured allocation of --curves at this budget
   <name>     dims in proportion to one of the cheap per-layer predictors below (M_l = C P_l / mean P)
 --predict computes the predictors on the run's calibration windows and writes them, instead of training.
-How it forks the core: distill.main runs with this file's make_student, which chooses the dims by the rule and
-hands them to distill.make_student as --dims.
+How it forks the core: REPLACE sets distill.DistillConfig to one with --rule (recorded as the checkpoint's alloc)
+and distill.make_student to this file's, which chooses the dims by the rule and hands them to the core's
+make_student as --dims. Its checkpoints are the core's students (a dimension per layer), so it records no fork:
+distill.py --init-from and evaluate.py read them; distill.py does not resume them (it lacks --rule).
 """
 
 import json
@@ -29,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
-from common import ModelError, opt, read_json, run_main, write_text_atomic  # noqa: E402
+from common import ModelError, opt, read_json, replaced, run_main, write_text_atomic  # noqa: E402
 from evaluate import check_output  # noqa: E402
 
 
@@ -141,10 +143,14 @@ class AllocationConfig(distill.DistillConfig):
     predict: str = opt("", "compute the per-layer predictors on the calibration windows, write them to this JSON "
                        "file and stop (no training; --out-dir stays empty)")
 
+    RESUMED = distill.DistillConfig.RESUMED + ("rule",)
+
     def __post_init__(self):
         super().__post_init__()
         if self.dims or self.alloc != "dof":                       # both had been overwritten without a word
             raise ModelError("--rule chooses the dims here; drop --dims and --alloc, or run distill.py with them")
+        # config.json records the rule as the checkpoint's alloc
+        self.alloc = self.rule
         if self.predict and (self.resume or self.init_from):
             raise ModelError("--predict computes the predictors of a fresh run; drop --resume and --init-from")
         if self.predict:
@@ -167,13 +173,13 @@ def rule_dims(cfg, teacher, calib):
     return dof.allocate(values[name], cfg.budget), values[name]
 
 
+core_make_student = distill.make_student
+
+
 def make_student(cfg, teacher, calib, prev=None):
-    """distill.make_student with --dims from the rule (a fresh run), recording the rule as the checkpoint's alloc."""
-    if prev and cfg.resume and prev.config["args"].get("rule", cfg.rule) != cfg.rule:
-        raise ModelError(f"{prev.path} was started with --rule {prev.config['args']['rule']!r}, not {cfg.rule!r}; "
-                         "resume it with the flags it was started with")
+    """The core's make_student with --dims from the rule (a fresh run); --predict writes the predictors and stops."""
     if prev:
-        return distill.make_student(cfg, teacher, calib, prev)
+        return core_make_student(cfg, teacher, calib, prev)
     if cfg.predict:
         res = {"settings": {k: v for k, v in asdict(cfg).items() if k not in ("predict", "out_dir")},   # not written
                "predictors": predictors(cfg, teacher, calib)}
@@ -181,17 +187,22 @@ def make_student(cfg, teacher, calib, prev=None):
         print(f"wrote {cfg.predict}")
         raise SystemExit(0)
     dims, values = rule_dims(cfg, teacher, calib)
-    cfg.dims, cfg.alloc = ",".join(map(str, dims)), cfg.rule
-    student, dims, _ = distill.make_student(cfg, teacher, calib)
+    student, dims, _ = core_make_student(cfg.updated(dims=",".join(map(str, dims))), teacher, calib)
     return student, dims, values
 
 
+REPLACE = {(distill, "DistillConfig"): AllocationConfig, (distill, "make_student"): make_student}
+
+
 def main(argv=None):
-    cfg = distill.parse_args(argv, AllocationConfig)
-    if cfg.predict:                                  # writes --predict alone: --out-dir is neither checked nor locked
-        distill.run(cfg, make_student)
-    else:
-        distill.main(cfg, make=make_student)
+    """distill.py's command line with this file's names set; --predict writes the predictors alone: --out-dir is
+    neither checked nor locked (distill.run, not distill.main)."""
+    with replaced(REPLACE):
+        cfg = distill.parse_args(argv)
+        if cfg.predict:
+            distill.run(cfg)
+        else:
+            distill.main(cfg)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ torch.compile'd: one CUDA graph a token on a GPU, the compiled step run eagerly 
 The per-head table (--heads) times every layer's student core at SmolLM2-135M's shape (9 query heads, 3 key heads,
 D = 64) on random inputs, with the run's per-head DoF turned into dims two ways at the same total: per layer
 (M_l from each layer's largest head DoF, shared by its heads) and per head (M_lh from each head's DoF). Per step:
-distill.layer_loss with its backward (softmax loss, as a distillation step pays on top of the teacher's forward),
+distill.layer_losses with its backward (softmax loss, as a distillation step pays on top of the teacher's forward),
 and the forward scan; the two layouts alternate, the median of --repeats rounds is reported. A last line times one
 head's three loss products per query block against M. The step table (--step) counts the aten ops of one
 distill.py training step (distill.train_step) at the GPT-2-124M shape, random weights, budget 64 in every layer,
@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its forks (per_head)
 from common import (ModelError, check_free_memory, check_positive, opt, parse_config, pick_device,  # noqa: E402
-                    read_json, run_main, sync)
+                    read_json, replaced, run_main, sync)
 from graphed_decode import GraphedDecoder  # noqa: E402
 from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention  # noqa: E402
 
@@ -359,7 +359,7 @@ def heads_table(cfg, device, N, budget):
     torch.manual_seed(0)
     cores = {"per layer": [LinearAttention(H, Hkv, D, m).to(device) for m in dims["per layer"]],
              "per head": [per_head.GroupedLinearAttention(H, Hkv, D, m).to(device) for m in dims["per head"]]}
-    loss = {"per layer": distill.layer_loss, "per head": per_head.GroupedLinearAttention.layer_loss}
+    loss = {"per layer": distill.layer_losses, "per head": per_head.layer_losses}
     print(f"\nper-head against per-layer dims, {L} layers x {H} heads (SmolLM2-135M shape), B={cfg.B}, budget "
           f"{budget} from {cfg.heads}, query block {cfg.query_block}, on {device}, {cfg.threads} threads; ms for all "
           f"layers, median of {cfg.repeats} rounds:\n")
@@ -373,7 +373,7 @@ def heads_table(cfg, device, N, budget):
             t0 = time.perf_counter()
             for l, core in enumerate(cores[name]):
                 if train:
-                    loss[name](core, q[l], k[l], "softmax", cfg.query_block, scale=1.0)
+                    loss[name]([core], [(q[l], k[l])], "softmax", cfg.query_block, scale=1.0)
                 else:
                     with torch.no_grad():
                         core(q[l], k[l], v[l])
@@ -422,15 +422,21 @@ def step_row(distill, loss, T=1024, budget=64, repeats=3, device="cpu", config=N
     """One distill.train_step of `loss` at the GPT-2-124M shape (or `config`; random weights, `budget` features in
     every layer, one sequence of T tokens) -> {"ops": aten ops of the step, "top": the commonest, "ms": median of
     `repeats`}, after a warm-up step. Only the API of distill.py is used, so another version of it can be measured
-    alike. per_head: experiments/per_head.py, whose cores then get dims budget/2 and 3 budget/2 on alternate heads;
-    stack: distill.py's --stack (yes: the layout a GPU runs, no: a CPU's), where that version has it."""
+    alike. per_head: experiments/per_head.py, whose names (its grouped cores and their losses) are set for the
+    measurement and whose cores get dims budget/2 and 3 budget/2 on alternate heads; stack: distill.py's --stack
+    (yes: the layout a GPU runs, no: a CPU's), where that version has it."""
+    with replaced(per_head.REPLACE) if per_head else contextlib.nullcontext():
+        return measure_step(distill, loss, T, budget, repeats, device, config, per_head is not None, stack)
+
+
+def measure_step(distill, loss, T, budget, repeats, device, config, per_head, stack):
+    """step_row's measurement, the fork's names (if any) already set."""
     mod = sys.modules[distill.GPT.__module__]                    # the model.py beside that distill.py
     torch.manual_seed(0)
     teacher = mod.GPT(config or mod.GPTConfig()).to(device).eval().requires_grad_(False)
     L, H = teacher.config.n_layer, teacher.config.n_head
-    if per_head:                                 # its cores bring their layer_loss, which train_step uses
-        dims = [[budget // 2 if h % 2 else budget * 3 // 2 for h in range(H)]] * L
-        student = teacher.linearize(dims, core=per_head.GroupedLinearAttention)
+    if per_head:
+        student = teacher.linearize([[budget // 2 if h % 2 else budget * 3 // 2 for h in range(H)]] * L)
     else:
         student = teacher.linearize([budget] * L) or teacher    # older versions swapped the cores in place
     layout = {"stack": stack} if "stack" in distill.DistillConfig.__dataclass_fields__ else {}

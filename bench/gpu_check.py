@@ -61,7 +61,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its fork
 import dof  # noqa: E402
 from bench import decode_ms, graphed_ms  # noqa: E402
 from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
-from common import (ModelError, check_out, check_positive, opt, parse_config,  # noqa: E402
+from common import (ModelError, check_out, check_positive, fork, opt, parse_config,  # noqa: E402
                     pick_device, remove, run_main, sync, write_text_atomic)
 from fla_scan import fla_linear_attention  # noqa: E402
 from model import GPT, PRF, GPTConfig, causal_linear_attention  # noqa: E402
@@ -196,14 +196,18 @@ def built(ckpt, tokens, hf_config, block_size):
 # Distillation: distill.py in a fresh process
 
 def distill_child(flags, device, log, script="distill"):
-    """One distillation process, forked from a server that has imported distill.py already: distill.main(flags)
-    with its output in the file `log`, then its peak memory (torch.cuda.max_memory_allocated; on the CPU, max RSS)."""
+    """One distillation process, forked from a server that has imported distill.py already: distill.main(flags),
+    or a fork's (its REPLACE set, as `python experiments/<script>.py flags` runs), with its output in the file `log`,
+    then its peak memory (torch.cuda.max_memory_allocated; on the CPU, max RSS)."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
     script = importlib.import_module(script)                    # distill, or the per_head fork of it
-    run_main(lambda: script.main(flags))
+    if hasattr(script, "REPLACE"):
+        fork(script.__file__, script.REPLACE, flags)
+    else:
+        run_main(lambda: script.main(flags))
     print("PEAK_BYTES", torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else
           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 

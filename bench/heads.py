@@ -39,7 +39,7 @@ import model as M  # noqa: E402
 from common import (ModelError, atomic_path, check_free_memory, check_out, check_positive, check_tokenizer, opt,  # noqa
                     parse_config, read_tokens, run_main, write_text_atomic)
 from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
-from per_head import GroupedLinearAttention  # noqa: E402
+from per_head import GroupedLinearAttention, layer_losses  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 METHODS = ("gaussian", "orthogonal", "leverage", "trained", "trained-leverage")
@@ -117,7 +117,7 @@ def train(core, q, k, steps):
     opt_ = torch.optim.Adam([{"params": [f.z for f in fm], "lr": 0.02},
                              {"params": [f.log_alpha for f in fm], "lr": 0.2}])
     for _ in range(steps):
-        core.layer_loss(q, k, "softmax", q.size(2), scale=1.0)
+        layer_losses([core], [(q, k)], "softmax", q.size(2), scale=1.0)
         opt_.step()
         opt_.zero_grad()
     return core

@@ -10,7 +10,9 @@ How it forks the core: REPLACE sets model.LinearAttention to GroupedLinearAttent
 made of the core's own LinearAttention, one per group of heads with equal M (a layer costs
 sum_h M_h features, no padding); distill.layer_losses to the core's, group by group;
 distill.make_student to one with per-head DoF dims; distill.DistillConfig to one whose --alloc
-takes dof or clip. Measured at budget 32 on SmolLM2: worse than per-layer dims (docs/results.md).
+takes dof or clip; evaluate.load_student to one that checks a checkpoint's per-head dims against
+the teacher (and refuses one of a dimension per layer, as make_student does). Measured at budget
+32 on SmolLM2: worse than per-layer dims (docs/results.md).
 """
 
 import sys
@@ -21,9 +23,11 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import checkpoint  # noqa: E402
 import common as run  # noqa: E402
 import distill  # noqa: E402
 import dof  # noqa: E402
+import evaluate  # noqa: E402
 import model  # noqa: E402
 from common import opt  # noqa: E402
 
@@ -84,6 +88,19 @@ def per_head_dims(cfg, teacher, calib, mu):
     return torch.tensor(dims).view(N.shape).tolist(), N.tolist()
 
 
+def check_per_head(config, path, n_layer, n_head):
+    """A checkpoint's config.json dict: its dims a list of n_head per layer (not distill.py's, one
+    number a layer)."""
+    dims = config["dims"]
+    if not any(isinstance(m, list) for m in dims):
+        raise run.ModelError(f"{path} has one dimension per layer: train, resume or evaluate it "
+                             "with distill.py and evaluate.py")
+    if len(dims) != n_layer or any(len(m) != n_head for m in dims):
+        raise run.ModelError(f"per-head dims need {n_head} whole numbers of at least 1 a layer for "
+                             f"{n_layer} layers, got {len(dims)} of {dims[0]}; pass the --out-dir "
+                             "of a per_head.py run")
+
+
 core_make_student = distill.make_student
 
 
@@ -91,6 +108,7 @@ def make_student(cfg, teacher, calib, prev=None):
     """The core's make_student with per-head dims: fresh ones from the per-head DoF (rank 0's dims
     and features for every process, as the core's), or the checkpoint's."""
     if prev:
+        check_per_head(prev.config, prev.path, teacher.config.n_layer, teacher.config.n_head)
         return core_make_student(cfg, teacher, calib, prev)
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None  # (L, H, D)
     chosen = per_head_dims(cfg, teacher, calib, mu) if run.is_main() else None
@@ -102,6 +120,19 @@ def make_student(cfg, teacher, calib, prev=None):
             c.key_mean.copy_(m[hs])
     run.broadcast(None, list(model.feature_state(student).values()))
     return student, dims, N
+
+
+core_load_student = model.load_student
+
+
+def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
+    """The core's load_student, its per-head dims checked against the teacher before the cores
+    are built."""
+    cfg, _ = checkpoint.read_student(ckpt_dir)
+    if not isinstance(teacher, model.GPT):
+        teacher = model.GPT.from_pretrained(teacher or cfg["teacher"], device, dtype)
+    check_per_head(cfg, ckpt_dir, teacher.config.n_layer, teacher.config.n_head)
+    return core_load_student(ckpt_dir, device, dtype, teacher)
 
 
 @dataclass
@@ -120,7 +151,8 @@ class PerHeadConfig(distill.DistillConfig):
 REPLACE = {(model, "LinearAttention"): GroupedLinearAttention,
            (distill, "layer_losses"): layer_losses,
            (distill, "make_student"): make_student,
-           (distill, "DistillConfig"): PerHeadConfig}
+           (distill, "DistillConfig"): PerHeadConfig,
+           (evaluate, "load_student"): load_student}
 
 if __name__ == "__main__":
     run.fork(__file__, REPLACE)

@@ -584,8 +584,8 @@ def test_spearman_gives_tied_values_their_mean_rank():
 
 def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core(setup, tmp_path):
     """bench/allocation.py --rule dof-raw: dims allocated from the uncentred kernel's DoF although the keys are
-    centred (the checkpoint records the rule as its alloc), resumed with the same flags; --predict writes the
-    predictors and trains nothing."""
+    centred (the checkpoint records the rule as its alloc, and no fork: it is the core's student), resumed with the
+    same flags, not by distill.py (which lacks --rule); --predict writes the predictors and trains nothing."""
     import allocation as A
     d, ckpt, data = setup
     flags = ["--rule", "dof-raw", "--center-keys", "--budget", "8", "--decay-steps", "4"]
@@ -595,6 +595,11 @@ def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core
     want, raw = dof.choose_dims(teacher, calib, 8, "dof", J=256)                     # no key means: uncentred
     cfg = json.loads((tmp_path / "raw" / "config.json").read_text())
     assert cfg["dims"] == want and cfg["alloc"] == "dof-raw" and cfg["dof"] == pytest.approx(raw)
+    assert cfg["fork"] is None and distill.DistillConfig is not A.AllocationConfig      # the core's student; no leak
+    with pytest.raises(ModelError, match=r"raw was started with --\S+ '?\w+'?, which this script lacks; resume it "
+                                         r"with the script that started it"):
+        distill.main(distill_args(ckpt, data, tmp_path / "raw", "--center-keys", "--budget", "8", "--decay-steps",
+                                  "4", "--max-steps", "4", "--resume"))                # distill.py lacks --rule
     assert want != dof.choose_dims(teacher, calib, 8, "dof", J=256, key_means=dof.key_means(teacher, calib))[0]
     with pytest.raises(ModelError, match=r"raw was started with --rule 'dof-raw', not 'entropy'; resume it with"):
         A.main(distill_args(ckpt, data, tmp_path / "raw", *flags[2:], "--rule", "entropy", "--max-steps", "4",
@@ -664,7 +669,9 @@ def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untraine
     teacher = GPT.from_pretrained(ckpt)
     L, H = teacher.config.n_layer, teacher.config.n_head
     calib = dof.calibration_batches(common.read_tokens(data / "train.bin"), 2, 2, 64, 0, "cpu")
-    cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"], A.AllocationConfig)
+    with common.replaced(A.REPLACE):
+        cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"])
+    assert type(cfg) is A.AllocationConfig and distill.DistillConfig is not A.AllocationConfig
     P = A.predictors(cfg, teacher, calib)
     mask, mu = torch.ones(64, 64, dtype=torch.bool).tril(), dof.key_means(teacher, calib)
     ent, qk, var = np.zeros((3, L))

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from common import ModelError
 from model import GPT, LinearAttention
 from tokenizer import load_tokenizer
+import checkpoint
 import common
 import distill
 import inputs
@@ -37,10 +38,11 @@ import dof
 import evaluate as E
 import model as M
 
-from conftest import (FAST, PROXY_VARIABLES, ROOT, TEXT, TOK, TOKENIZER, cli, distill_args, features, load_script,
-                      needs_smollm2, script_env, snapshot, torchrun)
+from conftest import (FAST, PROXY_VARIABLES, ROOT, TEXT, TOK, TOKENIZER, cli, distill_args, edit_json, features,
+                      load_script, needs_smollm2, script_env, snapshot, torchrun)
 
 from test_dof import small_pair, tiny_gpt2   # the method's test helpers
+from test_loading import nudge
 
 
 # ==================================================================================================================
@@ -591,8 +593,11 @@ def test_existing_out_dir_and_bad_resume_leave_the_checkpoint_alone(trained, set
     args = ["--model", ckpt, "--data", data, "--budget", "16", "--max-steps", "50", "--out-dir", out, *FAST]
     run_bad(args, r"already exists and is not empty; pass --resume to continue it, --overwrite to replace it")
     run_bad(args + ["--resume", "--dims", "8,8,24,24"], r"was trained with dims .*, not --dims 8,8,24,24; drop --dims")
-    other = shutil.copytree(ckpt, tmp_path / "other-teacher")
-    run_bad(["--model", other] + args[2:] + ["--resume"], r"distils .*gpt2-tiny, not .*other-teacher")
+    other = shutil.copytree(ckpt, tmp_path / "other-teacher")                 # a copy with one value changed
+    nudge(other / "model.safetensors")
+    run_bad(["--model", other] + args[2:] + ["--resume"],
+            r"^--resume \S+ was distilled from the teacher \S+gpt2-tiny, and --model \S+other-teacher is another model "
+            r"\(its config or weights differ\); pass --model \S+gpt2-tiny or a copy of it$")
     run_bad(args + ["--resume", "--overwrite"], r"contradict")
     run_bad(args + ["--resume", "--batch-size", "2"],
             r"was started with --batch-size 4, not 2; resume it with the flags it was started with")
@@ -818,9 +823,38 @@ def test_init_from_starts_at_the_checkpoint_then_trains_and_resumes(trained, set
     distill.main(base + ["--max-steps", "4", "--out-dir", str(tmp_path / "part"), "--resume"])
     part = features(tmp_path / "part")
     assert all(torch.allclose(full[k], part[k], rtol=0, atol=1e-6) for k in full)
-    other = shutil.copytree(ckpt, tmp_path / "other-teacher")
+    other = shutil.copytree(ckpt, tmp_path / "other-teacher")                 # a copy with one value changed
+    nudge(other / "model.safetensors")
     run_bad(["--model", other] + base[2:] + ["--out-dir", tmp_path / "never"],
-            r"--init-from .* distils .*gpt2-tiny, not .*other-teacher; pass --model")
+            r"^--init-from \S+ was distilled from the teacher \S+gpt2-tiny, and --model \S+other-teacher is another")
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_moved_teacher_resumes_and_starts_its_students(setup, tmp_path):
+    """config.json records a local teacher's fingerprint: after the teacher's folder moves, --resume and --init-from
+    with --model at its new place go on (they had asked for the old path), the resumed run ends as the uninterrupted
+    one and its checkpoint names the new place; a checkpoint without a fingerprint (older) is compared by path."""
+    d, ckpt, data = setup
+    old, moved = tmp_path / "teacher", tmp_path / "moved"
+    shutil.copytree(ckpt, old)
+    flags = ["--budget", "16", "--decay-steps", "4", "--eval-interval", "2"]
+    distill.main(distill_args(old, data, tmp_path / "full", "--max-steps", "4", *flags))
+    distill.main(distill_args(old, data, tmp_path / "part", "--max-steps", "2", *flags))
+    old.rename(moved)
+    distill.main(distill_args(moved, data, tmp_path / "part", "--max-steps", "4", "--resume", *flags))
+    full, part = (json.loads((tmp_path / p / "config.json").read_text()) for p in ("full", "part"))
+    assert full["teacher"] == str(old) and part["teacher"] == str(moved) and part["step"] == 4
+    assert part["teacher_fingerprint"] == full["teacher_fingerprint"] == checkpoint.fingerprint(ckpt)
+    a, b = features(tmp_path / "full"), features(tmp_path / "part")
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    distill.main(distill_args(moved, data, tmp_path / "start", "--init-from", tmp_path / "full", "--max-steps", "0"))
+    c = features(tmp_path / "start")
+    assert all(torch.equal(a[k], c[k]) for k in a)
+    edit_json(tmp_path / "full" / "config.json", teacher_fingerprint=None)
+    run_bad(distill_args(moved, data, tmp_path / "never", "--init-from", tmp_path / "full"),
+            r"^--init-from \S+full was distilled from teacher '\S+teacher' but --model is '\S+moved'; pass --model "
+            r"\S+teacher$")
+    assert not (tmp_path / "never").exists()
 
 
 def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setup):

@@ -542,6 +542,32 @@ def test_bad_inputs_command_line(ckpt, tmp_path):
     assert rc == 2 and "distilled from teacher 'EleutherAI/pythia-160m'" in err and str(ckpt) in err
 
 
+def test_a_moved_teacher_serves_its_student_and_another_model_at_its_path_is_refused(ckpt, student, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """config.json names a local teacher by its path and fingerprint: after the teacher's folder moves, --model at
+    the new place evaluates the student exactly as before (it had asked for the old path); another model put at the
+    old path (one value changed) is refused in one sentence naming both, before any model is loaded, nothing
+    written (it had passed the path check and failed later, or scored the wrong teacher)."""
+    from test_loading import nudge
+    old, moved, s = tmp_path / "teacher", tmp_path / "moved", tmp_path / "student"
+    shutil.copytree(ckpt, old)
+    shutil.copytree(student, s)
+    edit_json(s / "config.json", teacher=str(old), teacher_fingerprint=checkpoint.fingerprint(old))
+    old.rename(moved)
+    flags = ["--ppl", WIKITEXT, "--ppl-max-tokens", 200, "--ppl-context", 64]
+    evaluate_cli("--model", moved, "--ckpt", s, *flags, "--output", tmp_path / "moved.json")
+    evaluate_cli("--model", ckpt, "--ckpt", student, *flags, "--output", tmp_path / "here.json")
+    results = [json.loads((tmp_path / f).read_text())["ppl"] for f in ("moved.json", "here.json")]
+    assert results[0] == results[1] and results[0]["student"]["loss"] != results[0]["teacher"]["loss"]
+    nudge(shutil.copytree(ckpt, old) / "model.safetensors")
+    monkeypatch.setattr(M.GPT, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    before, _ = snapshot(tmp_path), capsys.readouterr()
+    code, err = evaluate_exit(capsys, "--model", old, "--ckpt", s, *flags, "--output", tmp_path / "other.json")
+    assert code == 2 and err == (f"error: checkpoint {s} was distilled from the teacher {old}, and --model {old} is "
+                                 f"another model (its config or weights differ); pass --model {old} or a copy of it\n")
+    assert snapshot(tmp_path) == before
+
+
 def evaluate_exit(capsys, *args):
     """evaluate.py's command line in-process, ended as `python evaluate.py` ends it (common.run_main): the exit code
     and what it wrote on stderr."""

@@ -1,12 +1,16 @@
 """experiments/: the forks of the core (per-head feature dims, features drawn from the kernel's ridge leverage
-scores, a direct-loss finetune, torch.compile'd losses, FLA's scan), each against the core or a reference."""
+scores, a direct-loss finetune, torch.compile'd losses, FLA's scan, Hedgehog's feature map), each against the core or
+a reference. In-process a fork's names are set by common.replaced(fork.REPLACE) (and common.FORK by `forked`), as
+`python experiments/<fork>.py` sets them; after each test the core's names are the core's."""
 
 import importlib.util
 import json
 import math
+import re
 import shutil
 import sys
 import types
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ import torch
 
 from common import ModelError
 from model import causal_linear_attention, repeat_kv, linear_attention_reference, LinearAttention
+import common
 import distill
 import dof
 import evaluate as E
@@ -24,33 +29,81 @@ import per_head
 import compiled
 import direct_finetune
 import fla_scan
+import hedgehog
 
+from test_loading import nudge
 from conftest import FAST, cli, distill_args, edit_json, features
 
 from test_dof import qkv, rel   # the method's test helpers
+
+# every name a fork may set (common.FORK apart)
+CORE_NAMES = [(M, "FEATURE_MAPS"), (M, "LinearAttention"), (M, "causal_linear_attention"),
+              (distill, "DistillConfig"), (distill, "make_student"), (distill, "layer_losses"),
+              (distill, "step_loss"), (distill, "softmax_loss_blockwise"), (distill, "l2_loss_blockwise"),
+              (E, "EvalConfig"), (E, "load_student")]
+
+
+@pytest.fixture(autouse=True)
+def forks_do_not_leak():
+    """Each test leaves the core's names (and FEATURE_MAPS' entries) as it found them, and no fork running."""
+    before = {key: getattr(*key) for key in CORE_NAMES}
+    maps = dict(M.FEATURE_MAPS)
+    yield
+    assert {key: getattr(*key) for key in CORE_NAMES} == before and M.FEATURE_MAPS == maps
+    assert common.FORK is None
+
+
+@contextmanager
+def forked(name, replace):
+    """In-process what `python experiments/<name>.py` sets: common.FORK and the fork's names, undone after."""
+    was = common.FORK
+    common.FORK = f"experiments/{name}.py"
+    try:
+        with common.replaced(replace):
+            yield
+    finally:
+        common.FORK = was
+
+
+def refusal(what, fork):
+    """common.check_fork's sentence: checkpoint `what` of the fork experiments/<fork>.py in another script."""
+    script = f"experiments/{fork}.py"
+    return (f"{what} was made by the fork {script}; open it with that script, e.g. `python {script} evaluate "
+            f"--ckpt {what}`, or `python {script} --resume`")
+
+
+def test_replaced_sets_a_forks_names_inside_and_the_cores_after():
+    """common.replaced: per_head's classes and functions inside, the core's after, also when the block raises."""
+    with common.replaced(per_head.REPLACE):
+        assert M.LinearAttention is per_head.GroupedLinearAttention and distill.make_student is per_head.make_student
+        assert distill.DistillConfig is per_head.PerHeadConfig and E.load_student is per_head.load_student
+    with pytest.raises(ZeroDivisionError), common.replaced(hedgehog.REPLACE):
+        assert "hedgehog" in M.FEATURE_MAPS
+        1 / 0
+    assert M.LinearAttention is per_head.CoreLinearAttention and "hedgehog" not in M.FEATURE_MAPS
 
 
 # ==================================================================================================================
 # experiments/compiled.py and experiments/fla_scan.py against the core's losses and scan
 
-def test_compiled_layerwise_loss_equals_the_eager_one(monkeypatch):
-    """experiments/compiled.py: torch.compile of both blockwise losses gives the eager values and gradients."""
+def test_compiled_layerwise_loss_equals_the_eager_one():
+    """experiments/compiled.py: its replace(), torch.compile of both blockwise losses, gives the eager values and
+    gradients through distill.layer_losses."""
     torch.manual_seed(22)
     cores = [LinearAttention(2, 2, 8, 4) for _ in range(2)]
     qk = [(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)) for _ in cores]
+    eager = distill.softmax_loss_blockwise, distill.l2_loss_blockwise
+    replace = compiled.replace()
+    assert set(replace) == {(distill, "softmax_loss_blockwise"), (distill, "l2_loss_blockwise")}
     runs = []
-    for compile in (False, True):
-        if compile:
-            eager = distill.softmax_loss_blockwise, distill.l2_loss_blockwise
-            for name in ("softmax_loss_blockwise", "l2_loss_blockwise"):
-                monkeypatch.setattr(distill, name, getattr(distill, name))    # undone after the test
-            compiled.compile_losses()
-            assert distill.softmax_loss_blockwise is not eager[0] and distill.l2_loss_blockwise is not eager[1]
-        for kind in ("softmax", "l2"):
-            value = distill.layer_losses(cores, qk, kind, 8, 1.0)
-            runs.append((value, [p.grad.clone() for c in cores for p in c.parameters()]))
-            for c in cores:
-                c.zero_grad()
+    for fork in ({}, replace):
+        with common.replaced(fork):
+            assert (distill.softmax_loss_blockwise is eager[0]) == (not fork)
+            for kind in ("softmax", "l2"):
+                value = distill.layer_losses(cores, qk, kind, 8, 1.0)
+                runs.append((value, [p.grad.clone() for c in cores for p in c.parameters()]))
+                for c in cores:
+                    c.zero_grad()
     for (v0, g0), (v1, g1) in zip(runs[:2], runs[2:]):
         assert torch.allclose(v0, v1, rtol=1e-5) and all(torch.allclose(a, b, rtol=1e-4, atol=1e-7)
                                                           for a, b in zip(g0, g1))
@@ -66,16 +119,13 @@ def test_compiled_losses_without_a_cxx_compiler_are_one_sentence(monkeypatch):
         def call(*args):
             raise InductorError(InvalidCxxCompiler(), None)
         return call
-    for name in ("softmax_loss_blockwise", "l2_loss_blockwise"):
-        monkeypatch.setattr(distill, name, getattr(distill, name))         # undone after the test
     monkeypatch.setattr(compiled.torch, "compile", no_compiler)
-    compiled.compile_losses()
     cores = [LinearAttention(2, 2, 8, 4)]
     qk = [(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8))]
     with pytest.raises(ModelError, match=r"^torch.compile could not compile the losses \(InvalidCxxCompiler: No "
                                          r"working C\+\+ compiler found in .*\); it needs a working C\+\+ compiler "
                                          r"\(or Triton on a GPU\): install one \(or point CXX at it\), or run "
-                                         r"distill.py, the same losses uncompiled$"):
+                                         r"distill.py, the same losses uncompiled$"), common.replaced(compiled.replace()):
         distill.layer_losses(cores, qk, "softmax", 8, 1.0)
 
 
@@ -125,6 +175,32 @@ def test_fla_scan_wraps_flas_contract_into_the_chunked_scans(monkeypatch):
         assert all(torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12) for a, b in zip(theirs, ours))
 
 
+def test_fla_scan_is_the_scan_linear_attention_runs_under_its_replace(monkeypatch):
+    """Under common.replaced(fla_scan.REPLACE) LinearAttention's scan without a cache (a forward, the direct loss,
+    --ppl) is FLA's, here a recording stand-in, also in each group of per_head's cores; decoding from a cache keeps
+    the core's scan and step. Outside it, FLA's is not called."""
+    calls = []
+
+    def fla(phi_q, phi_k, v, chunk_size=None):
+        calls.append(tuple(phi_q.shape))
+        return causal_linear_attention(phi_q, phi_k, v, 16)
+    monkeypatch.setattr(fla_scan, "fla_linear_attention", fla)
+    torch.manual_seed(0)
+    core = LinearAttention(4, 2, 8, 6, chunk_size=16)
+    q, k, v = qkv(1, 4, 2, 20, 8, seed=0)
+    y = core(q, k, v)
+    assert calls == []
+    with common.replaced(fla_scan.REPLACE):
+        assert torch.equal(core(q, k, v), y) and calls == [(1, 4, 20, 6)]
+        cache = {}
+        parts = [core(q[:, :, :12], k[:, :, :12], v[:, :, :12], cache)]
+        parts += [core(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache) for t in range(12, 20)]
+        assert calls == [(1, 4, 20, 6)] and rel(torch.cat(parts, 2), y) < 1e-5      # prefill and steps: the core's
+        grouped = per_head.GroupedLinearAttention(4, 2, 8, [3, 5, 3, 5], chunk_size=16)
+        grouped(q, k, v)
+    assert calls[1:] == [(1, 2, 20, 3), (1, 2, 20, 5)]                  # each group's core, not the grouped wrapper
+
+
 # ==================================================================================================================
 # experiments/: per-head feature dims and features drawn from the kernel's ridge leverage scores, forks of the core
 
@@ -161,10 +237,8 @@ def test_per_head_dims_group_heads_by_dim_and_cost_the_sum():
     assert [c.M for c in core.groups] == [1, 3, 5, 8] and core.heads == [[5], [1, 4], [0, 2], [3]]
     assert [tuple(c.feature_map.z.shape) for c in core.groups] == [(1, 1, 16), (2, 3, 16), (2, 5, 16), (1, 8, 16)]
     assert sum(c.feature_map.z.shape[0] * c.M for c in core.groups) == sum(HEAD_DIMS)     # no padding to max M
-    with pytest.raises(ModelError, match="6 whole numbers of at least 1"):
-        per_head.GroupedLinearAttention(6, 2, 16, [4, 4], "prf")
-    with pytest.raises(ModelError, match="at least 1"):
-        per_head.GroupedLinearAttention(2, 2, 16, [4, 0], "prf")
+    assert [[p.shape for p in c.parameters()] for c in core.groups] == [[(n, m, 16), (n, m)] for n, m in (
+        (1, 1), (2, 3), (2, 5), (1, 8))]                                 # z and alpha of each group's heads alone
 
 
 @pytest.mark.parametrize("T", [1, 37, 70])
@@ -198,7 +272,8 @@ def test_per_head_loss_is_the_mean_over_heads_of_the_kl_written_out(query_block)
     Phi from each head's z and alpha (PRF's docstring); T = 40: the plain (40) and the blockwise (16) forms."""
     core = per_head_core(seed=5, dtype=torch.float64)
     q, k = 1.5 * torch.randn(2, 6, 40, 16, dtype=torch.float64), 1.5 * torch.randn(2, 2, 40, 16, dtype=torch.float64)
-    value = core.layer_loss(q, k, "softmax", query_block, scale=1.0)
+    with common.replaced(per_head.REPLACE):                                # the losses distill.py trains by
+        value = distill.layer_losses([core], [(q, k)], "softmax", query_block, scale=1.0)[0]
     fast = [p.grad.clone() for p in core.parameters()]
     core.zero_grad()
     kc, mask, ref = repeat_kv(k, 6), torch.ones(40, 40, dtype=torch.bool).tril(), 0.0
@@ -300,33 +375,35 @@ def test_leverage_features_beat_gaussian_draws_on_a_known_kernel_at_m_equal_dof(
 
 def test_core_and_forks_start_every_process_from_rank_0s_dims_and_features(setup, monkeypatch):
     """Under torchrun distill.py, per_head.py and leverage.py take rank 0's dims and features (each process's own DoF
-    pass and draws may differ across devices): here a process other than rank 0, handed rank 0's dims, and every
-    feature tensor of its student handed to broadcast to be filled with rank 0's."""
+    pass and draws may differ across devices): here a process other than rank 0 (common.is_main false), handed rank
+    0's dims by common.broadcast, and every feature tensor of its student handed to it to be filled with rank 0's."""
     d, ckpt, data = setup
     teacher = M.GPT.from_pretrained(ckpt)
     calib = dof.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), 2, 2, 64, 0, "cpu")
     L, H = teacher.config.n_layer, teacher.config.n_head
     heads = ([[3] + [5] * (H - 1)] * L, [[1.0] * H] * L)                            # per-head dims and DoF
-    for fork, config, alloc, rank0 in ((per_head, per_head.PerHeadConfig, "dof", heads),     # the core last: the
-                                       (leverage, leverage.LeverageConfig, "fix", None),     # forks call its own
-                                       (distill, distill.DistillConfig, "dof", ([3] + [5] * (L - 1), [1.0] * L))):
+    layers = ([3] + [5] * (L - 1), [1.0] * L)
+    monkeypatch.setattr(common, "is_main", lambda: False)
+    for replace, alloc, rank0 in ((per_head.REPLACE, "dof", heads), (leverage.REPLACE, "fix", ([4] * L, None)),
+                                  ({}, "dof", layers)):                      # the core's; leverage's calls it too
         filled = []
 
         def other_rank(obj, tensors=()):
             filled.extend(t.data_ptr() for t in tensors)
             return rank0 if obj is None else obj
-        monkeypatch.setattr(fork, "broadcast", other_rank)
-        monkeypatch.setattr(fork, "is_main", lambda: False, raising=False)
-        cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", alloc, "--J", "64"], config)
-        student, dims, N = fork.make_student(cfg, teacher, calib)
+        monkeypatch.setattr(common, "broadcast", other_rank)
+        with common.replaced(replace):
+            cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", alloc, "--J", "64"])
+            student, dims, N = distill.make_student(cfg, teacher, calib)
         assert {t.data_ptr() for t in M.feature_state(student).values()} <= set(filled)
-        assert (dims, N) == rank0 if rank0 else dims == [4] * L
+        assert (dims, N) == rank0
 
 
-def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp_path):
+def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoint(setup, tmp_path):
     """experiments/per_head.py: distill.py's command line with dims per head (total budget x heads x layers),
-    recorded in config.json, loaded back by per_head.load_student, resumed; experiments/leverage.py: a run that
-    starts from leverage features; the core refuses a per-head checkpoint and the fork's options are checked."""
+    recorded in config.json with the fork, read back under its names, resumed, scored by `per_head.py evaluate`;
+    evaluate.py and distill.py --init-from / --resume refuse its checkpoint (common.check_fork); the fork refuses a
+    checkpoint of one dimension per layer and damaged per-head dims, and its resume makes the core's checks."""
     d, ckpt, data = setup
     out = tmp_path / "heads"
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 4,
@@ -335,49 +412,62 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     cfg = json.loads((out / "config.json").read_text())
     dims = np.array(cfg["dims"])
     assert dims.shape == (4, 4) and dims.sum() == 6 * 4 * 4 and dims.min() >= 1 and len(set(dims.ravel())) > 1
-    assert np.array(cfg["dof"]).shape == (4, 4)
-    student, _ = per_head.load_student(out)
+    assert np.array(cfg["dof"]).shape == (4, 4) and cfg["fork"] == "experiments/per_head.py"
+    with forked("per_head", per_head.REPLACE):
+        student, _ = M.load_student(out)
     assert [c.dims for c in student.cores()] == cfg["dims"]
     assert sum(g.feature_map.z.shape[0] * g.M for c in student.cores() for g in c.groups) == 6 * 4 * 4
-    with pytest.raises(ModelError, match=r"^the dims \(4, the first \[\d+, \d+, \d+, \d+\]\) are not a number per "
-                       r"layer of this 4-layer teacher; .* \(per-head dims: train with experiments/per_head.py, score"):
-        M.load_student(out)                                            # the first layer's dims, not all of them
+    with pytest.raises(ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+        M.load_student(out)
+    with pytest.raises(ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+        E.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
+    with pytest.raises(ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+        distill.main(distill_args(ckpt, data, tmp_path / "plain", "--init-from", out))
+    with pytest.raises(ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+        distill.main(distill_args(ckpt, data, out, "--budget", 6, "--max-steps", 6, "--decay-steps", 6, "--resume"))
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
     assert r.returncode == 0 and "resuming" in r.stdout, r.stderr[-3000:]
-    with pytest.raises(ModelError, match=r"per-head dims: train with experiments/per_head.py, score with"):
-        distill.main(distill_args(ckpt, data, tmp_path / "plain", "--init-from", out))     # the core refuses it
     args = ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--ppl-max-tokens", 300, "--device", "cpu",
             "--output", tmp_path / "ppl.json"]                        # `per_head.py evaluate`: evaluate.py's flags
-    per_head.main(["evaluate", *args])
+    r = cli("experiments/per_head.py", "evaluate", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
     ppl = json.loads((tmp_path / "ppl.json").read_text())["ppl"]
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
-    assert ppl["student"] == E.perplexity(per_head.load_student(out)[0], tokens)
+    with forked("per_head", per_head.REPLACE):
+        assert ppl["student"] == pytest.approx(E.perplexity(M.load_student(out)[0], tokens), rel=1e-6)
     assert ppl["student"]["loss"] != ppl["teacher"]["loss"]
-    cfg = E.EvalConfig(model=str(ckpt), ckpt=str(out), device="cpu")   # the scans experiments/fla_scan.py sets
-    scans = {type(m).__name__: m.scan for m in E.load_models(cfg, "cpu", fla_scan.with_fla(per_head.load_student))[
-             "student"].modules() if hasattr(m, "scan")}
-    assert scans == {"LinearAttention": fla_scan.fla_linear_attention}   # each group's core, not the grouped wrapper
     distill.main(distill_args(ckpt, data, tmp_path / "plain", "--budget", "6", "--max-steps", "0"))
+    plain = str(tmp_path / "plain")
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--out-dir", tmp_path / "ph", "--init-from",
-            tmp_path / "plain", *FAST)
-    assert r.returncode == 2 and "one dimension per layer: train, resume or evaluate it with distill.py and " \
-        "evaluate.py" in r.stderr, r.stderr[-3000:]
-    with pytest.raises(ModelError, match="one dimension per layer: train, resume or evaluate it with distill.py and"):
-        per_head.main(["evaluate", "--model", ckpt, "--ckpt", tmp_path / "plain", "--ppl", data / "val.bin", "--device",
-                       "cpu"])
+            plain, *FAST)
+    assert r.returncode == 2 and r.stderr.endswith(f"error: {plain} has one dimension per layer: train, resume or "
+                                                   "evaluate it with distill.py and evaluate.py\n"), r.stderr[-3000:]
+    r = cli("experiments/per_head.py", "evaluate", "--model", ckpt, "--ckpt", plain, "--ppl", data / "val.bin",
+            "--device", "cpu")
+    assert r.returncode == 2 and r.stderr == (f"error: {plain} has one dimension per layer: train, resume or "
+                                              "evaluate it with distill.py and evaluate.py\n"), r.stderr[-3000:]
     shutil.copytree(out, short := tmp_path / "short-heads")           # 3 dims a layer for 4 heads: damaged
     edit_json(short / "config.json", dims=[[1, 2, 3]] * 4)
-    with pytest.raises(ModelError, match=r"per-head dims need 4 whole numbers of at least 1 a layer, got \[1, 2, 3\]; "
-                                         r"pass the --out-dir of a per_head.py run$"):
-        per_head.load_student(short)
+    with pytest.raises(ModelError, match=r"^per-head dims need 4 whole numbers of at least 1 a layer for 4 layers, "
+                                         r"got 4 of \[1, 2, 3\]; pass the --out-dir of a per_head.py run$"), \
+            forked("per_head", per_head.REPLACE):
+        E.load_student(short)
     shutil.copytree(ckpt, tmp_path / "other")                         # the fork's resume makes the core's checks
+    nudge(tmp_path / "other" / "model.safetensors")                    # another model, by one value
     r = cli("experiments/per_head.py", "--model", tmp_path / "other", "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
-    assert r.returncode == 2 and "distils" in r.stderr and "pass --model" in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 2 and "is another model" in r.stderr and "pass --model" in r.stderr, r.stderr[-3000:]
+
+
+def test_leverage_fork_starts_from_leverage_features_and_checks_its_flags(setup, tmp_path):
+    """experiments/leverage.py: a run that starts from leverage features (importance weights, not alpha = 1); its
+    flags are checked at the door, each naming its flag."""
+    d, ckpt, data = setup
     r = cli("experiments/leverage.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 0,
             "--center-keys", "--out-dir", tmp_path / "lev", *FAST)            # untrained: the initial features
     assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "lev" / "config.json").read_text())["fork"] == "experiments/leverage.py"
     alpha = torch.cat([t.flatten() for k, t in features(tmp_path / "lev").items() if k.endswith("log_alpha")])
     assert alpha.std() > 0.1                                          # importance weights, not the plain alpha = 1
     r = cli("experiments/leverage.py", "--model", ckpt, "--data", data, "--feature-map", "performer",
@@ -385,8 +475,8 @@ def test_experiments_fork_distill_per_head_dims_and_leverage_features(setup, tmp
     assert r.returncode == 2 and r.stderr.endswith("drawn afresh: pass --feature-map prf, not performer\n")
     for flags, sentence in ((["--pool", 0], "--pool must be a number of at least 1, got 0"),   # each names its flag
                             (["--init-from", tmp_path / "lev"], "drop --init-from, whose checkpoint sets the")):
-        with pytest.raises(ModelError, match=sentence):
-            distill.parse_args(["--model", ckpt, *flags], leverage.LeverageConfig)
+        with pytest.raises(ModelError, match=sentence), common.replaced(leverage.REPLACE):
+            distill.parse_args(["--model", ckpt, *flags])
     assert not (tmp_path / "x").exists()
 
 
@@ -394,40 +484,51 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
     """experiments/direct_finetune.py --direct-steps 2 of --max-steps 5: steps 1-3 train the layerwise loss (one loss
     per layer logged), steps 4-5 the whole student's next-token loss (one loss), also in a run stopped at step 3 of
     its 5-step schedule and resumed (it had trained steps 2-3 direct as well); --resume keeps --direct-steps;
-    distill.py, which lacks it, does not resume such a run, nor the fork with a direct tail a plain run lacks."""
+    distill.py does not resume such a run (common.check_fork), nor the fork a plain run with a direct tail it lacks."""
     d, ckpt, data = setup
     run = distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "5",
                        "--log-interval", "1", "--warmup-steps", "0")
-    direct_finetune.main(run + ["--direct-steps", "2"])
+    fork = lambda: forked("direct_finetune", direct_finetune.REPLACE)   # noqa: E731
+    with fork():
+        distill.main(run + ["--direct-steps", "2"])
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert [len(h["loss"]) for h in m["history"]] == [4, 4, 4, 1, 1]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["fork"] == "experiments/direct_finetune.py"
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]   # labelled as trained
     assert ["(next-token)" in l for l in lines] == [False, False, False, True, True], lines
     stop = [tmp_path / "stop" if a == str(tmp_path / "run") else a for a in run] + ["--direct-steps", "2"]
-    direct_finetune.main(stop + ["--max-steps", "3", "--decay-steps", "5"])             # stopped at step 3 of 5
-    direct_finetune.main(stop + ["--decay-steps", "5", "--resume"])
+    with fork():
+        distill.main(stop + ["--max-steps", "3", "--decay-steps", "5"])             # stopped at step 3 of 5
+        distill.main(stop + ["--decay-steps", "5", "--resume"])
     assert [h["loss"] for h in json.loads((tmp_path / "stop" / "metrics.json").read_text())["history"]] == [
         h["loss"] for h in m["history"]]
     assert features(tmp_path / "stop").keys() == features(tmp_path / "run").keys() and all(
         torch.equal(v, features(tmp_path / "run")[k]) for k, v in features(tmp_path / "stop").items())
-    with pytest.raises(ModelError, match=r"--direct-steps 9 is more than the schedule's 5 steps \(--decay-steps, or"):
-        direct_finetune.main(distill_args(ckpt, data, tmp_path / "x", "--max-steps", "5", "--direct-steps", "9"))
-    with pytest.raises(ModelError, match="was started with --direct-steps 2, not 1; resume it with the flags"):
-        direct_finetune.main(run + ["--direct-steps", "1", "--resume"])
-    with pytest.raises(ModelError, match="was started with --direct-steps 2, which this script lacks; resume it with"):
+    with pytest.raises(ModelError, match=r"--direct-steps 9 is more than the schedule's 5 steps \(--decay-steps, or"), \
+            fork():
+        distill.main(distill_args(ckpt, data, tmp_path / "x", "--max-steps", "5", "--direct-steps", "9"))
+    with pytest.raises(ModelError, match="was started with --direct-steps 2, not 1; resume it with the flags"), fork():
+        distill.main(run + ["--direct-steps", "1", "--resume"])
+    with pytest.raises(ModelError, match="^" + re.escape(refusal(tmp_path / "run", "direct_finetune")) + "$"):
         distill.main(run + ["--resume"])                                    # the core would drop its direct tail
     plain = distill_args(ckpt, data, tmp_path / "plain", "--budget", "4", "--alloc", "fix", "--max-steps", "2")
     distill.main(plain)
-    with pytest.raises(ModelError, match="was started with --direct-steps 0, not 1; resume it with the flags"):
-        direct_finetune.main(plain + ["--max-steps", "4", "--direct-steps", "1", "--resume"])   # a tail it never had
+    with pytest.raises(ModelError, match="was started with --direct-steps 0, not 1; resume it with the flags"), fork():
+        distill.main(plain + ["--max-steps", "4", "--direct-steps", "1", "--resume"])   # a tail it never had
 
 
 def test_fla_scan_needs_a_student_on_cuda(ckpt, monkeypatch):
-    """experiments/fla_scan.py refuses, before any work, a run whose student scan FLA's CUDA kernel cannot take."""
-    monkeypatch.setattr(E, "main", lambda *a, **k: pytest.fail("evaluate.py ran"))
+    """experiments/fla_scan.py refuses, before any work (its EvalConfig's checks), a run whose student scan FLA's
+    CUDA kernel cannot take; so does its command line, with one sentence."""
+    monkeypatch.setattr(E, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
     for flags in (["--ckpt", "some-run", "--device", "cpu"], ["--device", "auto"]):     # the CPU; no student
-        with pytest.raises(ModelError, match=r"^experiments/fla_scan.py runs a student's scan on CUDA: it needs"):
-            fla_scan.main(["--model", str(ckpt), "--tasks", "piqa", *flags])
+        with pytest.raises(ModelError, match=r"^experiments/fla_scan.py runs a student's scan on CUDA: it needs"), \
+                common.replaced(fla_scan.REPLACE):
+            E.main(["--model", str(ckpt), "--tasks", "piqa", *flags])
+    r = cli("experiments/fla_scan.py", "evaluate", "--model", ckpt, "--ckpt", "some-run", "--device", "cpu")
+    assert r.returncode == 2 and r.stderr == ("error: experiments/fla_scan.py runs a student's scan on CUDA: it needs "
+                                              "--ckpt, a CUDA --device and flash-linear-attention (pip install "
+                                              "flash-linear-attention)\n"), r.stderr
 
 
 def test_per_head_dims_pool_every_head_of_every_layer_and_clip_caps_at_the_head_size(monkeypatch):
@@ -456,17 +557,18 @@ def test_fork_students_centre_each_head_by_its_own_key_mean_and_draw_leverage_fe
     teacher = M.GPT.from_pretrained(ckpt)
     calib = dof.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), 2, 2, 64, 0, "cpu")
     mu = dof.key_means(teacher, calib)                                                    # (L, H, D)
-    cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--center-keys", "--J", "64"],
-                             per_head.PerHeadConfig)
     monkeypatch.setattr(per_head, "per_head_dims", lambda *a: ([[5, 3, 5, 3]] * 4, [[1.0] * 4] * 4))   # heads 1, 3
-    student, _, _ = per_head.make_student(cfg, teacher, calib)
+    with common.replaced(per_head.REPLACE):
+        cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--center-keys", "--J", "64"])
+        student, _, _ = distill.make_student(cfg, teacher, calib)
     assert [core.heads for core in student.cores()] == [[[1, 3], [0, 2]]] * 4
     for core, m in zip(student.cores(), mu):
         for c, hs in zip(core.groups, core.heads):
             assert torch.equal(c.key_mean, m[hs])
-    cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", "fix", "--center-keys",
-                              "--J", "64", "--seed", "3", "--pool", "4"], leverage.LeverageConfig)
-    student, _, _ = leverage.make_student(cfg, teacher, calib)
+    with common.replaced(leverage.REPLACE):
+        cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", "fix", "--center-keys",
+                                  "--J", "64", "--seed", "3", "--pool", "4"])
+        student, _, _ = distill.make_student(cfg, teacher, calib)
     x, gen = dof.collect_qk(teacher, calib, 64, 3, mu), torch.Generator().manual_seed(3)          # (L, H, J, D)
     for core, xl in zip(student.cores(), x):
         for h in range(core.n_head):
@@ -479,12 +581,82 @@ def test_per_head_refuses_dims_and_direct_finetune_takes_a_schedule_all_direct(s
     direct_finetune.py --direct-steps equal to the schedule's steps is allowed: every step trains the direct loss;
     steps past a --decay-steps schedule's end train it too, as its help says."""
     d, ckpt, data = setup
-    with pytest.raises(ModelError, match="^--dims sets one dimension per layer; per-head dims come from the DoF"):
-        per_head.main(distill_args(ckpt, data, tmp_path / "x", "--dims", "4,4,4,4", "--max-steps", "0"))
+    with pytest.raises(ModelError, match="^--dims sets one dimension per layer; per-head dims come from the DoF"), \
+            forked("per_head", per_head.REPLACE):
+        distill.main(distill_args(ckpt, data, tmp_path / "x", "--dims", "4,4,4,4", "--max-steps", "0"))
     assert not (tmp_path / "x").exists()
-    cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "5", "--direct-steps", "5"),
-                             direct_finetune.DirectFinetuneConfig)
-    assert [cfg.step_loss(s) for s in range(5)] == ["direct"] * 5
-    cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "6", "--decay-steps", "4",
-                                          "--direct-steps", "1"), direct_finetune.DirectFinetuneConfig)
-    assert [cfg.step_loss(s) for s in range(6)] == ["softmax"] * 3 + ["direct"] * 3    # the last and past the end
+    with common.replaced(direct_finetune.REPLACE):
+        cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "5", "--direct-steps", "5"))
+        assert [distill.step_loss(cfg, s) for s in range(5)] == ["direct"] * 5
+        cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "6", "--decay-steps", "4",
+                                              "--direct-steps", "1"))
+    assert [direct_finetune.step_loss(cfg, s) for s in range(6)] == ["softmax"] * 3 + ["direct"] * 3   # and past it
+    assert [distill.step_loss(cfg, s) for s in range(6)] == ["softmax"] * 6                # the core's: --loss
+
+
+# ==================================================================================================================
+# experiments/hedgehog.py: the README's worked example of a new feature map
+
+@pytest.mark.parametrize("m", [5, 8])
+def test_hedgehog_features_are_non_negative_of_m_a_head(m):
+    """Hedgehog's Phi(x) = [softmax(x W), softmax(-x W)] / sqrt 2, its first M of 2 ceil(M / 2): (B, H, T, M),
+    non-negative, the exp of log_features; for even M its rows sum to sqrt 2 (two softmaxes). Under its REPLACE a
+    LinearAttention takes --feature-map hedgehog."""
+    torch.manual_seed(m)
+    f = hedgehog.Hedgehog(3, 8, m)
+    x = 3 * torch.randn(2, 3, 7, 8)
+    phi = f(x, is_query=True)
+    assert phi.shape == (2, 3, 7, m) and (phi >= 0).all() and torch.equal(phi, f(x, is_query=False))
+    assert torch.allclose(phi, f.log_features(x).exp())
+    xw = x @ f.proj
+    want = torch.cat((torch.softmax(xw, -1), torch.softmax(-xw, -1)), -1)[..., :m] / math.sqrt(2)
+    assert torch.allclose(phi, want, rtol=1e-5, atol=1e-7)
+    if m % 2 == 0:
+        assert torch.allclose(phi.sum(-1), torch.full((2, 3, 7), math.sqrt(2)))
+    with pytest.raises(KeyError):
+        LinearAttention(3, 3, 8, m, "hedgehog")
+    with common.replaced(hedgehog.REPLACE):
+        core = LinearAttention(3, 3, 8, m, "hedgehog")
+    assert isinstance(core.feature_map, hedgehog.Hedgehog)
+    assert core.features(x, x)[0].shape == (2, 3, 7, m)
+
+
+def test_hedgehog_projection_trains_at_lr_z(ckpt):
+    """make_optimizer's groups: Hedgehog's `proj` (no name ending in alpha) gets --lr-z, and there is no --lr-alpha
+    group."""
+    teacher = M.GPT.from_pretrained(ckpt).requires_grad_(False)                      # as distill.py's
+    with common.replaced(hedgehog.REPLACE):
+        student = teacher.linearize([4] * teacher.config.n_layer, "hedgehog")
+        cfg = distill.DistillConfig(model=str(ckpt), feature_map="hedgehog", lr_z=0.03, lr_alpha=0.5)
+    optim = distill.make_optimizer(student, cfg)
+    projs = [p for n, p in student.named_parameters() if n.endswith("proj")]
+    assert len(projs) == teacher.config.n_layer and [g["peak"] for g in optim.param_groups] == [0.03]
+    assert {id(p) for p in optim.param_groups[0]["params"]} == {id(p) for p in projs}
+
+
+def test_hedgehog_fork_trains_and_scores_a_student_that_the_core_refuses(setup, tmp_path):
+    """`python experiments/hedgehog.py --feature-map hedgehog` trains a student (config.json records the fork);
+    evaluate.py refuses it with common.check_fork's sentence; `hedgehog.py evaluate` scores it; distill.py alone
+    does not know the map: one sentence listing the known maps, before any work."""
+    d, ckpt, data = setup
+    out = tmp_path / "hh"
+    r = cli("experiments/hedgehog.py", *distill_args(ckpt, data, out, "--feature-map", "hedgehog", "--budget", 4,
+                                                     "--alloc", "fix", "--max-steps", 2))
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["fork"] == "experiments/hedgehog.py" and cfg["feature_map"] == "hedgehog"
+    assert sorted(k.split(".")[-1] for k in features(out)) == ["key_mean"] * 4 + ["proj"] * 4 and all(
+        t.shape == (4, 16, 2) for k, t in features(out).items() if k.endswith("proj"))
+    ppl = ["--ppl", data / "val.bin", "--ppl-max-tokens", 300, "--device", "cpu"]
+    r = cli("evaluate.py", "--model", ckpt, "--ckpt", out, *ppl)
+    assert r.returncode == 2 and r.stderr == f"error: {refusal(out, 'hedgehog')}\n", r.stderr[-3000:]
+    r = cli("experiments/hedgehog.py", "evaluate", "--model", ckpt, "--ckpt", out, *ppl, "--output",
+            tmp_path / "ppl.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    scores = json.loads((tmp_path / "ppl.json").read_text())["ppl"]
+    assert math.isfinite(scores["student"]["loss"]) and scores["student"]["loss"] != scores["teacher"]["loss"]
+    assert scores["student"]["tokens"] == scores["teacher"]["tokens"] > 0
+    r = cli("distill.py", *distill_args(ckpt, data, tmp_path / "core", "--feature-map", "hedgehog"))
+    assert r.returncode == 2 and r.stderr == ("error: --feature-map must be one of prf, performer, dijiang, got "
+                                              "'hedgehog'\n"), r.stderr[-3000:]
+    assert not (tmp_path / "core").exists()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import locate, read_gguf
+from checkpoint import check_teacher, fingerprint, locate, read_gguf
 from common import ModelError
 from tokenizer import load_tokenizer
 import model as M
@@ -87,6 +87,8 @@ def teachers(tmp_path_factory):
     root = tmp_path_factory.mktemp("teachers")
     save_hf(hf_gpt2(**SMALL), root / "gpt2")
     randomize(hf_neox(**SMALL_NEOX)).save_pretrained(root / "neox", max_shard_size="100KB")
+    (root / "gguf").mkdir()
+    write_llama_gguf(root / "gguf" / "llama.gguf", tiny_llama(tied=False))
     return root
 
 
@@ -156,6 +158,94 @@ def test_damaged_teacher_is_one_sentence(teachers, tmp_path, damage):
     d = shutil.copytree(teachers / kind, tmp_path / kind)
     spoil(d)
     assert re.search(words, load_error(d)), load_error(d)
+
+
+def nudge(path):
+    """Rewrite a safetensors file with one value of one tensor moved to the next float: another model, by a hair."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(path)
+    flat = sd[sorted(sd)[-1]].view(-1)
+    flat[7] = torch.nextafter(flat[7], flat[7] + 1)
+    save_file(sd, path)
+
+
+def nudge_gguf(path):
+    """One byte of a .gguf file's last tensor flipped (its values lie at the end of the file)."""
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def resave(path):
+    """The same tensors written anew by safetensors (another header: no metadata)."""
+    from safetensors.torch import load_file, save_file
+    save_file(load_file(path), path)
+
+
+FINGERPRINTS = {   # name -> (teacher, what is done to a copy of its folder, whether the copy keeps the fingerprint)
+    "a copy": ("gpt2", lambda d: None, True),
+    "a copy of the shards": ("neox", lambda d: None, True),
+    "a copy of the .gguf": ("gguf", lambda d: None, True),
+    "the same tensors saved anew": ("gpt2", lambda d: resave(d / "model.safetensors"), True),
+    "a key model.py ignores": ("gpt2", lambda d: edit_json(d / "config.json", transformers_version="9.9.9"), True),
+    "one weight one float up": ("gpt2", lambda d: nudge(d / "model.safetensors"), False),
+    "one weight in a shard": ("neox", lambda d: nudge(first_shard(d)), False),
+    "one bit of a .gguf tensor": ("gguf", lambda d: nudge_gguf(d / "llama.gguf"), False),
+    "another config value": ("gpt2", lambda d: edit_json(d / "config.json", layer_norm_epsilon=1e-6), False),
+}
+
+
+@pytest.mark.parametrize("change", FINGERPRINTS)
+def test_fingerprint_is_what_a_teacher_is_not_where_it_lies(teachers, tmp_path, change):
+    """checkpoint.fingerprint: equal for a copy (in another folder) and for the same tensors and config written
+    anew; another for one value changed by one float step (CRC-32 misses no change of 4 bytes or fewer) or another
+    config."""
+    kind, change_it, same = FINGERPRINTS[change]
+    d = shutil.copytree(teachers / kind, tmp_path / "moved")
+    change_it(d)
+    src, copy = (p / "llama.gguf" if kind == "gguf" else p for p in (teachers / kind, d))
+    assert (fingerprint(copy) == fingerprint(src)) is same
+
+
+def teacher_check(teachers, tmp_path, recorded, model):
+    """check_teacher of a checkpoint of teachers/gpt2 as config.json records it (`recorded`: the teacher's path
+    "old", with or without its fingerprint, or a hub id) against --model `model` ("old", "moved", "other" or a hub
+    id): "old" and "moved" are copies of the teacher, "other" is it with one value changed."""
+    shutil.copytree(teachers / "gpt2", tmp_path / "moved")
+    nudge(shutil.copytree(teachers / "gpt2", tmp_path / "other") / "model.safetensors")
+    prev = {"teacher": str(tmp_path / "old")}
+    if recorded == "fingerprint":
+        prev["teacher_fingerprint"] = fingerprint(teachers / "gpt2")
+    elif recorded != "path":
+        prev["teacher"] = recorded
+    check_teacher(prev, model if model in ("gpt2", "smollm2-135m") else str(tmp_path / model), "checkpoint S")
+
+
+TEACHER_CHECKS = [   # config.json's teacher, --model, the sentence (None: accepted)
+    ("fingerprint", "moved", None),
+    ("fingerprint", "other", r"^checkpoint S was distilled from the teacher \S+old, and --model \S+other is another "
+                             r"model \(its config or weights differ\); pass --model \S+old or a copy of it$"),
+    ("path", "moved", r"^checkpoint S was distilled from teacher '\S+old' but --model is '\S+moved'; pass --model "
+                      r"\S+old$"),                                     # an older checkpoint: by path, as before
+    ("path", "other", r"^checkpoint S was distilled from teacher '\S+old' but --model is '\S+other'"),
+    ("gpt2", "gpt2", None),                                            # hub ids: by name
+    ("gpt2", "moved", r"^checkpoint S was distilled from teacher 'gpt2' but --model is '\S+moved'; pass --model gpt2$"),
+    ("fingerprint", "gpt2", r"^checkpoint S was distilled from teacher '\S+old' but --model is 'gpt2'"),
+    ("smollm2-135m", "smollm2-135m", None),
+]
+
+
+@pytest.mark.parametrize("recorded, model, sentence", TEACHER_CHECKS, ids=[f"{a}-{b}" for a, b, _ in TEACHER_CHECKS])
+def test_a_checkpoint_s_teacher_is_checked_by_fingerprint_where_it_has_one(teachers, tmp_path, recorded, model,
+                                                                             sentence):
+    """A fingerprinted checkpoint takes a moved copy of its teacher and refuses another model, naming both; an older
+    one without a fingerprint and a hub id are compared by path and name as before."""
+    (tmp_path / "old").mkdir()
+    if sentence is None:
+        teacher_check(teachers, tmp_path, recorded, model)
+    else:
+        with pytest.raises(ModelError, match=sentence):
+            teacher_check(teachers, tmp_path, recorded, model)
 
 
 def test_llama_config_with_biases_is_refused():
