@@ -13,26 +13,22 @@ each layer's gradient alone is that of their sum).
 """
 
 import copy
-import functools
-import importlib.util
-import json
 import math
 import sys
 import time
-from collections import namedtuple
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 import checkpoint
 import common
 import dof
+import inputs
 import model
+import resume
 from common import get_batch, opt
 from model import GPT, PRF, feature_state, load_feature_state, overflow_safe_prf, prf_log_features
 from tokenizer import load_tokenizer
@@ -115,6 +111,9 @@ class DistillConfig:
         common.check_positive(self, ("query_block", "max_steps", "decay_steps", "warmup_steps",
                                      "lr_z", "lr_alpha", "min_lr_frac", "seed"), 0)
         common.check_positive(self, ("lam",), 0, above=True)
+        if self.block_size == 1:
+            raise common.ModelError("--block-size must be at least 2: in a window of one token "
+                                    "each query would see only itself, and nothing would train")
         if self.min_lr_frac > 1:
             raise common.ModelError(f"--min-lr-frac must be at most 1, got {self.min_lr_frac}")
         if not 0 < self.val_fraction < 1:
@@ -138,11 +137,13 @@ class DistillConfig:
         vars(new).update(values)
         return new
 
-    def for_teacher(self, teacher_config):
-        """A copy whose --block-size is cut to the teacher's context, so that no window runs past
-        GPT-2's learned positions."""
-        return self.updated(block_size=min(self.block_size, teacher_config.block_size))
-
+    def check(self, teacher_config):
+        """The flags that the teacher bounds, checked once it is loaded, before any work."""
+        context = teacher_config.block_size
+        if self.block_size > context:
+            raise common.ModelError(f"--block-size {self.block_size} is more than the teacher's "
+                                    f"context of {context} tokens; pass at most --block-size "
+                                    f"{context}")
 
 
 # --preset cpu: SmolLM2-135M on WikiText-2 in minutes on one CPU thread (docs/results.md's settings)
@@ -163,55 +164,7 @@ def parse_args(argv=None):
     return common.parse_config(config, argv)
 
 
-# Data: uint16 token files, made on first use; random windows from a seeded generator
-
-@functools.cache
-def data_script(name):
-    """data/<name>/prepare.py as a module, for its prepare(cfg, enc)."""
-    path = Path(__file__).parent / f"data/{name}/prepare.py"
-    spec = importlib.util.spec_from_file_location(f"prepare_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def prepare_data(cfg, enc):
-    """--data's token files from its text files (data/text), else from Wikipedia."""
-    d = Path(cfg.data)
-    texts = sorted(p for p in d.iterdir() if p.suffix in (".txt", ".raw")) if d.is_dir() else []
-    script = data_script("text" if texts else "wikipedia")
-    # writable, before the tokenizing
-    common.check_out(d, script.FILES, "--data")
-    source = ", ".join(p.name for p in texts) or f"{cfg.wiki_tokens:,} Wikipedia tokens"
-    print(f"preparing {d} from {source}")
-    if texts:
-        prepare = script.TextConfig(texts, cfg.model, cfg.data, cfg.val_fraction)
-    else:
-        prepare = script.WikipediaConfig(cfg.model, cfg.data, fraction=1.0,
-                                         max_tokens=cfg.wiki_tokens,
-                                         val_fraction=cfg.val_fraction, seed=cfg.seed)
-    script.prepare(prepare, enc)
-
-
-def open_data(cfg, enc, vocab_size):
-    """--data's token files {"train", "val"} and meta.json, checked against the teacher's
-    tokenizer; prepared first by rank 0 if it has none (meta.json is written last: it marks a
-    whole folder)."""
-    d, again = Path(cfg.data), "delete its train.bin, val.bin and meta.json to prepare them again"
-    if common.is_main() and not (d / "meta.json").is_file():
-        if d.exists() and not d.is_dir():
-            raise common.ModelError(f"--data {cfg.data} is a file; pass a directory")
-        if any((d / f).exists() for f in ("train.bin", "val.bin")):
-            raise common.ModelError(f"{cfg.data} holds token files but no meta.json, which "
-                                    f"prepare.py writes last; {again}")
-        prepare_data(cfg, enc)
-    # the others wait while rank 0 prepares
-    common.barrier()
-    meta = common.check_tokenizer(d, enc, f"the teacher {cfg.model}", again, need=True)
-    data = {s: common.read_tokens(d / f"{s}.bin", vocab_size=vocab_size,
-                                  min_tokens=cfg.block_size + 1) for s in ("train", "val")}
-    return data, meta
-
+# Data: random windows from a seeded generator (inputs.open_data: the token files, checked)
 
 def validation_batches(cfg, tokens, device):
     """--eval-iters windows of val.bin, the same at every validation (drawn from --seed + 1)."""
@@ -234,7 +187,14 @@ def attention_rows(q, k, phi_q, phi_k):
     logits = (q @ k.mT / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))
     logp = torch.log_softmax(logits, -1)
     a = (phi_q @ phi_k.mT).masked_fill(~mask, 0.0)                         # (B, H, T, T)
-    return logp, a.clamp_min(tiny).log() - a.sum(-1, keepdim=True).clamp_min(tiny).log()
+    return logp, a.clamp_min(tiny).log() - log_row_sum(a.sum(-1, keepdim=True), tiny)
+
+
+def log_row_sum(S, tiny):
+    """log S_i, clamped at float's tiny; 0 for a row whose mass underflows (S_i < tiny), so that
+    each of its keys counts as getting p^_ij = tiny: a KL of -H(p_i) - log tiny (about 87), large,
+    as the student's row holds nothing (the clamps alone would cancel to -H(p_i) < 0)."""
+    return S.clamp_min(tiny).log().masked_fill_(S < tiny, 0.0)
 
 
 def softmax_loss(q, k, phi_q, phi_k):
@@ -259,7 +219,7 @@ def softmax_loss_blockwise(q, k, pq, pk, block, grad_scale=None):
     """softmax_loss summed over each head's rows, `block` at a time (memory O(block T)):
     q (B, H, T, D) queries over sqrt(d), k keys, pq, pk (B, H, T, M) features -> (H,) float64.
     grad_scale: adds grad_scale times the gradient into pq.grad, pk.grad, written out
-    (a_ij = pq_i.pk_j, S_i = sum_{j<=i} a_ij, both clamped at float's tiny):
+    (a_ij = pq_i.pk_j, S_i = sum_{j<=i} a_ij, both clamped at float's tiny; log S_i as log_row_sum):
         KL_i = sum_j p_ij log p_ij - sum_j p_ij log a_ij + log S_i,
         dKL_i/da_ij = 1/S_i - p_ij / a_ij."""
     tiny, heads = torch.finfo(pq.dtype).tiny, (0, 2, 3)
@@ -271,7 +231,7 @@ def softmax_loss_blockwise(q, k, pq, pk, block, grad_scale=None):
         S = a.sum(-1, keepdim=True)                                       # (B, H, b, 1)
         under = a < tiny if grad_scale is not None else None
         a.clamp_min_(tiny)
-        kl = torch.xlogy(p, p).sum(heads) + S.clamp_min(tiny).log().sum(heads)
+        kl = torch.xlogy(p, p).sum(heads) + log_row_sum(S, tiny).sum(heads)
         kl = kl - (p * a.log()).sum(heads)
         total += kl.double()
         if grad_scale is not None:
@@ -398,127 +358,6 @@ def make_optimizer(student, cfg):
     return torch.optim.Adam(groups, betas=(0.9, 0.999), eps=1e-8, foreach=True)
 
 
-# Checkpoints: the one to start from (--init-from, --resume), checked at the door; rank 0 writes
-# each whole into <out_dir>.tmp, then renames it into place (common.atomic_path)
-
-FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size",
-                   "center_keys")
-# from_checkpoint's: config.json's dict, the feature tensors
-Checkpoint = namedtuple("Checkpoint", "path config features")
-
-
-def from_checkpoint(cfg):
-    """--resume / --init-from: that Checkpoint, refused before any work where it does not fit this
-    run (a resumed run must end as the uninterrupted one would)."""
-    path = cfg.out_dir if cfg.resume else cfg.init_from
-    prev, sd = checkpoint.read_student(path)
-    flag = "--resume" if cfg.resume else "--init-from"
-    checkpoint.check_teacher(prev, cfg.model, f"{flag} {path}")
-    if cfg.resume:
-        check_resume(cfg, path, prev)
-    if cfg.dims and dof.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
-        raise common.ModelError(f"{path} was trained with dims {prev['dims']}, "
-                                f"not --dims {cfg.dims}; drop --dims")
-    print(f"note: {', '.join(FROM_CHECKPOINT)} and the features come from {path}")
-    return Checkpoint(path, prev, sd)
-
-
-def with_checkpoint_settings(cfg, prev):
-    """A copy of cfg with Checkpoint prev's FROM_CHECKPOINT settings (config.json records them)."""
-    return cfg.updated(**{k: prev.config.get(k, getattr(cfg, k)) for k in FROM_CHECKPOINT})
-
-
-def check_resume(cfg, path, prev):
-    """--resume: RESUMED's flags as the checkpoint was started with, the schedule's length,
-    torchrun's process count, and no flag of a fork's that this script lacks."""
-    args = prev.get("args")
-    if not isinstance(args, dict):
-        raise common.ModelError(f"{path}'s config.json records no args, the flags to resume it "
-                                f"with; pass --init-from {path} and another --out-dir to train on "
-                                "from its features")
-    # a fork's flag that the script which started it lacks: its default
-    defaults = {name: getattr(type(cfg), name, None) for name in cfg.RESUMED}
-    was = defaults | args | {"nproc_per_node": prev.get("world_size", 1),
-                             "decay_steps": args.get("decay_steps") or args.get("max_steps")}
-    now = asdict(cfg) | {"decay_steps": cfg.decay_steps or cfg.max_steps,
-                         "nproc_per_node": common.get_world_size()}
-    if lost := sorted(k for k in was.keys() - now.keys() if was[k]):
-        raise common.ModelError(f"{path} was started with --{lost[0].replace('_', '-')} "
-                                f"{was[lost[0]]!r}, which this script lacks; resume it with the "
-                                "script that started it (experiments/*.py)")
-    for name in cfg.RESUMED + ("decay_steps", "nproc_per_node"):
-        a, b = was.get(name), now[name]
-        # one directory, however spelled
-        if name in ("data", "init_from") and a and b:
-            a, b = Path(a).resolve(), Path(b).resolve()
-        if a is None or a == b:
-            continue
-        flag = "--" + name.replace("_", "-")
-        todo = "resume it with the flags it was started with"
-        if name == "nproc_per_node":
-            flag = "torchrun --nproc_per_node"
-        if name == "decay_steps":
-            todo = f"pass --decay-steps {a} to keep its schedule's length"
-        raise common.ModelError(f"{path} was started with {flag} {was[name]!r}, not {now[name]!r}; "
-                                f"{todo}")
-
-
-def check_same_tokens(cfg, prev, meta):
-    """--resume: --data holds the token files that the checkpoint was trained on."""
-    was = prev.config.get("data", {}).get("tokens", meta.get("tokens"))
-    if was != meta.get("tokens"):
-        raise common.ModelError(f"{cfg.data} now holds other token files than {cfg.out_dir} "
-                                f"was trained on ({meta.get('tokens')}, not {was}); resume it on "
-                                "the data it was started with")
-
-
-def save_checkpoint(cfg, student, optim, gen, config, metrics):
-    state = {"optimizer": optim.state_dict() if optim else None, "step": config["step"],
-             "train_rng": gen.get_state(), "torch_rng": torch.get_rng_state()}
-    try:
-        with common.atomic_path(cfg.out_dir, directory=True) as tmp:
-            save_file(feature_state(student), str(tmp / "features.safetensors"))
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            (tmp / "metrics.json").write_text(json.dumps(metrics) + "\n")
-            torch.save(state, tmp / "optim.pt")
-    # a full disk; torch.save's is a RuntimeError
-    except (OSError, RuntimeError, SafetensorError) as e:
-        todo = "make room, then run it again"
-        if common.is_checkpoint(cfg.out_dir):
-            todo = ("the checkpoint saved before is whole: make room, then add --resume to "
-                    "continue from it")
-        why = str(e).strip()[:80]
-        raise common.ModelError(f"saving into {cfg.out_dir} failed ({why}); {todo}") from None
-
-
-def restore(cfg, optim, gen):
-    """--resume: the optimizer, data position and torch RNG of --out-dir's -> (step, metrics)."""
-    out, todo = Path(cfg.out_dir), "the checkpoint is damaged; pass --overwrite to start again"
-    state = common.torch_load(out / "optim.pt", todo)
-    metrics = common.read_json(out / "metrics.json", todo, dict)
-    # another run's files, or edited ones, raise one of the errors caught
-    try:
-        if optim is not None:
-            optim.load_state_dict(state["optimizer"])
-            if any(s["exp_avg"].shape != p.shape for p, s in optim.state.items()):
-                raise ValueError("its Adam moments are of other dims")
-        gen.set_state(state["train_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        step = int(state["step"])
-        metrics["val"] + metrics["history"]                                 # both lists, as saved
-        # saved right after a validation
-        if step != metrics["val"][-1]["step"]:
-            raise ValueError(f"its step {step} is not its last validation's")
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise common.ModelError(f"{out}'s optim.pt or metrics.json does not fit it "
-                                f"({type(e).__name__}: {str(e)[:60]}); {todo}") from None
-    if step > cfg.max_steps:
-        raise common.ModelError(f"{out} is at step {step}, past --max-steps {cfg.max_steps}; "
-                                f"pass --max-steps {step} or more")
-    print(f"resuming {cfg.out_dir} at step {step}")
-    return step, metrics
-
-
 # Training: the learning rate, a step, validation, the loop
 
 def lr_factor(step, cfg):
@@ -578,11 +417,15 @@ def lm_loss(model, batches, amp):
 
 
 def check_finite(cfg, step, values, name):
-    """A ModelError naming (name(i)) the first non-finite value, before the checkpoint."""
-    if bad := [i for i, v in enumerate(values) if not math.isfinite(v)]:
-        raise common.ModelError(f"{name(bad[0])} became {values[bad[0]]} at step {step}; the "
-                                f"checkpoint in {cfg.out_dir} was not updated; lower "
-                                "--lr-z/--lr-alpha or use --dtype float32")
+    """A ModelError naming (name(i)) the first value that is not finite, or is below 0 beyond
+    rounding (each is a KL, an l2 distance or a cross-entropy), before the checkpoint."""
+    for i, v in enumerate(values):
+        todo = "lower --lr-z/--lr-alpha or use --dtype float32"
+        if v < -1e-4:
+            todo = "no loss here can be negative, so the code that computed it is wrong"
+        if v < -1e-4 or not math.isfinite(v):
+            raise common.ModelError(f"{name(i)} became {v} at step {step}; the checkpoint in "
+                                    f"{cfg.out_dir} was not updated; {todo}")
 
 
 def fmt(losses, next_token=False):
@@ -608,7 +451,7 @@ def validate(cfg, teacher, student, optim, gen, val, amp, step, metrics, config)
                f"attention KL {fmt(v['attn_kl'])}")
     metrics["val"].append(v)
     if common.is_main():
-        save_checkpoint(cfg, student, optim, gen, {**config, "step": step}, metrics)
+        resume.save_checkpoint(cfg, student, optim, gen, {**config, "step": step}, metrics)
 
 
 def log_step(cfg, losses, step, end, lr, t0, n, metrics):
@@ -655,43 +498,6 @@ def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, conf
 
 
 # The run: checks at the door, then the flow of the module docstring
-
-def check_memory(cfg, mc, device, dims=None):
-    """Refuse a step that cannot fit, before anything large is allocated (floats, roughly)."""
-    B, T, H, L, C = cfg.batch_size, cfg.block_size, mc.n_head, mc.n_layer, mc.n_embd
-    if dims is None and cfg.dims:
-        dims = dof.parse_dims(cfg.dims, L)
-    M = int(np.max(dims or 4 * cfg.budget))                               # DoF dims reach 4 C
-    # the attention rows of a layer_losses block
-    rows = H * min(cfg.query_block or 128, T)
-    if device.startswith("cuda") and cfg.stack != "no":
-        rows = min(L * H * T, 2 ** 26 // (B * T))
-    # every layer's q and k, the rows, the features, the activations
-    floats = B * T * (L * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * H * M + 8 * C)
-    if step_loss(cfg, cfg.max_steps - 1) == "direct":
-        floats += 16 * L * B * T * C + 2 * B * T * mc.vocab_size
-    # the batches of int64 tokens
-    floats += 2 * (cfg.calib_batches + cfg.eval_iters) * B * (T + 1)
-    what = (f"a step of --batch-size {B} x --block-size {T} with up to {M:,} features a head (and "
-            f"{cfg.calib_batches} calibration and {cfg.eval_iters} validation batches)")
-    todo = ("lower --batch-size (--grad-accum keeps the batch), --block-size, the dims or those "
-            "batches")
-    common.check_free_memory(4 * floats, device, what, todo)
-
-
-def run_record(cfg, dims, layer_dof, meta, step):
-    """config.json: the student that load_student reads (teacher, dims, settings), and its run."""
-    data = {"dir": cfg.data, "tokens": meta.get("tokens"), "source": meta.get("source"),
-            "tokenizer": meta["tokenizer"].get("model")}
-    # a local teacher is known by its fingerprint, wherever it lies
-    fingerprint = checkpoint.fingerprint(cfg.model) if checkpoint.is_local(cfg.model) else None
-    return {"teacher": cfg.model, "teacher_fingerprint": fingerprint,
-            "dims": dims, "dof": layer_dof,
-            **{k: getattr(cfg, k) for k in FROM_CHECKPOINT + ("loss", "seed", "block_size")},
-            "init_from": cfg.init_from or None, "world_size": common.get_world_size(), "step": step,
-            "fork": common.FORK,
-            "data": data, "args": asdict(cfg)}
-
 
 def print_start(cfg, teacher, data, dims, device):
     """One line: the teacher, the data, the dims, the features and loss, the batch, the device."""
@@ -746,15 +552,17 @@ def run(cfg):
     # torchrun: a process per device, rank 0 prints
     device = common.init_distributed(device)
     teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
-    cfg = cfg.for_teacher(teacher.config)
-    prev = from_checkpoint(cfg) if cfg.resume or cfg.init_from else None
+    cfg.check(teacher.config)
+    prev = resume.from_checkpoint(cfg) if cfg.resume or cfg.init_from else None
     if prev:
-        cfg = with_checkpoint_settings(cfg, prev)
-    check_memory(cfg, teacher.config, device, prev.config["dims"] if prev else None)
+        cfg = resume.with_checkpoint_settings(cfg, prev)
+    direct = step_loss(cfg, cfg.max_steps - 1) == "direct"
+    dims = prev.config["dims"] if prev else None
+    inputs.check_memory(cfg, teacher.config, device, dims, direct)
     enc = load_tokenizer(cfg.model)
-    data, meta = open_data(cfg, enc, teacher.config.vocab_size)
+    data, meta = inputs.open_data(cfg, enc, teacher.config.vocab_size)
     if cfg.resume:
-        check_same_tokens(cfg, prev, meta)
+        resume.check_same_tokens(cfg, prev, meta)
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size,
                                     cfg.block_size, cfg.seed, device)
     val = validation_batches(cfg, data["val"], device)
@@ -763,11 +571,13 @@ def run(cfg):
     if optim is None:
         print(f"note: {cfg.feature_map} features are fixed, so nothing trains: the checkpoint is "
               "the initial student")
-    step, metrics = restore(cfg, optim, gen) if cfg.resume else (0, {"history": [], "val": []})
+    step, metrics = (0, {"history": [], "val": []})
+    if cfg.resume:
+        step, metrics = resume.restore(cfg, optim, gen)
     # on this run's device, as the student's
     metrics["teacher_loss"] = lm_loss(teacher, val, amp)
     print_start(cfg, teacher, data, dims, device)
-    config = run_record(cfg, dims, layer_dof, meta, step)
+    config = resume.run_record(cfg, dims, layer_dof, meta, step)
     step = train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, config)
     print_summary(cfg, teacher, student, metrics, step, enc, device)
 

@@ -232,6 +232,13 @@ class DofConfig:
         run.check_positive(self, ("seed",), 0)            # as distill.py: windows it can draw too
         run.check_out(self.out, ("dof.json",))
 
+    def check(self, mc):
+        """--block-size within the model's context, checked once it is loaded."""
+        if self.block_size > mc.block_size:
+            raise run.ModelError(f"--block-size {self.block_size} is more than the model's "
+                                 f"context of {mc.block_size} tokens; pass at most --block-size "
+                                 f"{mc.block_size}")
+
     def check_memory(self, mc, T, device):
         """Refuse a calibration pass of windows of T tokens that does not fit in device's memory."""
         B, H = self.batch_size, mc.n_head
@@ -266,7 +273,8 @@ def main(argv=None):
     device, _ = run.pick_device(cfg.device, "float32")            # queries and keys in float32
     model = GPT.from_pretrained(cfg.model, device=device)
     mc = model.config
-    T = min(cfg.block_size, mc.block_size)                        # at most the model's context
+    cfg.check(mc)
+    T = cfg.block_size
     cfg.check_memory(mc, T, device)
     run.check_tokenizer(cfg.data, lambda: tokenizer.load_tokenizer(cfg.model), cfg.model)
     train = Path(cfg.data) / "train.bin"
@@ -282,9 +290,8 @@ def main(argv=None):
     layer = per_head.max(1)                                             # (L,)
     dims = {rule: allocate(layer, cfg.budget, rule, mc.head_dim) for rule in RULES}
     print_table(cfg, per_head, dims)
-    settings = asdict(cfg) | {"block_size": T}                          # the window used
-    result = {"settings": settings, "per_head_dof": per_head.tolist(), "layer_dof": layer.tolist(),
-              "dims": dims, "seconds": time.time() - t0}
+    result = {"settings": asdict(cfg), "per_head_dof": per_head.tolist(),
+              "layer_dof": layer.tolist(), "dims": dims, "seconds": time.time() - t0}
     out = Path(cfg.out) / "dof.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     run.write_text_atomic(out, json.dumps(result, indent=1))

@@ -88,6 +88,10 @@ class EvalConfig:
         if self.ppl_context and self.ppl_context > block_size:
             raise run.ModelError(f"--ppl-context {self.ppl_context} exceeds the model's context "
                                  f"length {block_size}")
+        if self.speed and self.speed_tokens > block_size:
+            raise run.ModelError(f"--speed-tokens {self.speed_tokens} is more than the model's "
+                                 f"context of {block_size} tokens; pass at most --speed-tokens "
+                                 f"{block_size}")
 
 
 def check_ppl_file(p: Path):
@@ -502,14 +506,12 @@ def timed(device, fn, *args) -> float:
 def speed(model, n_tokens: int = 1000, device="cpu") -> dict:
     """Seconds for one n-token sequence: prefill (after a warm-up), and greedy decoding of all but
     its first token."""
-    # --speed-tokens beyond the model's context length are cut to it, silently
-    n = min(n_tokens, model.config.block_size)
-    x = torch.randint(0, int(model.config.vocab_size), (1, n), device=device)
+    x = torch.randint(0, int(model.config.vocab_size), (1, n_tokens), device=device)
     prefill = lambda: model.lm_head(model.hidden(x)[:, -1])  # noqa: E731
     timed(device, prefill)  # a warm-up
     prefill_s = timed(device, prefill)
-    generate_s = timed(device, model.generate, x[:, :1], n - 1)
-    return {"tokens": n, "prefill_s": prefill_s, "generate_s": generate_s}
+    generate_s = timed(device, model.generate, x[:, :1], n_tokens - 1)
+    return {"tokens": n_tokens, "prefill_s": prefill_s, "generate_s": generate_s}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -910,7 +910,9 @@ def test_softmax_loss_blockwise_and_written_out_gradient_equal_the_plain_form():
 def test_blockwise_losses_at_underflow_and_overflow_equal_the_plain_form_or_stay_finite():
     """Features at float's edges, where the written-out gradients clamp: a query whose features are all 0 (S_i = 0)
     and a key whose products with every query underflow (a_ij below float's tiny) get the plain form's gradients,
-    not 1/tiny; l2 log features of +60 (c = e^u / m past e^30) give a finite loss and finite gradients."""
+    not 1/tiny; every KL is at least 0, and a row without mass (S_i = 0, as when every key's features underflow)
+    scores -H(p_i) - log tiny, large (the clamps had cancelled to -H(p_i) < 0); l2 log features of +60 (c = e^u / m
+    past e^30) give a finite loss and finite gradients."""
     torch.manual_seed(23)
     B, H, T, D, M = 1, 2, 12, 8, 4
     q, k = torch.randn(B, H, T, D), torch.randn(B, H, T, D)
@@ -923,6 +925,13 @@ def test_blockwise_losses_at_underflow_and_overflow_equal_the_plain_form_or_stay
     assert torch.allclose(total, distill.softmax_loss(q, k, pq, pk).sum((0, 2)).double(), rtol=1e-5)
     for fast, plain in ((pq.grad, leaves[0].grad), (pk.grad, leaves[1].grad)):
         assert torch.allclose(fast, plain, rtol=1e-4, atol=1e-5), (fast - plain).abs().max()
+    kl = distill.softmax_loss(q, k, pq, pk)                                   # (B, H, T)
+    assert (kl >= 0).all() and (kl[:, :, 4] > 80).all() and (kl[:, :, :4] < 80).all(), kl
+    none = torch.zeros_like(pk)                                               # every key's features underflow
+    plain = distill.softmax_loss(q, k, pq, none)
+    total = distill.softmax_loss_blockwise(q / D ** 0.5, k, pq, none, block=5)
+    assert plain.isfinite().all() and (plain > 80).all()
+    assert torch.allclose(total, plain.sum((0, 2)).double(), rtol=1e-5)
     lq, lk = torch.randn(B, H, T, M) + 60.0, torch.randn(B, H, T, M) + 60.0
     lq.grad, lk.grad = torch.zeros_like(lq), torch.zeros_like(lk)
     total = distill.l2_loss_blockwise(q / D ** 0.5, k, lq, lk, block=5, grad_scale=1.0)

@@ -32,6 +32,8 @@ from tokenizer import load_tokenizer
 import checkpoint
 import common
 import distill
+import inputs
+import resume
 import dof
 import evaluate as E
 import model as M
@@ -78,11 +80,11 @@ def test_command_on_token_files(tmp_path, capsys):
     assert r.returncode == 0 and "warning: DoF/J > 0.9: the estimate saturates at J" in r.stderr, r.stderr
     check_ok(tmp_path / "made" / "o1", r.stdout)
     dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o2"), "--lam", "1e-3", "--lam-relative",
-                                        "--block-size", "1000", "--budget", "16"])
+                                        "--block-size", "128", "--budget", "16"])
     res = check_ok(tmp_path / "o2", capsys.readouterr().out, budget=16)
     assert max(res["layer_dof"]) < 0.9 * 256                       # relative lambda: far from saturated
     assert max(res["dims"]["dof"]) > 16                             # so clip's cap at the head size binds
-    assert res["settings"]["block_size"] == 128                     # the model's context, as used, not as asked
+    assert res["settings"]["block_size"] == 128                     # the model's context, as asked
     dof.main([str(f) for f in flags] + ["--out", str(tmp_path / "o3"), "--center-keys"])
     centred = check_ok(tmp_path / "o3", capsys.readouterr().out)
     assert centred["per_head_dof"] != json.loads((tmp_path / "made" / "o1" / "dof.json").read_text())[
@@ -124,7 +126,7 @@ def test_command_bad_input(tmp_path):
         dof.main(common)
     np.arange(100, dtype=np.uint16).tofile(data / "train.bin")
     with pytest.raises(ModelError, match="holds 100 tokens, fewer than the 129 needed"):   # windows of 128 + 1
-        dof.main(common + ["--block-size", "500"])
+        dof.main(common + ["--block-size", "128"])
     r = run_dof(*common, "--lam", "0")                      # the command: one sentence, exit code 2
     assert r.returncode == 2 and r.stderr == "error: --lam must be a number above 0, got 0.0\n"
     cfg = json.loads((ckpt / "config.json").read_text())
@@ -183,7 +185,7 @@ def test_prepare_refuses_a_second_writer_of_one_directory(setup, tmp_path):
     with open(tmp_path / "out" / "prepare.lock", "w") as lock:        # the first run, still writing
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(ModelError, match=r"another run is writing token files into .*out \(it holds .*lock\)"):
-            distill.data_script("text").main(["--model", str(ckpt), "--out", str(tmp_path / "out"), str(TEXT)])
+            inputs.data_script("text").main(["--model", str(ckpt), "--out", str(tmp_path / "out"), str(TEXT)])
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["prepare.lock"]
 
 
@@ -509,7 +511,7 @@ def test_a_path_the_system_refuses_is_one_sentence(setup, tmp_path):
     d, ckpt, data = setup
     long = tmp_path / ("a" * 300)
     for flags in (["--out-dir", long], ["--data", long, "--out-dir", tmp_path / "out"]):
-        r = cli("distill.py", "--model", ckpt, *flags)
+        r = cli("distill.py", "--model", ckpt, "--block-size", 64, *flags)             # within its context
         assert r.returncode == 2 and re.fullmatch(rf"error: {long}(/meta.json)?: File name too long; pass another "
                                                   r"path\n", r.stderr), r.stderr
     assert not (tmp_path / "out").exists()
@@ -667,6 +669,24 @@ def test_nan_loss_stops_naming_the_layer(setup, tmp_path, monkeypatch):
     assert not (tmp_path / "nan2" / "config.json").exists()
 
 
+def test_features_that_underflow_score_a_large_kl_and_a_negative_one_stops_the_run(setup, tmp_path):
+    """--lr-z 20 drives every key's features to 0: the held-out attention KL is large (had been -H(p), negative, and
+    saved as a success); a loss below 0 (here a fork's wrong softmax_loss_blockwise) stops the run, one sentence,
+    before its first checkpoint."""
+    d, ckpt, data = setup
+    out = tmp_path / "under"
+    distill.main(distill_args(ckpt, data, out, "--alloc", "fix", "--budget", "4", "--lr-z", "20", "--max-steps", "20",
+                              "--warmup-steps", "0"))
+    kl = json.loads((out / "metrics.json").read_text())["val"][-1]["attn_kl"]
+    assert min(kl) > 10, kl
+    wrong = lambda q, *a, **k: -torch.ones(q.size(1), dtype=torch.float64)         # noqa: E731
+    with common.replaced({(distill, "softmax_loss_blockwise"): wrong}):
+        run_bad(distill_args(ckpt, data, tmp_path / "neg", "--alloc", "fix", "--budget", "4", "--max-steps", "2"),
+                r"^layer 0's held-out attention KL became -[\d.]+ at step 0; the checkpoint in \S+neg was not "
+                r"updated; no loss here can be negative, so the code that computed it is wrong$")
+    assert not (tmp_path / "neg").exists()
+
+
 def paragraphs():
     return [p for p in TEXT.read_text(encoding="utf-8").split("\n \n") if len(p) > 200][:300]
 
@@ -697,7 +717,7 @@ def test_wikipedia_sample_streamed_into_a_data_directory_without_text(setup, tmp
     data/wikipedia/prepare.py (its stream replaced by local paragraphs), a --val-fraction share of them held out."""
     d, ckpt, _ = setup
     arts = paragraphs()
-    monkeypatch.setattr(distill.data_script("wikipedia"), "stream_articles", lambda name, config: (iter(arts), None))
+    monkeypatch.setattr(inputs.data_script("wikipedia"), "stream_articles", lambda name, config: (iter(arts), None))
     out = tmp_path / "wiki"
     distill.main([str(a) for a in ["--model", ckpt, "--data", out, "--wiki-tokens", 20000, "--val-fraction", 0.2,
                                    "--alloc", "fix", "--budget", "4", "--max-steps", "2", "--prompt", "",
@@ -773,7 +793,7 @@ def test_init_from_takes_the_student_settings_of_the_checkpoint(tmp_path):
     (src / "config.json").write_text(json.dumps({"teacher": "gpt2", "dims": [6, 6], "feature_map": "performer",
                                                  "chunk_size": 32, "center_keys": True, "budget": 6}))
     cfg = distill.parse_args(["--data", "d", "--init-from", src, "--out-dir", tmp_path / "out"])
-    cfg = distill.with_checkpoint_settings(cfg, distill.from_checkpoint(cfg))
+    cfg = resume.with_checkpoint_settings(cfg, resume.from_checkpoint(cfg))
     assert (cfg.feature_map, cfg.chunk_size, cfg.center_keys, cfg.budget) == ("performer", 32, True, 6)
 
 
@@ -904,7 +924,7 @@ def test_preset_prints_its_flags_and_flags_given_win(capsys, monkeypatch):
     assert distill.parse_args(["--preset", "cpu"]).budget == 32 and capsys.readouterr().out == ""
 
 
-def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, tmp_path):
+def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, tmp_path, monkeypatch):
     """A case for each root cause: the project's own files damaged (checkpoint, optimizer state, meta.json), empty
     token files, token ids beyond the vocabulary with an intact meta.json, writes that cannot happen, values nobody
     checked, and messages that misled. Each ends in one sentence and leaves every file as it was."""
@@ -990,6 +1010,14 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
          r"batches\) needs about [\d,.]+ GiB"),                                           # they had hung being drawn
         (distill_args(ckpt, data, x, "--device", "tpu"), r"--device tpu is not a device of this machine; use one of"),
         (distill_args(ckpt, data, x, "--max-steps", "-1"), r"--max-steps must be a number of at least 0"),
+        (distill_args(ckpt, data, x, "--data", ""), r"^--data is empty; pass a value, or drop the flag"),
+        (distill_args(ckpt, data, x, "--block-size", "1"), r"^--block-size must be at least 2: in a window of one "
+         r"token each query would see only itself, and nothing would train$"),                # had trained nothing
+        (distill_args(ckpt, data, x, "--block-size", "129"), r"^--block-size 129 is more than the teacher's context "
+         r"of 128 tokens; pass at most --block-size 128$"),                                    # had been cut to 128
+        (distill_args(ckpt, data, copy(base, "metrics.json", "set", (base / "metrics.json").read_bytes()), *again,
+                      "--preset", "cpu"), r"was started without --preset cpu, so its --warmup-steps was 100, not 45; "
+         r"resume it without --preset cpu$"),                           # had blamed --warmup-steps, never typed
     ]
     for argv, match in cases:
         before = snapshot(tmp_path)
@@ -997,6 +1025,20 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
             distill.main(argv)
         assert "\n" not in str(e.value) and snapshot(tmp_path) == before, (argv, str(e.value))
     assert not x.exists()
+    locked = copy(base, "metrics.json", "set", (base / "metrics.json").read_bytes())
+    read_text = Path.read_text                                         # its config.json: permission denied
+
+    def refused(p, *a, **k):
+        if Path(p) == locked / "config.json":
+            raise PermissionError(13, "Permission denied")
+        return read_text(p, *a, **k)
+    monkeypatch.setattr(Path, "read_text", refused)
+    before = snapshot(tmp_path)
+    with pytest.raises(ModelError, match=r"^\S+config.json is not readable \(permission denied\); give this user read "
+                                         r"access to it, or "):                    # had been "damaged or truncated"
+        distill.main(distill_args(ckpt, data, x, "--init-from", locked))
+    assert snapshot(tmp_path) == before and not x.exists()
+    monkeypatch.undo()
     r = cli("distill.py", *cases[3][0])                              # the command: that sentence alone, exit 2
     assert r.returncode == 2 and re.fullmatch(r"error: \S+optim.pt does not exist; [^\n]+\n", r.stderr), r.stderr
 
@@ -1015,6 +1057,7 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
     (tmp_path / "taken" / "val.bin").mkdir()
     for split in ("train", "val"):
         np.arange(50, dtype=np.uint16).tofile(tmp_path / "short" / f"{split}.bin")
+    shutil.copytree(data, tmp_path / "prepared")                          # tokens a checkpoint was trained on
     cases = [("bench/bench.py", ["--T", "0"], r"--T must list numbers of at least 1, got \[0\]"),
              ("bench/bench.py", ["--T", "--decode-ctx", "--heads", tmp_path / "bad.json"],
               r"bad.json is damaged or truncated .*; pass the JSON of an experiments/per_head.py run"),
@@ -1070,11 +1113,13 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--seed", "-1"], r"--seed must be a number of at least 0, got -1"),   # distill.py's refusal
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "taken"], r"cannot write .*dof.json: it is a directory"),
-             ("dof.py", ["--model", ckpt, "--data", tmp_path / "a.txt", "--out", tmp_path / "out"], r"a.txt/train.bin "
+             ("dof.py", ["--model", ckpt, "--data", tmp_path / "a.txt", "--block-size", 128, "--out", tmp_path / "out"],
+              r"a.txt/train.bin "
               r"does not exist; make it with data/\*/prepare.py, whose --out is the folder to pass"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "taken", tmp_path / "a.txt"],
               r"cannot write .*taken/val.bin: it is a directory"),
-             ("dof.py", ["--model", ckpt, "--data", data, "--batch-size", 10 ** 8, "--out", tmp_path / "out"], r"the "
+             ("dof.py", ["--model", ckpt, "--data", data, "--batch-size", 10 ** 8, "--block-size", 128, "--out",
+                        tmp_path / "out"], r"the "
               r"calibration pass at --batch-size 100000000 x --block-size 128 needs about [\d,.]+ GiB, more than the"),
              ("bench/heads.py", ["--model", ckpt, "--data", data, "--layers", "9", "--out", tmp_path / "out"],
               r"has layers 0-3; pass --layers among them \(got \[9\]\)$"),
@@ -1099,7 +1144,29 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("docs/experiments.py", ["--run", "claim", "--match", "nothing"], r"no run of grid claim has a name "
               r"containing 'nothing'; its runs are b32-fix-s0, b32-fix-s1, "),         # had run none and exited 0
              ("bench/heads.py", ["--Ms", "--out", tmp_path / "out"], r"--Ms must be one or more feature counts"),
-             ("bench/heads.py", ["--layers", "-1"], r"--layers must be one or more layers from 0, got \[-1\]")]
+             ("bench/heads.py", ["--layers", "-1"], r"--layers must be one or more layers from 0, got \[-1\]"),
+             ("dof.py", ["--model", ckpt, "--data", data, "--block-size", "129", "--out", tmp_path / "out"],
+              r"--block-size 129 is more than the model's context of 128 tokens; pass at most --block-size 128$"),
+             ("data/text/prepare.py", ["--model", "", "--out", tmp_path / "out", tmp_path / "a.txt"],
+              r"--model is empty; pass a value$"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", "", tmp_path / "a.txt"], r"--out is empty; pass a value$"),
+             ("data/wikipedia/prepare.py", ["--out", ""],
+              r"--out is empty; pass a value, or drop the flag to use its default, \S+/data/wikipedia$"),
+             ("dof.py", ["--model", "", "--out", tmp_path / "out"],
+              r"--model is empty; pass a value, or drop the flag to use its default, gpt2$"),
+             ("dof.py", ["--model", ckpt, "--data", "", "--out", tmp_path / "out"],
+              r"--data is empty; pass a value, or drop the flag to use its default, data/wikipedia$"),
+             ("dof.py", ["--model", ckpt, "--out", ""], r"--out is empty; pass a value, or drop the flag to use its "
+              r"default, out-dof$"),
+             ("distill.py", ["--model", "", "--out-dir", tmp_path / "out"], r"--model is empty; pass a value, or drop "
+              r"the flag"),                                         # had read the working directory as a checkpoint
+             ("distill.py", ["--model", ckpt, "--data", "", "--out-dir", tmp_path / "out"],
+              r"--data is empty; pass a value, or drop the flag"),
+             ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "prepared", "--val-fraction", "0.5",
+                                       tmp_path / "a.txt"], r"\S+prepared already holds token files \(train.bin, "
+              r"val.bin, meta.json\); pass --overwrite to replace them, or another --out$"),    # had replaced them
+             ("data/wikipedia/prepare.py", ["--model", ckpt, "--out", tmp_path / "prepared"], r"\S+prepared already "
+              r"holds token files \(train.bin, val.bin, meta.json\); pass --overwrite")]     # before any hub access
     for script, args, match in cases:
         before = snapshot(tmp_path)
         r = cli(script, *args)
@@ -1177,13 +1244,13 @@ def test_out_dir_that_is_a_link_and_a_full_disk(setup, tmp_path, monkeypatch):
     def full_disk_safetensors(*args):                                  # safetensors' own exception, at the first save
         from safetensors import SafetensorError
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    monkeypatch.setattr(distill, "save_file", full_disk_safetensors)
+    monkeypatch.setattr(resume, "save_file", full_disk_safetensors)
     with pytest.raises(ModelError, match=r"saving into .*fresh failed \(Error while serializing: I/O error: No space "
                                          r"left on device \(os error 28\)\); make room, then run it again$"):
         distill.main(distill_args(ckpt, data, tmp_path / "fresh", "--alloc", "fix", "--budget", "4",
                                   "--max-steps", "1"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "real"]
-    prepare = distill.data_script("text")
+    prepare = inputs.data_script("text")
     with pytest.raises(ModelError, match=r"writing the token files into .*b failed \(\[Errno 28\] No space left"):
         with prepare.token_files(tmp_path / "a" / "b", {}):
             raise OSError(28, "No space left on device")
@@ -1208,15 +1275,15 @@ def test_out_dir_a_mount_point_and_a_stale_tmp_that_is_a_link(setup, tmp_path, m
 
 
 def test_a_short_context_teacher_and_a_fixed_feature_map(setup, tmp_path, capsys):
-    """A teacher of 16 positions ends with continuations that fit its context (8 tokens), not a crash; a fixed
-    feature map (performer) has nothing to train, and says so."""
+    """A teacher of 16 positions (windows of --block-size 16: more is refused) ends with continuations that fit its
+    context (8 tokens), not a crash; a fixed feature map (performer) has nothing to train, and says so."""
     d, ckpt, data = setup
     from transformers import GPT2Config, GPT2LMHeadModel
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16)).save_pretrained(tmp_path / "t16")
     for name, to in (("encoder.json", "vocab.json"), ("vocab.bpe", "merges.txt")):
         shutil.copy(TOKENIZER / name, tmp_path / "t16" / to)
     distill.main(distill_args(tmp_path / "t16", data, tmp_path / "run", "--max-steps", "1", "--J", "16", "--prompt",
-                              "one two three four five six seven eight nine ten"))          # the last flag wins
+                              "one two three four five six seven eight nine ten", "--block-size", "16"))  # last wins
     out = capsys.readouterr().out
     assert "(its last 8 tokens):" in out and out.count("  teacher: ") == out.count("  student: ") == 1, out[-800:]
     distill.main(distill_args(ckpt, data, tmp_path / "perf", "--feature-map", "performer", "--max-steps", "2"))
@@ -1489,10 +1556,10 @@ def test_restore_brings_back_the_torch_rng_and_the_data_position(tmp_path):
     _, student = small_pair()
     cfg = distill.DistillConfig(out_dir=str(tmp_path / "ck"), max_steps=10)
     optim, gen = distill.make_optimizer(student, cfg), torch.Generator().manual_seed(5)
-    distill.save_checkpoint(cfg, student, optim, gen, {"step": 3}, {"val": [{"step": 3}], "history": []})
+    resume.save_checkpoint(cfg, student, optim, gen, {"step": 3}, {"val": [{"step": 3}], "history": []})
     after = torch.rand(4), torch.randint(100, (4,), generator=gen)
     torch.manual_seed(99)
     gen2 = torch.Generator().manual_seed(6)
-    step, metrics = distill.restore(cfg, distill.make_optimizer(student, cfg), gen2)
+    step, metrics = resume.restore(cfg, distill.make_optimizer(student, cfg), gen2)
     assert step == 3 and metrics["val"] == [{"step": 3}]
     assert torch.equal(torch.rand(4), after[0]) and torch.equal(torch.randint(100, (4,), generator=gen2), after[1])

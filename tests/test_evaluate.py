@@ -21,6 +21,7 @@ from tokenizer import load_tokenizer
 import checkpoint
 import common
 import distill
+import inputs
 import evaluate as E
 import model as M
 
@@ -403,7 +404,7 @@ def test_ppl_refuses_token_files_of_another_tokenizer(ckpt, enc, tmp_path, capsy
     """A .bin whose meta.json (prepare.py's record) names another tokenizer is one sentence, as in distill.py; with
     this model's record it is scored."""
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
-    meta = {"tokenizer": distill.data_script("text").tokenizer_meta(enc, ckpt)}
+    meta = {"tokenizer": inputs.data_script("text").tokenizer_meta(enc, ckpt)}
     (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": {**meta["tokenizer"], "n_vocab": 49152}}))
     code, err = evaluate_exit(capsys, "--model", ckpt, "--ppl", tmp_path / "val.bin")
     assert code == 2 and f"val.bin was tokenized with the tokenizer of {ckpt} (49152 tokens), not {ckpt}'s" in err
@@ -595,6 +596,10 @@ BAD_OPTIONS = [  # flags (after --model --data-dir --tasks piqa --output), and t
                                      r"file path"),
     (["--output", "folder"], r"cannot write \S+folder: it is a directory; pass another --output"),
     (["--output", "new/"], r"cannot write \S*new/: it ends in /, as a directory does; pass another --output"),
+    (["--ckpt", ""], r"--ckpt is empty; pass a value, or drop the flag"),
+    (["--output", ""], r"--output is empty; pass a value, or drop the flag"),                 # had written nothing
+    (["--ppl", ""], r"--ppl is empty; pass a value, or drop the flag"),
+    (["--data-dir", ""], r"--data-dir is empty; pass a value, or drop the flag"),
 ]
 
 
@@ -686,6 +691,8 @@ def test_bad_files_are_one_sentence_and_leave_nothing(ckpt, student, tmp_path, c
                                           r"50257: was it prepared with another tokenizer\?"),
         (["--ppl", tmp_path / "val.bin", "--ppl-context", 1000], r"--ppl-context 1000 exceeds the model's context "
                                                                  r"length 128"),
+        (["--speed", "--speed-tokens", 129], r"--speed-tokens 129 is more than the model's context of 128 tokens; "
+                                             r"pass at most --speed-tokens 128"),        # had been cut to 128
     ]
     for flags, sentence in cases:
         out = tmp_path / "r.json"
@@ -818,7 +825,7 @@ def test_task_files_with_crlf_line_ends_and_blank_lines_of_spaces_are_read(tmp_p
 
 def test_speed_times_the_second_prefill_and_decodes_to_the_context(model, monkeypatch):
     """A clock that the warm-up prefill moves 5 s, the timed prefill 2 s and generation 7 s: prefill_s 2, generate_s
-    7; --speed-tokens beyond the context are cut to it, n tokens in all: the first, then n - 1 decoded (the last is
+    7; --speed-tokens at the context (EvalConfig.check refuses more), n tokens in all: the first, then n - 1 decoded (the last is
     not fed back), so the forward passes see n, n, then 1 token n - 1 times."""
     clock, hidden, generate, calls = [0.0], model.hidden, model.generate, []
     monkeypatch.setattr(E, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -833,7 +840,7 @@ def test_speed_times_the_second_prefill_and_decodes_to_the_context(model, monkey
         return generate(*a, **k)
     monkeypatch.setattr(model, "hidden", timed_hidden)
     monkeypatch.setattr(model, "generate", timed_generate)
-    r = E.speed(model, 10 ** 6)
     n = model.config.block_size
+    r = E.speed(model, n)
     assert r == {"tokens": n, "prefill_s": 2.0, "generate_s": 7.0}
     assert calls == [n, n] + [1] * (n - 1)
