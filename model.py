@@ -215,35 +215,45 @@ def linear_attention_reference(phi_q, phi_k, v):
 
 def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_state=False,
                             eps=1e-30):
-    """The reference's y in O(T) memory, in fp32. With T padded to N chunks of C tokens, chunk n's
-        y_n = phi_q,n P_n + tril(phi_q,n phi_k,n^T) [v_n | 1],
-        P_n = sum_{n' < n} phi_k,n'^T [v_n' | 1]   (a cumsum over chunks),
-    the column of ones giving the denominator. That is held at eps: below it (no key's features
-    reach the query) y shrinks toward 0, which keeps the gradient y / den finite.
-    state = (S, s) continues earlier tokens; return_state=True returns (y, S, s)."""
+    """The reference's y in O(T) memory, in fp32: causal_linear_sums's numerator over its
+    denominator. That is held at eps: below it (no key's features reach the query) y shrinks
+    toward 0, which keeps the gradient y / den finite. state = (S, s) continues earlier tokens;
+    return_state=True returns (y, S, s)."""
+    B, H, T, D = v.shape
+    v1 = torch.cat((v, v.new_ones(B, H, T, 1)), -1)  # [v | 1] (B, H, T, D+1)
+    if state is not None:
+        state = torch.cat((state[0], state[1][..., None]), -1)  # (B, H, M, D+1)
+    out, last = causal_linear_sums(phi_q, phi_k, v1, chunk_size, state)
+    y = out[..., :D] / out[..., D:].clamp_min(eps)  # (B, H, T, D)
+    if not return_state:
+        return y
+    return y, last[..., :D], last[..., D]
+
+
+def causal_linear_sums(phi_q, phi_k, v1, chunk_size=64, state=None):
+    """sum_{j<=i} (phi_q,i . phi_k,j) v1_j for every i, by chunks, in fp32: v1 = [v | 1] gives the
+    numerator and the denominator at once. With T padded to N chunks of C tokens, chunk n's
+        out_n = phi_q,n P_n + tril(phi_q,n phi_k,n^T) v1_n,
+        P_n = sum_{n' < n} phi_k,n'^T v1_n'   (a cumsum over chunks).
+    phi_q, phi_k (B, H, T, M), v1 (B, H, T, D+1), state (B, H, M, D+1) from earlier tokens
+    -> (out (B, H, T, D+1), the state after the last token (B, H, M, D+1))."""
     B, H, T, M = phi_q.shape
-    D = v.size(-1)
     C = min(chunk_size, T)
     N = -(-T // chunk_size)  # chunks
-    dt = torch.promote_types(v.dtype, torch.float32)
-    v1 = torch.cat((v, v.new_ones(B, H, T, 1)), -1)  # [v | 1] (B, H, T, D+1)
+    dt = torch.promote_types(v1.dtype, torch.float32)
     # in fp32, zero-padded to N * C tokens, as N chunks of C: (B, H, N, C, M or D+1)
     pad = (0, 0, 0, N * C - T)
     q, k, v1 = (F.pad(x.to(dt), pad) if N * C > T else x.to(dt) for x in (phi_q, phi_k, v1))
     q, k, v1 = (x.view(B, H, N, C, -1) for x in (q, k, v1))
-    U = k.mT @ v1  # (B, H, N, M, D+1): each chunk's sum of phi_k [v | 1]
+    U = k.mT @ v1  # (B, H, N, M, D+1): each chunk's sum of phi_k v1
     # P_n: the sum over the chunks before n
     P = torch.cat((torch.zeros_like(U[:, :, :1]), U[:, :, :-1]), 2).cumsum_(2)
     if state is not None:
         # and the tokens before these
-        P = P + torch.cat((state[0], state[1][..., None]), -1).to(dt)[:, :, None]
+        P = P + state.to(dt)[:, :, None]
     out = (q @ P).add_((q @ k.mT).tril_() @ v1)  # (B, H, N, C, D+1)
-    out = out.view(B, H, N * C, D + 1)[:, :, :T]  # (B, H, T, D+1)
-    y = out[..., :D] / out[..., D:].clamp_min(eps)  # (B, H, T, D)
-    if not return_state:
-        return y
-    last = P[:, :, -1] + U[:, :, -1]  # (B, H, M, D+1): the state after the last token
-    return y, last[..., :D], last[..., D]
+    out = out.view(B, H, N * C, -1)[:, :, :T]  # (B, H, T, D+1)
+    return out, P[:, :, -1] + U[:, :, -1]
 
 
 def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):

@@ -173,9 +173,26 @@ def preset_grid(seeds=(0, 1, 2)):
             for label, (name, flags, *script) in PRESET_VARIANTS.items() for s in seeds]
 
 
+WINDOW_PRESET = ["--model", "smollm2-135m", "--data", "data/wikitext2", "--preset", "cpu", "--max-steps", "450",
+                 "--warmup-steps", "45", "--eval-interval", "150"]
+# group label -> (name, flags): experiments/window.py at --preset cpu's recipe, most wanted first
+WINDOW_RUNS = {"DoF, W=64": ("dof-w64", ["--window", "64"]),
+               "Fix, W=64": ("fix-w64", ["--window", "64", "--alloc", "fix"]),
+               "DoF, W=16": ("dof-w16", ["--window", "16"]),
+               "Fix, W=0": ("fix-w0", ["--window", "0", "--alloc", "fix"]),
+               "DoF, W=0": ("dof-w0", ["--window", "0"])}
+
+
+def window_grid(seeds=(0, 1, 2)):
+    """A window of exact softmax beside the features (experiments/window.py): W = 0, 16, 64, and Fix against DoF
+    at W = 0 and 64, each about 9 minutes on one thread."""
+    return [Run("window", f"{name}-s{s}", f"32/{label}", s, WINDOW_PRESET + flags, name, "experiments/window.py")
+            for label, (name, flags) in WINDOW_RUNS.items() for s in seeds]
+
+
 GRIDS = {"claim": claim_grid, "recipe": recipe_grid, "heads": heads_grid, "curves": curves_grid,
          "allocation": allocation_grid, "converge": converge_grid, "preset": preset_grid,
-         "best": best_grid}
+         "best": best_grid, "window": window_grid}
 
 
 # ----------------------------------------------------------------------------------------------------------------

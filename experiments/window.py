@@ -1,0 +1,297 @@
+"""
+Beyond the paper: a window of exact softmax beside the learned features (as LoLCATs, Liger and
+LoLA keep). Query i weighs its last W keys exactly and every earlier key through the features,
+under one normaliser:
+
+    y_i = (sum_{i-W<j<=i} e^(q_i.k_j / sqrt d) v_j + Phi(q_i) S_{i-W})
+          / (sum_{i-W<j<=i} e^(q_i.k_j / sqrt d) + Phi(q_i) s_{i-W}),
+    S_{i-W} = sum_{j<=i-W} Phi(k_j) v_j^T,   s_{i-W} = sum_{j<=i-W} Phi(k_j).
+
+E[Phi(q).Phi(k)] = e^(q.k / sqrt d) (positive random features), so the two parts are on one
+scale and need no mixing weight. W = 0 is the core's linear attention.
+
+    python experiments/window.py --window 64 --model smollm2-135m --data data/wikitext2 \
+        --preset cpu --out-dir out-window
+    python experiments/window.py evaluate --model smollm2-135m --ckpt out-window \
+        --ppl data/wikitext2/val.bin
+
+How it forks the core: REPLACE sets model.LinearAttention to WindowAttention, the core's with a
+window (make_student sets it from --window, load_student from config.json); distill.layer_losses
+to the softmax loss on the hybrid's rows (each layer alone, in blocks of 128 queries; the l2
+loss fits the kernel itself and stays the core's); distill.DistillConfig to one with --window.
+"""
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common as run  # noqa: E402
+import distill  # noqa: E402
+import evaluate  # noqa: E402
+import model  # noqa: E402
+from common import opt  # noqa: E402
+
+# the core's, which this fork's wrap
+CoreLinearAttention = model.LinearAttention
+core_layer_losses = distill.layer_losses
+core_make_student = distill.make_student
+core_load_student = model.load_student
+
+
+# The scale: the features run times a factor of the query (model.overflow_safe_prf), so the exact
+# part is given the same factor. Then, per query, m_i = max(0, max_j l_ij) over its window scales
+# both parts by e^(-m_i): the exact part's largest term is 1, the features' part only shrinks.
+
+@torch.no_grad()
+def query_log_factor(feature_map, q):
+    """log F(q) (B, H, T, 1), where overflow_safe_prf's phi(q).phi(k) = F(q) Phi(q).Phi(k):
+        log F(q) = log M + beta + |q~|^2 / 2 - max_m a_m,  a_m = log alpha_m + z_m.q~ + |z_m|^2 / 2.
+    A factor of the query alone cancels in y: no gradient."""
+    z = feature_map.z.to(q.dtype)  # (H, M, d)
+    x = q * q.size(-1) ** -0.25  # q~ (B, H, T, d)
+    a = x @ z.mT + 0.5 * z.square().sum(-1)[:, None] + feature_map.log_alpha.to(q.dtype)[:, None]
+    half_x2 = 0.5 * x.square().sum(-1, keepdim=True)
+    return math.log(feature_map.M) + model.KEY_SHIFT + half_x2 - a.amax(-1, keepdim=True)
+
+
+def window_masks(s, e, n_keys, W, device):
+    """Queries s..e-1 against keys 0..n_keys-1 -> (near, far) (e - s, n_keys): the window,
+    i - W < j <= i, and the keys before it, j <= i - W."""
+    i = torch.arange(s, e, device=device)[:, None]
+    j = torch.arange(n_keys, device=device)
+    return (j <= i) & (j > i - W), j <= i - W
+
+
+def hybrid_weights(logits, log_f, phi_q, phi_k, near, far):
+    """a_ij = e^(l_ij - m_i) in the window, e^(-m_i) phi_q,i.phi_k,j before it, 0 after i;
+    l = logits + log F(q), m_i = max(0, max over the window of l_ij). logits (B, H, b, n) are
+    q.k / sqrt d, phi_q (B, H, b, M), phi_k (B, H, n, M) -> (a, e^(-m) (B, H, b, 1))."""
+    l = (logits + log_f).masked_fill(~near, float("-inf"))
+    m = l.detach().amax(-1, keepdim=True).clamp_min(0.0)  # (B, H, b, 1)
+    c = (-m).exp()
+    a = (phi_q @ phi_k.mT * c).masked_fill(~far, 0.0)
+    return a + (l - m).exp(), c
+
+
+# The hybrid three ways: the plain T x T form, the chunked form, the recurrent step
+
+def hybrid_reference(q, k, v, phi_q, phi_k, log_f, W):
+    """The plain form, a masked T x T matrix: y_i = sum_j a_ij v_j / sum_j a_ij (hybrid_weights).
+    q, k, v (B, H, T, D) (keys centred), phi_q, phi_k (B, H, T, M), log_f (B, H, T, 1) -> y, in
+    fp32 (fp64 stays fp64)."""
+    dt = torch.promote_types(v.dtype, torch.float32)
+    q, k, v, phi_q, phi_k, log_f = (x.to(dt) for x in (q, k, v, phi_q, phi_k, log_f))
+    near, far = window_masks(0, q.size(2), q.size(2), W, q.device)  # (T, T)
+    logits = q @ k.mT / math.sqrt(q.size(-1))
+    a, _ = hybrid_weights(logits, log_f, phi_q, phi_k, near, far)  # (B, H, T, T)
+    return (a @ v) / a.sum(-1, keepdim=True)
+
+
+def delay(x, W):
+    """x_{j-W} at position j (B, H, T, n): zeros for j < W."""
+    return F.pad(x, (0, 0, W, 0))[:, :, :x.size(2)]
+
+
+def hybrid_attention(q, k, v, phi_q, phi_k, log_f, W, chunk_size=64, eps=1e-30):
+    """The reference's y in O(T (C + W)) memory -> (y, the state after the last token). The
+    features' sums are the core's scan on keys and values delayed by W tokens (query i's state
+    then holds keys j <= i - W); the exact part runs a block of C queries at a time over their
+    last W keys. The state (B, H, M, D+1) sums phi(k_j) [v_j | 1] over the keys j <= T - 1 - W."""
+    B, H, T, D = v.shape
+    dt = torch.promote_types(v.dtype, torch.float32)
+    v1 = torch.cat((v, v.new_ones(B, H, T, 1)), -1).to(dt)  # [v | 1] (B, H, T, D+1)
+    sums, state = model.causal_linear_sums(phi_q, delay(phi_k, W), delay(v1, W), chunk_size)
+    out = []
+    for s in range(0, T, chunk_size):
+        e = min(T, s + chunk_size)
+        lo = max(0, s - W + 1)  # the block's first key in a window
+        logits = q[:, :, s:e].to(dt) @ k[:, :, lo:e].to(dt).mT / math.sqrt(D)  # (B, H, b, e - lo)
+        near, _ = window_masks(s - lo, e - lo, e - lo, W, q.device)
+        l = (logits + log_f[:, :, s:e]).masked_fill(~near, float("-inf"))
+        m = l.detach().amax(-1, keepdim=True).clamp_min(0.0)  # (B, H, b, 1)
+        out.append(sums[:, :, s:e] * (-m).exp() + (l - m).exp() @ v1[:, :, lo:e])
+    out = torch.cat(out, 2)  # (B, H, T, D+1)
+    return out[..., :D] / out[..., D:].clamp_min(eps), state
+
+
+class WindowAttention(CoreLinearAttention):
+    """The core's LinearAttention with exact softmax on each query's last `window` keys (0: the
+    core's). Decoding keeps the state P (B, H, M, D+1) of the keys that left the window and a ring
+    buffer of the last W keys and values (B, Hkv, W, D): token n goes to slot n % W, and the key it
+    replaces, n - W, enters the state."""
+    window = 0
+
+    def forward(self, q, k, v, cache=None):
+        if self.window == 0:
+            return super().forward(q, k, v, cache)
+        with torch.autocast(q.device.type, enabled=False):
+            if cache is None:
+                return self.hybrid(q, k, v)[0].to(q.dtype)
+            if not cache:
+                return self.prefill(q, k, v, cache).to(q.dtype)
+            # token by token from the cache
+            ys = [self.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache)
+                  for t in range(q.size(2))]
+            return torch.cat(ys, 2).to(q.dtype)
+
+    def hybrid(self, q, k, v):
+        """(y, state) of hybrid_attention on q, k, v (B, H or Hkv, T, D)."""
+        q, kc = self.inputs(q, k)  # fp32, keys centred
+        phi_q, phi_k = self.features(q, kc)
+        log_f = query_log_factor(self.feature_map, q)
+        v = model.repeat_kv(v, self.n_head)
+        return hybrid_attention(q, kc, v, phi_q, phi_k, log_f, self.window, self.chunk_size)
+
+    def prefill(self, q, k, v, cache):
+        """The first tokens: the chunked form, then the cache of its state and last W tokens."""
+        y, cache["P"] = self.hybrid(q, k, v)
+        B, Hkv, T, D = k.shape
+        pos = torch.arange(max(0, T - self.window), T, device=k.device)
+        for name, x in (("k", k), ("v", v)):
+            cache[name] = x.new_zeros(B, Hkv, self.window, D)
+            cache[name][:, :, pos % self.window] = x[:, :, pos]
+        cache["n"] = T
+        return y
+
+    def step(self, q, k, v, cache, eps=1e-30):
+        """One token (B, H or Hkv, 1, D) of decoding, the recurrent form."""
+        n, W = cache["n"], self.window
+        slot = n % W
+        if n >= W:
+            # key n - W leaves the window for the state
+            k_out = self.inputs(q, cache["k"][:, :, slot:slot + 1])[1]  # (B, H, 1, D)
+            phi_k = self.feature_map(k_out, is_query=False)  # (B, H, 1, M)
+            v_out = model.repeat_kv(cache["v"][:, :, slot:slot + 1], self.n_head)
+            v1 = torch.cat((v_out, torch.ones_like(v_out[..., :1])), -1).float()
+            cache["P"] = cache["P"] + phi_k.mT @ v1  # (B, H, M, D+1)
+        cache["k"][:, :, slot] = k[:, :, 0]
+        cache["v"][:, :, slot] = v[:, :, 0]
+        cache["n"] = n + 1
+        kept = min(n + 1, W)  # slots 0..kept-1 hold the window
+        qf, kc = self.inputs(q, cache["k"][:, :, :kept])  # (B, H, 1 or kept, D)
+        vw = model.repeat_kv(cache["v"][:, :, :kept], self.n_head).float()
+        v1 = torch.cat((vw, torch.ones_like(vw[..., :1])), -1)  # (B, H, kept, D+1)
+        l = qf @ kc.mT / math.sqrt(q.size(-1)) + query_log_factor(self.feature_map, qf)
+        m = l.amax(-1, keepdim=True).clamp_min(0.0)  # (B, H, 1, 1)
+        phi_q = self.feature_map(qf, is_query=True)  # (B, H, 1, M)
+        out = (phi_q @ cache["P"]) * (-m).exp() + (l - m).exp() @ v1  # (B, H, 1, D+1)
+        return out[..., :-1] / out[..., -1:].clamp_min(eps)
+
+
+def set_window(student, W):
+    for core in student.cores():
+        core.window = W
+    return student
+
+
+# Training: the softmax loss on the hybrid's rows
+
+def softmax_loss(q, k, phi_q, phi_k, log_f, W):
+    """KL(p_i || p^_i) of every query (B, H, T), the plain form: p the teacher's causal rows,
+    p^_i(j) = a_ij / sum_j' a_ij' (hybrid_weights). q (B, H, T, D), k centred keys."""
+    T = q.size(2)
+    near, far = window_masks(0, T, T, W, q.device)
+    logits = q @ k.mT / math.sqrt(q.size(-1))
+    logp = torch.log_softmax(logits.masked_fill(~(near | far), float("-inf")), -1)
+    a, _ = hybrid_weights(logits, log_f, phi_q, phi_k, near, far)
+    tiny = torch.finfo(a.dtype).tiny
+    log_phat = a.clamp_min(tiny).log() - distill.log_row_sum(a.sum(-1, keepdim=True), tiny)
+    return (logp.exp() * (logp - log_phat)).masked_fill(logp == float("-inf"), 0.0).sum(-1)
+
+
+@torch.no_grad()
+def softmax_loss_blockwise(q, k, pq, pk, log_f, W, block, grad_scale=None):
+    """softmax_loss summed over each head's rows, `block` at a time -> (H,) float64, as the core's
+    distill.softmax_loss_blockwise (q over sqrt d). The window's a_ij are constants (the teacher's
+    q, k); the features' are c_i pq_i.pk_j, c_i = e^(-m_i), so grad_scale adds
+        dKL/dpq_i = sum_j g_ij c_i pk_j,  dKL/dpk_j = sum_i g_ij c_i pq_i,  g_ij = 1/S_i - p_ij/a_ij
+    over the keys before the window into pq.grad, pk.grad."""
+    tiny, heads = torch.finfo(pq.dtype).tiny, (0, 2, 3)
+    total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
+    for s, e, logits, _ in distill.causal_blocks(q, k, block):
+        p = torch.log_softmax(logits, -1).exp_()  # teacher (B, H, b, e)
+        near, far = window_masks(s, e, e, W, q.device)
+        a, c = hybrid_weights(logits, log_f[:, :, s:e], pq[:, :, s:e], pk[:, :, :e], near, far)
+        S = a.sum(-1, keepdim=True)  # (B, H, b, 1)
+        under = a < tiny
+        a.clamp_min_(tiny)
+        kl = torch.xlogy(p, p).sum(heads) + distill.log_row_sum(S, tiny).sum(heads)
+        total += (kl - (p * a.log()).sum(heads)).double()
+        if grad_scale is not None:
+            g = p.div_(a).masked_fill_(under, 0.0).neg_()
+            g = g.add_(torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0))
+            g = g.masked_fill_(~far, 0.0).mul_(c * grad_scale)
+            pq.grad[:, :, s:e] += g @ pk[:, :, :e]  # (B, H, b, M)
+            pk.grad[:, :, :e] += g.mT @ pq[:, :, s:e]  # (B, H, e, M)
+    return total
+
+
+def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
+    """distill.layer_losses with the hybrid's rows -> (L,) float64: each layer's mean softmax loss,
+    with scale backpropagated into its features. The l2 loss, and W = 0, are the core's."""
+    if kind == "l2" or all(c.window == 0 for c in cores):
+        return core_layer_losses(cores, qk, kind, query_block, scale, stack)
+    out = []
+    grad = scale is not None
+    for core, (q, k) in zip(cores, qk):
+        with torch.autocast(q.device.type, enabled=False), torch.set_grad_enabled(grad):
+            q, kc = core.inputs(q, k)  # (B, H, T, D) fp32, keys centred
+            fq, fk = core.features(q, kc)
+            log_f = query_log_factor(core.feature_map, q)
+            pq, pk = fq.detach().requires_grad_(grad), fk.detach().requires_grad_(grad)
+            if grad:
+                pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
+            B, H, T, D = q.shape
+            row_scale = scale / (B * H * T) if grad else None
+            sums = softmax_loss_blockwise(q * D ** -0.5, kc, pq, pk, log_f, core.window,
+                                          query_block or 128, row_scale)  # (H,)
+            if grad:
+                torch.autograd.backward([fq, fk], [pq.grad, pk.grad])
+        out.append(sums.sum() / (B * H * T))
+    return torch.stack(out)
+
+
+# The student and the flag
+
+def make_student(cfg, teacher, calib, prev=None):
+    """The core's student (fresh, --init-from or --resume), with --window."""
+    student, dims, layer_dof = core_make_student(cfg, teacher, calib, prev)
+    return set_window(student, cfg.window), dims, layer_dof
+
+
+def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
+    """The core's load_student, with the window its run was given (a core checkpoint's: 0)."""
+    student, cfg = core_load_student(ckpt_dir, device, dtype, teacher)
+    return set_window(student, cfg.get("args", {}).get("window", 0)), cfg
+
+
+@dataclass
+class WindowConfig(distill.DistillConfig):
+    """distill.py with a window of exact softmax beside the features."""
+    window: int = opt(64, "exact softmax on each query's last W keys, the features on the keys "
+                      "before them (0: the core's linear attention)")
+
+    RESUMED = distill.DistillConfig.RESUMED + ("window",)
+
+    def __post_init__(self):
+        super().__post_init__()
+        run.check_positive(self, ("window",), 0)
+        if self.window and not issubclass(model.FEATURE_MAPS[self.feature_map], model.PRF):
+            raise run.ModelError(f"--window needs features whose products estimate "
+                                 f"e^(q.k / sqrt d), as prf and performer do, not "
+                                 f"{self.feature_map}; pass --feature-map prf or --window 0")
+
+
+REPLACE = {(model, "LinearAttention"): WindowAttention,
+           (distill, "layer_losses"): layer_losses,
+           (distill, "make_student"): make_student,
+           (distill, "DistillConfig"): WindowConfig,
+           (evaluate, "load_student"): load_student}
+
+if __name__ == "__main__":
+    run.fork(__file__, REPLACE)
