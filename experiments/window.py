@@ -92,6 +92,11 @@ def hybrid_reference(q, k, v, phi_q, phi_k, log_f, W):
     return (a @ v) / a.sum(-1, keepdim=True)
 
 
+def with_ones(v):
+    """[v | 1] (B, H, T, D+1): a column of ones gives the denominator beside the numerator."""
+    return torch.cat((v, torch.ones_like(v[..., :1])), -1)
+
+
 def delay(x, W):
     """x_{j-W} at position j (B, H, T, n): zeros for j < W."""
     return F.pad(x, (0, 0, W, 0))[:, :, :x.size(2)]
@@ -104,7 +109,7 @@ def hybrid_attention(q, k, v, phi_q, phi_k, log_f, W, chunk_size=64, eps=1e-30):
     last W keys. The state (B, H, M, D+1) sums phi(k_j) [v_j | 1] over the keys j <= T - 1 - W."""
     B, H, T, D = v.shape
     dt = torch.promote_types(v.dtype, torch.float32)
-    v1 = torch.cat((v, v.new_ones(B, H, T, 1)), -1).to(dt)  # [v | 1] (B, H, T, D+1)
+    v1 = with_ones(v).to(dt)  # (B, H, T, D+1)
     sums, state = model.causal_linear_sums(phi_q, delay(phi_k, W), delay(v1, W), chunk_size)
     out = []
     for s in range(0, T, chunk_size):
@@ -167,15 +172,13 @@ class WindowAttention(CoreLinearAttention):
             k_out = self.inputs(q, cache["k"][:, :, slot:slot + 1])[1]  # (B, H, 1, D)
             phi_k = self.feature_map(k_out, is_query=False)  # (B, H, 1, M)
             v_out = model.repeat_kv(cache["v"][:, :, slot:slot + 1], self.n_head)
-            v1 = torch.cat((v_out, torch.ones_like(v_out[..., :1])), -1).float()
-            cache["P"] = cache["P"] + phi_k.mT @ v1  # (B, H, M, D+1)
+            cache["P"] = cache["P"] + phi_k.mT @ with_ones(v_out).to(phi_k.dtype)  # (B, H, M, D+1)
         cache["k"][:, :, slot] = k[:, :, 0]
         cache["v"][:, :, slot] = v[:, :, 0]
         cache["n"] = n + 1
         kept = min(n + 1, W)  # slots 0..kept-1 hold the window
         qf, kc = self.inputs(q, cache["k"][:, :, :kept])  # (B, H, 1 or kept, D)
-        vw = model.repeat_kv(cache["v"][:, :, :kept], self.n_head).float()
-        v1 = torch.cat((vw, torch.ones_like(vw[..., :1])), -1)  # (B, H, kept, D+1)
+        v1 = with_ones(model.repeat_kv(cache["v"][:, :, :kept], self.n_head)).to(qf.dtype)
         l = qf @ kc.mT / math.sqrt(q.size(-1)) + query_log_factor(self.feature_map, qf)
         m = l.amax(-1, keepdim=True).clamp_min(0.0)  # (B, H, 1, 1)
         phi_q = self.feature_map(qf, is_query=True)  # (B, H, 1, M)
