@@ -157,12 +157,12 @@ def main(argv=None):
     with common.atomic_path(cfg.out) as tmp:
         Path(tmp).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {cfg.out}")
-    print(tables(out))
+    print("\n\n".join(tables(out).values()))
 
 
 def tables(res):
-    """Markdown tables of a result file."""
-    parts = []
+    """Markdown tables of a result file: {"mass", "decode", "forward"} -> table, for those it holds."""
+    parts = {}
     if "mass" in res:
         keys = list(res["mass"][0])
         rows = [f"| layers | {' | '.join(f'mass on {k}' if k == 'first' else f'mass in {k}' for k in keys)} |",
@@ -172,8 +172,8 @@ def tables(res):
             chunk = mass[s:s + 10]
             rows.append(f"| {s}–{s + len(chunk) - 1} | "
                         + " | ".join(f"{np.mean([r[k] for r in chunk]):.2f}" for k in keys) + " |")
-        rows.append(f"| all | " + " | ".join(f"{np.mean([r[k] for r in mass]):.2f}" for k in keys) + " |")
-        parts.append("\n".join(rows))
+        rows.append("| all | " + " | ".join(f"{np.mean([r[k] for r in mass]):.2f}" for k in keys) + " |")
+        parts["mass"] = "\n".join(rows)
     if "decode" in res:
         d = res["decode"]
         rows = ["| context | teacher ms/token | linear | hybrid | teacher MiB/sequence | linear | hybrid |",
@@ -183,14 +183,14 @@ def tables(res):
             mib = [d[n][i]["mib_per_sequence"] for n in ("teacher", "linear", "hybrid")]
             rows.append(f"| {ctx} | " + " | ".join(f"{x:.0f}" for x in ms) + " | "
                         + " | ".join(f"{x:.2f}" for x in mib) + " |")
-        parts.append("\n".join(rows))
+        parts["decode"] = "\n".join(rows)
     if "forward" in res:
         f = res["forward"]
         rows = ["| T | scan ms | hybrid ms | hybrid / scan |", "|---:|---:|---:|---:|"]
         for a, b in zip(f["scan"], f["hybrid"]):
             rows.append(f"| {a['T']} | {a['ms']:.1f} | {b['ms']:.1f} | {b['ms'] / a['ms']:.2f} |")
-        parts.append("\n".join(rows))
-    return "\n\n".join(parts)
+        parts["forward"] = "\n".join(rows)
+    return parts
 
 
 if __name__ == "__main__":

@@ -492,6 +492,22 @@ def blocks(grid, records):
     return made
 
 
+def window_table(records):
+    """The window grid's paired differences, seed by seed: each window against none (DoF dims), and DoF against Fix
+    at each window."""
+    rows = ["| comparison | pairs | Δ next-token loss | Δ attention KL |", "|---|---:|---|---|"]
+    by = {(r["group"], r["seed"]): final(r) for r in records}
+    for a, b in (("DoF, W=16", "DoF, W=0"), ("DoF, W=64", "DoF, W=0"), ("DoF, W=0", "Fix, W=0"),
+                 ("DoF, W=64", "Fix, W=64")):
+        seeds = sorted(s for g, s in by if g == f"32/{a}" and (f"32/{b}", s) in by)
+        d = np.array([np.subtract(by[f"32/{a}", s][:2], by[f"32/{b}", s][:2]) for s in seeds])
+        if len(d):
+            se = standard_error(d)
+            rows.append(f"| {a} − {b} | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | "
+                        f"{d[:, 1].mean():+.3f} ± {se[1]:.3f} |")
+    return "\n".join(rows) + "\n\nMean ± standard error over the pairs (budget 32)."
+
+
 def splice(text, name, body):
     """Replace the text between <!-- begin NAME --> and <!-- end NAME --> (the markers stay)."""
     begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
@@ -626,6 +642,12 @@ def grid_blocks(grid, results, figures):
                 made[f"heads-kl:{p.stem}"] = heads.table(res)
                 heads.figure(res, Path(figures) / "fig-heads.png")
         return made
+    if grid == "window-cost":                    # bench/window_cost.py: attention mass, decoding, forward
+        import window_cost
+        for p in sorted((Path(results) / grid).glob("*.json")):
+            for name, table in window_cost.tables(read(p)).items():
+                made[f"window-cost:{name}"] = table
+        return made
     if grid == "finetune":                       # evaluate.py's results.json with --finetune-epochs
         for p in sorted((Path(results) / grid).glob("*.json")):
             made[f"finetune:{p.stem}"] = finetune_table(read(p))
@@ -658,6 +680,8 @@ def grid_blocks(grid, results, figures):
             made[f"{grid}:continuations"] = continuations(records)
         records = [r for r in load("claim", results) if r["group"] == BASELINE[grid]] + records
         made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, "DoF")
+    elif grid == "window":                       # the window's size, and Fix against DoF with and without one
+        made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), window_table(records)
     elif grid == "preset":                       # recipes for --preset cpu against the old one
         old = next(iter(PRESET_VARIANTS))
         made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, old)

@@ -759,3 +759,28 @@ def test_synthetic_table_counts_only_draws_where_leverage_is_strictly_lower():
            "settings": {"J": 8, "d": 2, "draws": 3, "lam": 1e-3, "pool": 16}}
     row = heads.synthetic_table(res).splitlines()[2]
     assert row.split(" | ")[4] == "1 of 3" and row.endswith("| 0 of 3 |"), row
+
+
+def test_window_cost_measures_mass_decoding_and_forward_and_tabulates_them(setup, tmp_path, capsys):
+    """bench/window_cost.py on the tiny GPT-2: the teacher's mass in the last 16 and 40 keys (rising with W, at most
+    1) and on the first token; decoding through each model's cache, whose bytes per sequence are the KV cache's 2 L
+    Hkv (ctx + steps) D floats, the state's L H M (D + 1), the linear one's L H M (D + 1) and, beside the state, the
+    ring buffer's 2 L Hkv W D; the forward table at each T."""
+    d, ckpt, data = setup
+    cost = load_script("bench/window_cost.py")
+    out = tmp_path / "cost.json"
+    cost.main(["--model", str(ckpt), "--data", str(data), "--W", "16", "40", "--block-size", "96", "--windows", "2",
+               "--budget", "4", "--batch", "2", "--ctx", "32", "64", "--steps", "2", "--T", "64", "100",
+               "--repeats", "1", "--out", str(out)])
+    res = json.loads(out.read_text())
+    for row in res["mass"]:
+        assert 0 < row["W=16"] < row["W=40"] <= 1 + 1e-6 and 0 < row["first"] < 1
+    L, H, D = 4, 4, 16                                     # make_gpt2's shape
+    mib = {name: [r["mib_per_sequence"] * 2 ** 20 for r in rows] for name, rows in res["decode"].items()}
+    assert mib["teacher"] == [2 * L * H * (ctx + 2) * D * 4 for ctx in (32, 64)]
+    assert mib["linear"] == [L * H * 4 * (D + 1) * 4] * 2
+    assert mib["hybrid"] == [L * H * 4 * (D + 1) * 4 + 2 * L * H * 40 * D * 4] * 2
+    assert [r["T"] for r in res["forward"]["hybrid"]] == [64, 100]
+    tables = cost.tables(res)
+    assert list(tables) == ["mass", "decode", "forward"] and "| 64 |" in tables["decode"]
+    assert "wrote" in capsys.readouterr().out
