@@ -1,18 +1,22 @@
-"""What a window of exact softmax (experiments/window.py) sees and costs, on SmolLM2-135M, side by side in one run:
+"""What a window of exact softmax (experiments/window.py) sees and costs on SmolLM2-135M, side
+by side in one run:
 
-    python bench/window_cost.py                          # all three, into docs/results/window-cost/smollm2.json
+    python bench/window_cost.py            # all three, into docs/results/window-cost/smollm2.json
     python bench/window_cost.py --ctx 1024 2048 --T 1024 --steps 3 --out /tmp/cost.json
 
-mass     the teacher's attention on its own held-out text (--windows windows of --block-size tokens of val.bin):
-         per layer, the mean over heads and over queries i >= 64 of the mass on the last W keys (i - W < j <= i, as
-         the window holds them) for each --W, and on the first token (an attention sink, which the features carry).
-decode   ms per decoded token (a token for each of --batch sequences, mean of --steps) and the cache's bytes per
-         sequence, after a context of --ctx tokens: the teacher's KV cache, the linear student (--budget features in
-         every layer) and the hybrid (the same with a window of --W's last). The caches hold random values of the
-         right shapes (a prefill would take minutes here); the weights are SmolLM2's.
-forward  ms of one layer's attention core at SmolLM2's shape (9 query heads, 3 key heads, D = 64, M = --budget),
-         forward only, median of --repeats after a warm-up, over --T tokens: the chunked scan and the chunked hybrid.
-One torch thread (OMP_NUM_THREADS=1) unless --threads says otherwise.
+mass     the teacher's attention on its own held-out text (--windows windows of --block-size
+         tokens of val.bin): per layer, the mean over heads and queries i >= 64 of the mass on
+         the last W keys (i - W < j <= i, as the window holds them) for each --W, and on the
+         first token (an attention sink, which the features must carry).
+decode   ms per decoded token (a token for each of --batch sequences, mean of --steps) and the
+         cache's bytes per sequence after a context of --ctx tokens: the teacher's KV cache, the
+         linear student (--budget features in every layer) and the hybrid (the same, with a
+         window of the last --W). The caches hold random values of the right shapes (a prefill
+         would take minutes here); the weights are SmolLM2's.
+forward  ms of one layer's attention core at SmolLM2's shape (9 query heads, 3 key heads,
+         D = 64, M = --budget), forward only, median of --repeats after a warm-up, over --T
+         tokens: the chunked scan and the chunked hybrid.
+One torch thread unless --threads says otherwise.
 """
 
 import json
@@ -36,11 +40,11 @@ from common import opt  # noqa: E402
 
 @dataclass
 class CostConfig:
-    """Attention mass in a window, and the decoding and forward cost of the hybrid against the scan."""
+    """Attention mass in a window; the decoding and forward cost of the hybrid and the scan."""
     model: str = opt("smollm2-135m", "teacher (a name, directory or .gguf file)")
     data: str = opt("data/wikitext2", "folder with val.bin (distill.py prepares it)")
-    what: list[str] = opt(["mass", "decode", "forward"], "which measurements: mass, decode, forward")
-    W: list[int] = opt([16, 64], "window sizes of the mass table; the last is the hybrid's in the cost tables")
+    what: list[str] = opt(["mass", "decode", "forward"], "measurements: mass, decode, forward")
+    W: list[int] = opt([16, 64], "window sizes of the mass table; the last is the hybrid's")
     block_size: int = opt(256, "tokens per window of the mass table")
     windows: int = opt(8, "val.bin windows of the mass table")
     budget: int = opt(32, "features a head in every layer of the students")
@@ -53,15 +57,17 @@ class CostConfig:
     out: str = opt("docs/results/window-cost/smollm2.json", "result file")
 
     def __post_init__(self):
-        common.check_positive(self, ("block_size", "windows", "budget", "batch", "steps", "repeats", "threads"))
+        common.check_positive(self, ("block_size", "windows", "budget", "batch", "steps",
+                                     "repeats", "threads"))
         if set(self.what) - {"mass", "decode", "forward"}:
-            raise common.ModelError(f"--what takes mass, decode and forward, got {' '.join(self.what)}")
+            got = " ".join(self.what)
+            raise common.ModelError(f"--what takes mass, decode and forward, got {got}")
 
 
 @torch.no_grad()
 def attention_mass(teacher, tokens, cfg):
-    """Per layer: {"W=16": mass on the last 16 keys, ..., "first": mass on token 0}, means over heads and queries
-    i >= 64 of cfg.windows windows."""
+    """Per layer: {"W=16": mass on the last 16 keys, ..., "first": mass on token 0}, means over
+    heads and queries i >= 64 of cfg.windows windows."""
     gen = torch.Generator().manual_seed(0)
     x, _ = common.get_batch(tokens, cfg.windows, cfg.block_size, gen, "cpu")
     T = cfg.block_size
@@ -69,14 +75,19 @@ def attention_mass(teacher, tokens, cfg):
     out = []
     for q, k in dof.teacher_qk(teacher, x):  # (B, H or Hkv, T, D) per layer
         k = M.repeat_kv(k, q.size(1))
-        p = torch.softmax((q @ k.mT / q.size(-1) ** 0.5).masked_fill(j > i, float("-inf")), -1)[:, :, 64:]
-        row = {f"W={W}": p.masked_fill(((j > i) | (j <= i - W))[64:], 0).sum(-1).mean().item() for W in cfg.W}
+        logits = (q @ k.mT / q.size(-1) ** 0.5).masked_fill(j > i, float("-inf"))
+        p = torch.softmax(logits, -1)[:, :, 64:]  # (B, H, T - 64, T)
+        row = {}
+        for W in cfg.W:
+            outside = ((j > i) | (j <= i - W))[64:]
+            row[f"W={W}"] = p.masked_fill(outside, 0).sum(-1).mean().item()
         out.append(row | {"first": p[..., 0].mean().item()})
     return out
 
 
 def synthetic_cache(student, ctx, cfg):
-    """A Cache after ctx tokens with random contents: KV caches, linear states or a state and a ring buffer."""
+    """A Cache after ctx tokens, random contents: KV caches, linear states, or a state and a
+    ring buffer."""
     c, B = student.config, cfg.batch
     cache = M.Cache(c.n_layer)
     cache.pos = ctx
@@ -98,7 +109,8 @@ def synthetic_cache(student, ctx, cfg):
 
 @torch.no_grad()
 def decode_cost(models, cfg):
-    """{model: [{"ctx", "ms", "mib_per_sequence"}]}: the same tokens through each model's cache, alternating."""
+    """{model: [{"ctx", "ms", "mib_per_sequence"}]}: the same tokens through each model's cache,
+    the models alternating."""
     res = {name: [] for name in models}
     tok = torch.randint(0, 1000, (cfg.batch, 1))
     for ctx in cfg.ctx:
@@ -132,8 +144,8 @@ def forward_cost(cfg):
                 core(q, k, v)
                 times.append(1e3 * (time.perf_counter() - t0))
             res[name].append({"T": T, "ms": statistics.median(times)})
-        print(f"  forward T {T}: scan {res['scan'][-1]['ms']:.1f} ms, hybrid {res['hybrid'][-1]['ms']:.1f} ms",
-              file=sys.stderr)
+        ms = [res[name][-1]["ms"] for name in ("scan", "hybrid")]
+        print(f"  forward T {T}: scan {ms[0]:.1f} ms, hybrid {ms[1]:.1f} ms", file=sys.stderr)
     return res
 
 
@@ -141,8 +153,9 @@ def main(argv=None):
     cfg = common.parse_config(CostConfig, argv)
     torch.set_num_threads(cfg.threads)
     teacher = M.GPT.from_pretrained(cfg.model).requires_grad_(False)
+    args = sys.argv[1:] if argv is None else argv
     out = {"config": vars(cfg).copy(), "torch": torch.__version__, "threads": cfg.threads,
-           "command": "python bench/window_cost.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+           "command": " ".join(["python bench/window_cost.py", *args])}
     if "mass" in cfg.what:
         tokens = np.memmap(Path(cfg.data) / "val.bin", dtype=np.uint16, mode="r")
         out["mass"] = attention_mass(teacher, tokens, cfg)
@@ -161,23 +174,24 @@ def main(argv=None):
 
 
 def tables(res):
-    """Markdown tables of a result file: {"mass", "decode", "forward"} -> table, for those it holds."""
+    """A result file's markdown tables: {"mass", "decode", "forward"} -> table, those it holds."""
     parts = {}
     if "mass" in res:
         keys = list(res["mass"][0])
-        rows = [f"| layers | {' | '.join(f'mass on {k}' if k == 'first' else f'mass in {k}' for k in keys)} |",
-                "|---|" + "---:|" * len(keys)]
+        names = [f"mass on {k}" if k == "first" else f"mass in {k}" for k in keys]
+        rows = [f"| layers | {' | '.join(names)} |", "|---|" + "---:|" * len(keys)]
         mass = res["mass"]
         for s in range(0, len(mass), 10):
             chunk = mass[s:s + 10]
             rows.append(f"| {s}–{s + len(chunk) - 1} | "
                         + " | ".join(f"{np.mean([r[k] for r in chunk]):.2f}" for k in keys) + " |")
-        rows.append("| all | " + " | ".join(f"{np.mean([r[k] for r in mass]):.2f}" for k in keys) + " |")
+        means = [f"{np.mean([r[k] for r in mass]):.2f}" for k in keys]
+        rows.append(f"| all | {' | '.join(means)} |")
         parts["mass"] = "\n".join(rows)
     if "decode" in res:
         d = res["decode"]
-        rows = ["| context | teacher ms/token | linear | hybrid | teacher MiB/sequence | linear | hybrid |",
-                "|---:|---:|---:|---:|---:|---:|---:|"]
+        rows = ["| context | teacher ms/token | linear | hybrid | teacher MiB/sequence | linear "
+                "| hybrid |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for i, ctx in enumerate(r["ctx"] for r in d["teacher"]):
             ms = [d[n][i]["ms"] for n in ("teacher", "linear", "hybrid")]
             mib = [d[n][i]["mib_per_sequence"] for n in ("teacher", "linear", "hybrid")]
