@@ -17,7 +17,7 @@ import evaluate as E
 import model as M
 import window
 from common import ModelError
-from conftest import EVAL, FAST, cli, distill_args
+from conftest import EVAL, FAST, cli, distill_args, features
 from test_dof import qkv, rel
 
 CHUNK = 16
@@ -195,6 +195,14 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
         assert ppl["student"] == pytest.approx(E.perplexity(student, tokens), rel=1e-6)
         window.set_window(student, 0)
         assert ppl["student"]["loss"] != pytest.approx(E.perplexity(student, tokens)["loss"], rel=1e-6)
+    distill.main(distill_args(ckpt, data, tmp_path / "plain", "--budget", "6", "--max-steps", "0"))
+    r = cli("experiments/window.py", "--window", 8, "--model", ckpt, "--data", data, "--init-from",
+            tmp_path / "plain", "--loss", "direct", "--max-steps", 2, "--out-dir", tmp_path / "direct", *FAST)
+    assert r.returncode == 0, r.stderr[-3000:]                        # a core checkpoint, trained on with a window
+    cfg = json.loads((tmp_path / "direct" / "config.json").read_text())
+    assert cfg["args"]["window"] == 8 and cfg["init_from"] == str(tmp_path / "plain")
+    assert not torch.equal(features(tmp_path / "direct")["h.0.attn.core.feature_map.z"],
+                           features(tmp_path / "plain")["h.0.attn.core.feature_map.z"])
     for flags, said in (([-1], "--window must be a number of at least 0, got -1"),
                         ([8, "--feature-map", "dijiang"], "--window needs features whose products estimate "
                          "e^(q.k / sqrt d), as prf and performer do, not dijiang; pass --feature-map prf or --window 0")):
