@@ -284,6 +284,10 @@ class WindowConfig(distill.DistillConfig):
     def __post_init__(self):
         super().__post_init__()
         run.check_positive(self, ("window",), 0)
+        if self.window >= self.block_size:
+            raise run.ModelError(f"--window {self.window} holds every key of a --block-size "
+                                 f"{self.block_size} window, so the features would never train; "
+                                 f"pass a --window below {self.block_size}")
         if self.window and not issubclass(model.FEATURE_MAPS[self.feature_map], model.PRF):
             raise run.ModelError(f"--window needs features whose products estimate "
                                  f"e^(q.k / sqrt d), as prf and performer do, not "

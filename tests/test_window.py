@@ -175,7 +175,8 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
         student, _ = E.load_student(out)
         assert [c.window for c in student.cores()] == [8] * 4
         x = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16)[:64].astype(np.int64))[None]
-        again = distill.student_losses(distill.parse_args(distill_args(ckpt, data, out)), M.GPT.from_pretrained(ckpt),
+        cfg = distill.parse_args(distill_args(ckpt, data, out, "--window", 8))
+        again = distill.student_losses(cfg, M.GPT.from_pretrained(ckpt),
                                        student, x, torch.autocast("cpu", enabled=False), "softmax")
     assert all(map(math.isfinite, kl)) and again.min() > 0
     ref = f"{out} was made by the fork experiments/window.py"
@@ -204,6 +205,8 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
     assert not torch.equal(features(tmp_path / "direct")["h.0.attn.core.feature_map.z"],
                            features(tmp_path / "plain")["h.0.attn.core.feature_map.z"])
     for flags, said in (([-1], "--window must be a number of at least 0, got -1"),
+                        ([64], "--window 64 holds every key of a --block-size 64 window, so the features would "
+                         "never train; pass a --window below 64"),
                         ([8, "--feature-map", "dijiang"], "--window needs features whose products estimate "
                          "e^(q.k / sqrt d), as prf and performer do, not dijiang; pass --feature-map prf or --window 0")):
         r = cli("experiments/window.py", "--window", *flags, "--model", ckpt, "--data", data,
