@@ -50,7 +50,7 @@ class CostConfig:
     budget: int = opt(32, "features a head in every layer of the students")
     batch: int = opt(8, "sequences decoded at once")
     ctx: list[int] = opt([1024, 2048, 4096, 8192], "contexts of the decoding table")
-    steps: int = opt(5, "decoded tokens timed per context and model")
+    steps: int = opt(10, "decoded tokens timed per context and model")
     T: list[int] = opt([1024, 2048, 4096, 8192, 16384], "sequence lengths of the forward table")
     repeats: int = opt(5, "timed calls per forward measurement")
     threads: int = opt(1, "torch threads")
@@ -167,6 +167,7 @@ def main(argv=None):
         out["decode"] = decode_cost(models, cfg)
     if "forward" in cfg.what:
         out["forward"] = forward_cost(cfg)
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     with common.atomic_path(cfg.out) as tmp:
         Path(tmp).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {cfg.out}")
