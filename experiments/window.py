@@ -187,6 +187,7 @@ class WindowAttention(CoreLinearAttention):
 
 
 def set_window(student, W):
+    """The student with a window of W keys in every layer (0: the core's linear attention)."""
     for core in student.cores():
         core.window = W
     return student
