@@ -214,29 +214,38 @@ def causal_blocks(q, k, block):
         yield s, e, logits, diag
 
 
+def row_kl(p, a, grad):
+    """Rows of teacher probabilities p and student weights a >= 0 (B, H, b, n), both overwritten
+    -> (sum of the rows' KL per head (H,), dKL/da (B, H, b, n) if grad). With a_ij and
+    S_i = sum_j a_ij clamped at float's tiny (log S_i as log_row_sum):
+        KL_i = sum_j p_ij log p_ij - sum_j p_ij log a_ij + log S_i,
+        dKL_i/da_ij = 1/S_i - p_ij / a_ij   (0 where a_ij or S_i is below tiny)."""
+    tiny, heads = torch.finfo(a.dtype).tiny, (0, 2, 3)
+    S = a.sum(-1, keepdim=True)                                           # (B, H, b, 1)
+    under = a < tiny if grad else None
+    a.clamp_min_(tiny)
+    kl = torch.xlogy(p, p).sum(heads) + log_row_sum(S, tiny).sum(heads)
+    kl = kl - (p * a.log()).sum(heads)
+    if not grad:
+        return kl, None
+    g = p.div_(a).masked_fill_(under, 0.0).neg_()
+    return kl, g.add_(torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0))
+
+
 @torch.no_grad()
 def softmax_loss_blockwise(q, k, pq, pk, block, grad_scale=None):
     """softmax_loss summed over each head's rows, `block` at a time (memory O(block T)):
     q (B, H, T, D) queries over sqrt(d), k keys, pq, pk (B, H, T, M) features -> (H,) float64.
-    grad_scale: adds grad_scale times the gradient into pq.grad, pk.grad, written out
-    (a_ij = pq_i.pk_j, S_i = sum_{j<=i} a_ij, both clamped at float's tiny; log S_i as log_row_sum):
-        KL_i = sum_j p_ij log p_ij - sum_j p_ij log a_ij + log S_i,
-        dKL_i/da_ij = 1/S_i - p_ij / a_ij."""
-    tiny, heads = torch.finfo(pq.dtype).tiny, (0, 2, 3)
+    grad_scale: adds grad_scale times the gradient into pq.grad, pk.grad, written out through
+    row_kl's dKL/da, a_ij = pq_i.pk_j."""
     total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
     for s, e, logits, diag in causal_blocks(q, k, block):
         p = torch.log_softmax(logits, -1).exp_()                          # teacher (B, H, b, e)
         a = pq[:, :, s:e] @ pk[:, :, :e].mT                               # student, a >= 0
         a[..., s:].masked_fill_(diag, 0.0)
-        S = a.sum(-1, keepdim=True)                                       # (B, H, b, 1)
-        under = a < tiny if grad_scale is not None else None
-        a.clamp_min_(tiny)
-        kl = torch.xlogy(p, p).sum(heads) + log_row_sum(S, tiny).sum(heads)
-        kl = kl - (p * a.log()).sum(heads)
+        kl, g = row_kl(p, a, grad_scale is not None)
         total += kl.double()
         if grad_scale is not None:
-            g = p.div_(a).masked_fill_(under, 0.0).neg_()
-            g = g.add_(torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0))
             g[..., s:].masked_fill_(diag, 0.0)
             g.mul_(grad_scale)
             pq.grad[:, :, s:e] += g @ pk[:, :, :e]                        # (B, H, b, M)

@@ -67,15 +67,20 @@ def window_masks(s, e, n_keys, W, device):
     return (j <= i) & (j > i - W), j <= i - W
 
 
+def shifted(l):
+    """The window's logits l (B, H, b, n), -inf outside it -> (e^(l - m), e^(-m) (B, H, b, 1)),
+    m_i = max(0, max_j l_ij): the shift both parts of a row take."""
+    m = l.detach().amax(-1, keepdim=True).clamp_min(0.0)
+    return (l - m).exp(), (-m).exp()
+
+
 def hybrid_weights(logits, log_f, phi_q, phi_k, near, far):
     """a_ij = e^(l_ij - m_i) in the window, e^(-m_i) phi_q,i.phi_k,j before it, 0 after i;
-    l = logits + log F(q), m_i = max(0, max over the window of l_ij). logits (B, H, b, n) are
-    q.k / sqrt d, phi_q (B, H, b, M), phi_k (B, H, n, M) -> (a, e^(-m) (B, H, b, 1))."""
-    l = (logits + log_f).masked_fill(~near, float("-inf"))
-    m = l.detach().amax(-1, keepdim=True).clamp_min(0.0)  # (B, H, b, 1)
-    c = (-m).exp()
+    l = logits + log F(q) (shifted). logits (B, H, b, n) are q.k / sqrt d, phi_q (B, H, b, M),
+    phi_k (B, H, n, M) -> (a, e^(-m) (B, H, b, 1))."""
+    exact, c = shifted((logits + log_f).masked_fill(~near, float("-inf")))
     a = (phi_q @ phi_k.mT * c).masked_fill(~far, 0.0)
-    return a + (l - m).exp(), c
+    return a + exact, c
 
 
 # The hybrid three ways: the plain T x T form, the chunked form, the recurrent step
@@ -117,9 +122,8 @@ def hybrid_attention(q, k, v, phi_q, phi_k, log_f, W, chunk_size=64, eps=1e-30):
         lo = max(0, s - W + 1)  # the block's first key in a window
         logits = q[:, :, s:e].to(dt) @ k[:, :, lo:e].to(dt).mT / math.sqrt(D)  # (B, H, b, e - lo)
         near, _ = window_masks(s - lo, e - lo, e - lo, W, q.device)
-        l = (logits + log_f[:, :, s:e]).masked_fill(~near, float("-inf"))
-        m = l.detach().amax(-1, keepdim=True).clamp_min(0.0)  # (B, H, b, 1)
-        out.append(sums[:, :, s:e] * (-m).exp() + (l - m).exp() @ v1[:, :, lo:e])
+        exact, c = shifted((logits + log_f[:, :, s:e]).masked_fill(~near, float("-inf")))
+        out.append(sums[:, :, s:e] * c + exact @ v1[:, :, lo:e])
     out = torch.cat(out, 2)  # (B, H, T, D+1)
     return out[..., :D] / out[..., D:].clamp_min(eps), state
 
@@ -180,9 +184,9 @@ class WindowAttention(CoreLinearAttention):
         qf, kc = self.inputs(q, cache["k"][:, :, :kept])  # (B, H, 1 or kept, D)
         v1 = with_ones(model.repeat_kv(cache["v"][:, :, :kept], self.n_head)).to(qf.dtype)
         l = qf @ kc.mT / math.sqrt(q.size(-1)) + query_log_factor(self.feature_map, qf)
-        m = l.amax(-1, keepdim=True).clamp_min(0.0)  # (B, H, 1, 1)
+        exact, c = shifted(l)  # (B, H, 1, kept), (B, H, 1, 1)
         phi_q = self.feature_map(qf, is_query=True)  # (B, H, 1, M)
-        out = (phi_q @ cache["P"]) * (-m).exp() + (l - m).exp() @ v1  # (B, H, 1, D+1)
+        out = (phi_q @ cache["P"]) * c + exact @ v1  # (B, H, 1, D+1)
         return out[..., :-1] / out[..., -1:].clamp_min(eps)
 
 
@@ -212,23 +216,17 @@ def softmax_loss(q, k, phi_q, phi_k, log_f, W):
 def softmax_loss_blockwise(q, k, pq, pk, log_f, W, block, grad_scale=None):
     """softmax_loss summed over each head's rows, `block` at a time -> (H,) float64, as the core's
     distill.softmax_loss_blockwise (q over sqrt d). The window's a_ij are constants (the teacher's
-    q, k); the features' are c_i pq_i.pk_j, c_i = e^(-m_i), so grad_scale adds
-        dKL/dpq_i = sum_j g_ij c_i pk_j,  dKL/dpk_j = sum_i g_ij c_i pq_i,  g_ij = 1/S_i - p_ij/a_ij
-    over the keys before the window into pq.grad, pk.grad."""
-    tiny, heads = torch.finfo(pq.dtype).tiny, (0, 2, 3)
+    q, k); the features' are c_i pq_i.pk_j, c_i = e^(-m_i). So grad_scale adds
+        dKL/dpq_i = sum_j g_ij c_i pk_j,  dKL/dpk_j = sum_i g_ij c_i pq_i
+    into pq.grad, pk.grad, g_ij = dKL/da_ij (distill.row_kl's) over the keys before the window."""
     total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
     for s, e, logits, _ in distill.causal_blocks(q, k, block):
         p = torch.log_softmax(logits, -1).exp_()  # teacher (B, H, b, e)
         near, far = window_masks(s, e, e, W, q.device)
         a, c = hybrid_weights(logits, log_f[:, :, s:e], pq[:, :, s:e], pk[:, :, :e], near, far)
-        S = a.sum(-1, keepdim=True)  # (B, H, b, 1)
-        under = a < tiny
-        a.clamp_min_(tiny)
-        kl = torch.xlogy(p, p).sum(heads) + distill.log_row_sum(S, tiny).sum(heads)
-        total += (kl - (p * a.log()).sum(heads)).double()
+        kl, g = distill.row_kl(p, a, grad_scale is not None)
+        total += kl.double()
         if grad_scale is not None:
-            g = p.div_(a).masked_fill_(under, 0.0).neg_()
-            g = g.add_(torch.where(S >= tiny, 1.0 / S.clamp_min(tiny), 0.0))
             g = g.masked_fill_(~far, 0.0).mul_(c * grad_scale)
             pq.grad[:, :, s:e] += g @ pk[:, :, :e]  # (B, H, b, M)
             pk.grad[:, :, :e] += g.mT @ pq[:, :, s:e]  # (B, H, e, M)
