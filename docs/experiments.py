@@ -493,15 +493,13 @@ def blocks(grid, records):
 
 
 def window_table(records):
-    """The window grid's paired differences, seed by seed: each window against none (DoF dims), and DoF against Fix
-    at each window."""
+    """The window grid's paired differences, seed by seed (paired_diffs): each window against none
+    (DoF dims), and DoF against Fix at each window."""
     rows = ["| comparison | pairs | Δ next-token loss | Δ attention KL |", "|---|---:|---|---|"]
-    by = {(r["group"], r["seed"]): final(r) for r in records}
     for a, b in (("DoF, W=16", "DoF, W=0"), ("DoF, W=64", "DoF, W=0"), ("DoF, W=0", "Fix, W=0"),
                  ("DoF, W=64", "Fix, W=64")):
-        seeds = sorted(s for g, s in by if g == f"32/{a}" and (f"32/{b}", s) in by)
-        d = np.array([np.subtract(by[f"32/{a}", s][:2], by[f"32/{b}", s][:2]) for s in seeds])
-        if len(d):
+        d = paired_diffs(records, b).get(f"32/{a}")
+        if d is not None:
             se = standard_error(d)
             rows.append(f"| {a} − {b} | {len(d)} | {d[:, 0].mean():+.3f} ± {se[0]:.3f} | "
                         f"{d[:, 1].mean():+.3f} ± {se[1]:.3f} |")
