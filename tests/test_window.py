@@ -5,13 +5,11 @@ bit, the loss's blockwise form against its plain form, and the fork end to end."
 import json
 import math
 import re
-from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
 
-import common
 import distill
 import evaluate as E
 import model as M
@@ -19,19 +17,9 @@ import window
 from common import ModelError
 from conftest import EVAL, FAST, cli, distill_args, features
 from test_dof import qkv, rel
+from test_experiments import forked, refusal
 
 CHUNK = 16
-
-
-@contextmanager
-def forked():
-    """In-process what `python experiments/window.py` sets."""
-    common.FORK = "experiments/window.py"
-    try:
-        with common.replaced(window.REPLACE):
-            yield
-    finally:
-        common.FORK = None
 
 
 def window_core(W, H=4, Hkv=2, D=16, M_=8, seed=0, dtype=torch.float64):
@@ -171,7 +159,7 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["args"]["window"] == 8 and cfg["fork"] == "experiments/window.py"
     kl = json.loads((out / "metrics.json").read_text())["val"][-1]["attn_kl"]
-    with forked():
+    with forked("window", window.REPLACE):
         student, _ = E.load_student(out)
         assert [c.window for c in student.cores()] == [8] * 4
         x = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16)[:64].astype(np.int64))[None]
@@ -179,8 +167,7 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
         again = distill.student_losses(cfg, M.GPT.from_pretrained(ckpt),
                                        student, x, torch.autocast("cpu", enabled=False), "softmax")
     assert all(map(math.isfinite, kl)) and again.min() > 0
-    ref = f"{out} was made by the fork experiments/window.py"
-    with pytest.raises(ModelError, match="^" + re.escape(ref)):
+    with pytest.raises(ModelError, match="^" + re.escape(refusal(out, "window")) + "$"):
         E.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
     r = cli("experiments/window.py", "--window", 4, "--model", ckpt, "--data", data, "--budget", 6,
             "--max-steps", 6, "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
@@ -191,7 +178,7 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
     assert r.returncode == 0, r.stderr[-3000:]
     ppl = json.loads((tmp_path / "ppl.json").read_text())["ppl"]
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
-    with forked():
+    with forked("window", window.REPLACE):
         student = E.load_student(out)[0]
         assert ppl["student"] == pytest.approx(E.perplexity(student, tokens), rel=1e-6)
         window.set_window(student, 0)
