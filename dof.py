@@ -23,7 +23,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import common as run
+import datafiles
+import devices
+import door
+import files
 import tokenizer
 from model import GPT, repeat_kv
 
@@ -114,7 +117,7 @@ def regularised_cholesky(S, lam, relative, J):
     A.diagonal(dim1=-2, dim2=-1).add_(w)                    # + c D^-1
     C, info = torch.linalg.cholesky_ex(A)
     if info.any():
-        raise run.ModelError("the kernel matrix is numerically singular (near-duplicate "
+        raise door.ModelError("the kernel matrix is numerically singular (near-duplicate "
                              "queries/keys with logits far above log(J lambda)); raise --lam or "
                              "use --lam-relative, which keeps it well conditioned")
     return C, u, w
@@ -126,7 +129,7 @@ def degrees_of_freedom(x, lam, relative=False):
     only on the token) make G singular, so a point with m copies enters once, with logits
     S_ij + (log m_i + log m_j) / 2: G / J's nonzero eigenvalues stay."""
     if not torch.isfinite(x).all():
-        raise run.ModelError("the DoF needs queries/keys without inf or nan; check the model's "
+        raise door.ModelError("the DoF needs queries/keys without inf or nan; check the model's "
                              "weights and dtype")
     *batch, J, d = x.shape
     N = []
@@ -184,7 +187,7 @@ def choose_dims(model, batches, budget, alloc="dof", lam=2 ** -4, relative=False
 def calibration_batches(tokens, n, B, T, seed, device):
     """n batches (B, T) of random training windows, from a generator of seed + 2 (as distill's)."""
     gen = torch.Generator().manual_seed(seed + 2)
-    return [run.get_batch(tokens, B, T, gen, device)[0] for _ in range(n)]
+    return [datafiles.get_batch(tokens, B, T, gen, device)[0] for _ in range(n)]
 
 
 # The command; its checks of user input (and distill.py's: parse_dims, check_sample)
@@ -196,7 +199,7 @@ def parse_dims(text, n_layer):
     except ValueError:
         dims = []
     if len(dims) != n_layer or min(dims, default=0) < 1:
-        raise run.ModelError(f"--dims needs {n_layer} comma-separated positive integers, one per "
+        raise door.ModelError(f"--dims needs {n_layer} comma-separated positive integers, one per "
                              f"layer, got {text!r}")
     return dims
 
@@ -204,7 +207,7 @@ def parse_dims(text, n_layer):
 def check_sample(J, windows, T):
     """A ModelError unless `windows` windows of T tokens hold J queries+keys a head (collect_qk)."""
     if J > 2 * windows * T:
-        raise run.ModelError(f"J={J} is more than the {2 * windows * T} queries+keys per head in "
+        raise door.ModelError(f"J={J} is more than the {2 * windows * T} queries+keys per head in "
                              "the calibration data; lower J or give more calibration tokens")
 
 
@@ -212,30 +215,30 @@ def check_sample(J, windows, T):
 class DofConfig:
     """Every head's DoF and each layer's dims (Algorithm 1), on the windows that distill.py
     draws with the same flags."""
-    model: str = run.opt("gpt2", "checkpoint: hub id, local directory, .gguf file or smollm2-135m")
-    data: str = run.opt("data/wikipedia", "folder of train.bin (data/*/prepare.py or distill.py)")
-    budget: int = run.opt(64, "mean feature dimension C over the layers (paper, GPT-2: 64)")
-    lam: float = run.opt(2 ** -4, "lambda (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
-    lam_relative: bool = run.opt(False, "--lam times tr(G / J), the mean K(x, x): scale-invariant")
-    J: int = run.opt(2048, "queries+keys drawn per head: the DoF of a J x J Gram matrix")
-    center_keys: bool = run.opt(False, "the kernel K(q, k - mu) of distill.py --center-keys")
-    calib_batches: int = run.opt(4, "calibration batches (as distill.py)")
-    batch_size: int = run.opt(8, "windows per calibration batch (as distill.py)")
-    block_size: int = run.opt(1024, "tokens per window, at most the model's context")
-    seed: int = run.opt(0, "seed of the windows and of the sample of queries+keys (as distill.py)")
-    device: str = run.opt("auto", "auto (cuda if available), cpu, cuda or cuda:N")
-    out: str = run.opt("out-dof", "output directory for dof.json")
+    model: str = door.opt("gpt2", "checkpoint: hub id, local directory, .gguf file or smollm2-135m")
+    data: str = door.opt("data/wikipedia", "folder of train.bin (data/*/prepare.py or distill.py)")
+    budget: int = door.opt(64, "mean feature dimension C over the layers (paper, GPT-2: 64)")
+    lam: float = door.opt(2 ** -4, "lambda (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
+    lam_relative: bool = door.opt(False, "--lam times tr(G / J), the mean K(x, x): scale-invariant")
+    J: int = door.opt(2048, "queries+keys drawn per head: the DoF of a J x J Gram matrix")
+    center_keys: bool = door.opt(False, "the kernel K(q, k - mu) of distill.py --center-keys")
+    calib_batches: int = door.opt(4, "calibration batches (as distill.py)")
+    batch_size: int = door.opt(8, "windows per calibration batch (as distill.py)")
+    block_size: int = door.opt(1024, "tokens per window, at most the model's context")
+    seed: int = door.opt(0, "seed of the windows and of the sample of queries+keys (as distill.py)")
+    device: str = door.opt("auto", "auto (cuda if available), cpu, cuda or cuda:N")
+    out: str = door.opt("out-dof", "output directory for dof.json")
 
     def __post_init__(self):
-        run.check_positive(self, ("J", "budget", "calib_batches", "batch_size", "block_size"))
-        run.check_positive(self, ("lam",), 0, above=True)
-        run.check_positive(self, ("seed",), 0)            # as distill.py: windows it can draw too
-        run.check_out(self.out, ("dof.json",))
+        door.check_positive(self, ("J", "budget", "calib_batches", "batch_size", "block_size"))
+        door.check_positive(self, ("lam",), 0, above=True)
+        door.check_positive(self, ("seed",), 0)            # as distill.py: windows it can draw too
+        files.check_out(self.out, ("dof.json",))
 
     def check(self, mc):
         """--block-size within the model's context, checked once it is loaded."""
         if self.block_size > mc.block_size:
-            raise run.ModelError(f"--block-size {self.block_size} is more than the model's "
+            raise door.ModelError(f"--block-size {self.block_size} is more than the model's "
                                  f"context of {mc.block_size} tokens; pass at most --block-size "
                                  f"{mc.block_size}")
 
@@ -244,7 +247,7 @@ class DofConfig:
         B, H = self.batch_size, mc.n_head
         # 4-byte floats of a batch's activations and attention, its q and k twice; 8 bytes a token
         per_token = mc.n_layer * (3 * H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + H * T
-        run.check_free_memory(4 * B * T * per_token + 8 * self.calib_batches * B * T, device,
+        devices.check_free_memory(4 * B * T * per_token + 8 * self.calib_batches * B * T, device,
                               f"the calibration pass at --batch-size {B} x --block-size {T}",
                               "lower --batch-size, --block-size or --calib-batches")
 
@@ -269,16 +272,16 @@ def print_table(cfg, per_head, dims):
 def main(argv=None):
     """The flags and the data checked; then calibration windows, J queries+keys per head, N_lam per
     head and layer, each rule's dims: printed as a table and written to dof.json."""
-    cfg = run.parse_config(DofConfig, argv)
-    device, _ = run.pick_device(cfg.device, "float32")            # queries and keys in float32
+    cfg = door.parse_config(DofConfig, argv)
+    device, _ = devices.pick_device(cfg.device, "float32")            # queries and keys in float32
     model = GPT.from_pretrained(cfg.model, device=device)
     mc = model.config
     cfg.check(mc)
     T = cfg.block_size
     cfg.check_memory(mc, T, device)
-    run.check_tokenizer(cfg.data, lambda: tokenizer.load_tokenizer(cfg.model), cfg.model)
+    datafiles.check_tokenizer(cfg.data, lambda: tokenizer.load_tokenizer(cfg.model), cfg.model)
     train = Path(cfg.data) / "train.bin"
-    tokens = run.read_tokens(train, vocab_size=mc.vocab_size, min_tokens=T + 1)
+    tokens = datafiles.read_tokens(train, vocab_size=mc.vocab_size, min_tokens=T + 1)
     check_sample(cfg.J, cfg.calib_batches * cfg.batch_size, T)
     t0 = time.time()
     batches = calibration_batches(tokens, cfg.calib_batches, cfg.batch_size, T, cfg.seed, device)
@@ -294,9 +297,9 @@ def main(argv=None):
               "layer_dof": layer.tolist(), "dims": dims, "seconds": time.time() - t0}
     out = Path(cfg.out) / "dof.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    run.write_text_atomic(out, json.dumps(result, indent=1))
+    files.write_text_atomic(out, json.dumps(result, indent=1))
     print(f"wrote {out} ({result['seconds']:.1f}s)")
 
 
 if __name__ == "__main__":
-    run.run_main(main)
+    door.run_main(main)

@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import checkpoint
-import common as run
+import datafiles
+import devices
+import door
+import files
 import tokenizer
-from common import opt, read_tokens
 from fast_scorer import score_windows
 from model import GPT, load_student
 
@@ -38,44 +40,44 @@ from model import GPT, load_student
 @dataclass
 class EvalConfig:
     # what to evaluate
-    model: str = opt("gpt2", "teacher: hub id, checkpoint directory, .gguf file or smollm2-135m")
-    ckpt: str | None = opt(None, "distill.py checkpoint directory; its student is evaluated too")
-    tasks: str | None = opt(None, "comma-separated tasks, or all (default without --ppl, --speed)")
-    limit: int | None = opt(None, "score the first N documents of each task (MMLU: of the file)")
-    data_dir: str | None = opt(None, "folder of <task>.jsonl (tests/data/eval); default: the hub's")
-    output: str | None = opt(None, "write results and per-document samples to this JSON file")
+    model: str = door.opt("gpt2", "teacher: hub id, checkpoint directory, .gguf file or smollm2-135m")
+    ckpt: str | None = door.opt(None, "distill.py checkpoint directory; its student is evaluated too")
+    tasks: str | None = door.opt(None, "comma-separated tasks, or all (default without --ppl, --speed)")
+    limit: int | None = door.opt(None, "score the first N documents of each task (MMLU: of the file)")
+    data_dir: str | None = door.opt(None, "folder of <task>.jsonl (tests/data/eval); default: the hub's")
+    output: str | None = door.opt(None, "write results and per-document samples to this JSON file")
     # how
-    batch_size: int = opt(16, "sequences per forward pass")
-    device: str = opt("auto", "torch device: auto (cuda if there is one, else cpu), cpu, cuda:1")
-    dtype: str = opt("float32", "model dtype (log-softmax is float32)",
+    batch_size: int = door.opt(16, "sequences per forward pass")
+    device: str = door.opt("auto", "torch device: auto (cuda if there is one, else cpu), cpu, cuda:1")
+    dtype: str = door.opt("float32", "model dtype (log-softmax is float32)",
                      choices=["float32", "bfloat16", "float16"])
-    plain: bool = opt(False, "one full forward pass per request, the plain harness way (slow; the "
+    plain: bool = door.opt(False, "one full forward pass per request, the plain harness way (slow; the "
                              "same numbers in float32, within rounding in bf16)")
     # other measurements
-    ppl: str | None = opt(None, "next-token loss and perplexity on a uint16 .bin or a text file")
-    ppl_context: int | None = opt(None, "window length for --ppl; default: the model's context")
-    ppl_max_tokens: int | None = opt(None, "score only the first N tokens of the --ppl file")
-    speed: bool = opt(False, "time prefill and token-by-token generation of one sequence")
-    speed_tokens: int = opt(1000, "sequence length for --speed (at most the model's context)")
+    ppl: str | None = door.opt(None, "next-token loss and perplexity on a uint16 .bin or a text file")
+    ppl_context: int | None = door.opt(None, "window length for --ppl; default: the model's context")
+    ppl_max_tokens: int | None = door.opt(None, "score only the first N tokens of the --ppl file")
+    speed: bool = door.opt(False, "time prefill and token-by-token generation of one sequence")
+    speed_tokens: int = door.opt(1000, "sequence length for --speed (at most the model's context)")
     # fine-tuning on each task before it is scored: the paper's protocol (its Table 3)
-    finetune_epochs: int = opt(0, "fine-tune each model on each task for N epochs, scoring after "
+    finetune_epochs: int = door.opt(0, "fine-tune each model on each task for N epochs, scoring after "
                                   "each (0: zero-shot; paper: 3; MMLU is always 1, the last)")
-    finetune_lr: str = opt("", "Adam learning rate, or a comma list: a grid searched on the "
+    finetune_lr: str = door.opt("", "Adam learning rate, or a comma list: a grid searched on the "
                                 "teacher, its best reused for the student (default: the paper's "
                                 "Table 8 for GPT-2 and Pythia, else 1e-5, ours)")
-    finetune_batch_size: int | None = opt(None, "documents per step (default: the paper's Table 9 "
+    finetune_batch_size: int | None = door.opt(None, "documents per step (default: the paper's Table 9 "
                                                 "for GPT-2 and Pythia, else 32, ours)")
-    train_dir: str | None = opt(None, "folder of <task>_train.jsonl and optionally "
+    train_dir: str | None = door.opt(None, "folder of <task>_train.jsonl and optionally "
                                       "<task>_validation.jsonl in --data-dir's schema; default: "
                                       "the hub's splits")
-    finetune_limit: int | None = opt(None, "train on the first N documents of each training split")
-    seed: int = opt(0, "seed of the order in which the training documents are drawn")
+    finetune_limit: int | None = door.opt(None, "train on the first N documents of each training split")
+    seed: int = door.opt(0, "seed of the order in which the training documents are drawn")
 
     def __post_init__(self):
         """The flags, checked before any work."""
-        run.check_positive(self, ("limit", "batch_size", "ppl_context"), 1)
-        run.check_positive(self, ("ppl_max_tokens", "speed_tokens"), 2)
-        run.pick_device(self.device, "float32")
+        door.check_positive(self, ("limit", "batch_size", "ppl_context"), 1)
+        door.check_positive(self, ("ppl_max_tokens", "speed_tokens"), 2)
+        devices.pick_device(self.device, "float32")
         if self.output:
             check_output(self.output, self.model, self.ckpt, self.data_dir, self.ppl)
         if self.ppl:
@@ -86,10 +88,10 @@ class EvalConfig:
         """The flags that the model's config bounds, checked once it is known, before any work."""
         block_size = model_config.block_size
         if self.ppl_context and self.ppl_context > block_size:
-            raise run.ModelError(f"--ppl-context {self.ppl_context} exceeds the model's context "
+            raise door.ModelError(f"--ppl-context {self.ppl_context} exceeds the model's context "
                                  f"length {block_size}")
         if self.speed and self.speed_tokens > block_size:
-            raise run.ModelError(f"--speed-tokens {self.speed_tokens} is more than the model's "
+            raise door.ModelError(f"--speed-tokens {self.speed_tokens} is more than the model's "
                                  f"context of {block_size} tokens; pass at most --speed-tokens "
                                  f"{block_size}")
 
@@ -103,7 +105,7 @@ def check_ppl_file(p: Path):
         why = "is empty"
     else:
         return
-    raise run.ModelError(f"--ppl {p} {why}; pass a uint16 token file (data/*/prepare.py) or a "
+    raise door.ModelError(f"--ppl {p} {why}; pass a uint16 token file (data/*/prepare.py) or a "
                          "text file")
 
 
@@ -114,21 +116,21 @@ def parse_lrs(spec: str) -> list[float]:
     except ValueError:
         lrs = [math.nan]
     if not all(math.isfinite(lr) and lr > 0 for lr in lrs):
-        raise run.ModelError(f"--finetune-lr must be positive numbers separated by commas, got "
+        raise door.ModelError(f"--finetune-lr must be positive numbers separated by commas, got "
                              f"{spec!r}")
     return lrs
 
 
 def check_finetune(cfg):
     """The fine-tuning flags, checked before any work."""
-    run.check_positive(cfg, ("finetune_epochs",), 0)
-    run.check_positive(cfg, ("finetune_batch_size", "finetune_limit"), 1)
+    door.check_positive(cfg, ("finetune_epochs",), 0)
+    door.check_positive(cfg, ("finetune_batch_size", "finetune_limit"), 1)
     parse_lrs(cfg.finetune_lr)
     if cfg.finetune_epochs and cfg.dtype != "float32":
-        raise run.ModelError("fine-tuning trains float32 weights (under bf16 autocast on CUDA); "
+        raise door.ModelError("fine-tuning trains float32 weights (under bf16 autocast on CUDA); "
                              "drop --dtype")
     if cfg.train_dir and not Path(cfg.train_dir).is_dir():
-        raise run.ModelError(f"--train-dir {cfg.train_dir} is not a folder; pass the folder of "
+        raise door.ModelError(f"--train-dir {cfg.train_dir} is not a folder; pass the folder of "
                              "<task>_train.jsonl files")
 
 
@@ -248,10 +250,10 @@ def parse_tasks(spec: str | None) -> list[str]:
         return list(ALL_TASKS)
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if not names:
-        raise run.ModelError(f"--tasks is empty; {known}")
+        raise door.ModelError(f"--tasks is empty; {known}")
     for name in names:
         if name not in TASKS:
-            raise run.ModelError(f"unknown task {name!r}; {known}")
+            raise door.ModelError(f"unknown task {name!r}; {known}")
     return names
 
 
@@ -270,7 +272,7 @@ def hub_documents(name: str, split: str | None = None) -> tuple[str, list]:
         todo = f"pass --data-dir DIR holding {name}.jsonl"
         if split != harness_split:
             todo = f"pass --train-dir DIR holding {name}_{split}.jsonl"
-        raise run.ModelError(f"could not load {name} from the hub ({type(e).__name__} in "
+        raise door.ModelError(f"could not load {name} from the hub ({type(e).__name__} in "
                              f"datasets.load_dataset{path, config, split}); {todo}") from None
     return f"{path} ({config}, {split})", [(f"row {i}", dict(d)) for i, d in enumerate(rows)]
 
@@ -278,7 +280,7 @@ def hub_documents(name: str, split: str | None = None) -> tuple[str, list]:
 def read_jsonl(source: Path, name: str) -> list:
     """The documents of a task file, one JSON object a line, as (where, document) pairs."""
     if not source.is_file():
-        raise run.ModelError(f"{source} does not exist: --data-dir must hold a {name}.jsonl "
+        raise door.ModelError(f"{source} does not exist: --data-dir must hold a {name}.jsonl "
                              "(tests/data/eval has one)")
     docs = []
     for i, line in enumerate(source.read_bytes().split(b"\n"), 1):
@@ -287,7 +289,7 @@ def read_jsonl(source: Path, name: str) -> list:
                 docs.append((f"line {i}", json.loads(line)))
         except (ValueError, RecursionError) as e:  # not JSON or UTF-8, or nested too deep
             why = getattr(e, "msg", e)
-            raise run.ModelError(f"{source} line {i} is not valid JSON ({why}); fix it") from None
+            raise door.ModelError(f"{source} line {i} is not valid JSON ({why}); fix it") from None
     return docs
 
 
@@ -305,17 +307,17 @@ def load_task(name: str, data_dir: str | None = None, limit: int | None = None,
         source = Path(data_dir) / f"{name}.jsonl"
         docs = read_jsonl(source, name)
     if not docs:
-        raise run.ModelError(f"{source} holds no documents")
+        raise door.ModelError(f"{source} holds no documents")
     prompt, prompts = TASKS[name][0], []
     for where, doc in docs:
         try:
             check_document(prompt, doc)
             prompts.append(prompt(doc))
         except KeyError as e:
-            raise run.ModelError(f"{source} {where}: document has no field {e}; "
+            raise door.ModelError(f"{source} {where}: document has no field {e}; "
                                  f"see tests/data/eval/{name}.jsonl") from None
         except (ValueError, TypeError, AttributeError, IndexError) as e:  # TypeError: a list, ...
-            raise run.ModelError(f"{source} {where}: malformed {name} document ({e})") from None
+            raise door.ModelError(f"{source} {where}: malformed {name} document ({e})") from None
     return prompts[:limit]
 
 
@@ -343,10 +345,10 @@ def check_requests(tokenized, max_len: int):
     for doc in tokenized:
         for context, continuation in doc:
             if not 0 < len(continuation) <= max_len:
-                raise run.ModelError(f"a continuation of {len(continuation)} tokens cannot be "
+                raise door.ModelError(f"a continuation of {len(continuation)} tokens cannot be "
                                      f"scored: it needs 1 to {max_len}, the model's context length")
             if not context:  # the harness puts its prefix token there
-                raise run.ModelError("a request with an empty context cannot be scored as the "
+                raise door.ModelError("a request with an empty context cannot be scored as the "
                                      "harness scores it; fix its document")
 
 
@@ -398,7 +400,7 @@ def stderr(xs, groups=None) -> float | None:
 
 def score_plain(model, tokenized, device="cpu", desc=None) -> list:
     """loglikelihood() of every request of this process's share of the documents, None elsewhere."""
-    mine = set(run.shard(range(len(tokenized))))
+    mine = set(devices.shard(range(len(tokenized))))
     scored = []
     bar = tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False)
     for d, doc in enumerate(bar):
@@ -419,8 +421,8 @@ def score_requests(model, tokenized, batch_size=16, device="cpu", desc=None, pla
         L = model.config.block_size
         windows = [[harness_window(c, t, L) for c, t in doc] for doc in tokenized]
         scored = score_windows(model, windows, batch_size, device, desc,
-                               rank=run.get_rank(), world_size=run.get_world_size())
-    shares = run.all_gather(scored)
+                               rank=devices.get_rank(), world_size=devices.get_world_size())
+    shares = devices.all_gather(scored)
     # each request's score from the process that scored it
     return [[next(r for r in rs if r is not None) for rs in zip(*docs)] for docs in zip(*shares)]
 
@@ -456,12 +458,12 @@ def evaluate_task(model, enc, prompts, batch_size=16, device="cpu", desc=None, p
 def read_ppl(cfg: EvalConfig, enc, vocab_size: int) -> np.ndarray:
     """The --ppl file's tokens (text encoded as the tasks' text is), checked against the model."""
     todo = "pass a file made with this model's tokenizer (data/*/prepare.py)"
-    run.check_tokenizer(cfg.ppl, enc, cfg.model, todo)
-    tokens = read_tokens(cfg.ppl, enc, cfg.ppl_max_tokens, special=True)
+    datafiles.check_tokenizer(cfg.ppl, enc, cfg.model, todo)
+    tokens = datafiles.read_tokens(cfg.ppl, enc, cfg.ppl_max_tokens, special=True)
     if len(tokens) < 2:
-        raise run.ModelError("the --ppl file holds fewer than 2 tokens; give it more text")
+        raise door.ModelError("the --ppl file holds fewer than 2 tokens; give it more text")
     if int(tokens.max()) >= int(vocab_size):
-        raise run.ModelError(f"the --ppl file holds token id {int(tokens.max())}, beyond the "
+        raise door.ModelError(f"the --ppl file holds token id {int(tokens.max())}, beyond the "
                              f"model's vocabulary of {vocab_size}: was it prepared with another "
                              "tokenizer?")
     return tokens
@@ -480,14 +482,14 @@ def perplexity(model, tokens: np.ndarray, context=None, device="cpu", batch_size
     groups = [starts[:-1][i:i + batch_size] for i in range(0, len(starts) - 1, batch_size)]
     groups.append(starts[-1:])
     nll = {}  # batch number -> its windows' summed losses
-    mine = run.shard(range(len(groups)))
-    for i in tqdm(mine, desc="ppl", unit="batch", leave=False, disable=not run.is_main()):
+    mine = devices.shard(range(len(groups)))
+    for i in tqdm(mine, desc="ppl", unit="batch", leave=False, disable=not devices.is_main()):
         T = min(L, n_pred - groups[i][0])
         x = np.stack([tokens[s:s + T] for s in groups[i]]).astype(np.int64)
         y = np.stack([tokens[s + 1:s + 1 + T] for s in groups[i]]).astype(np.int64)
         nll[i] = model.nll(torch.tensor(x, device=device), torch.tensor(y, device=device)).tolist()
     # every process's batches, added in window order
-    nll = {i: v for share in run.all_gather(nll) for i, v in share.items()}
+    nll = {i: v for share in devices.all_gather(nll) for i, v in share.items()}
     total = sum(v for i in range(len(groups)) for v in nll[i])
     return {"tokens": n_pred, "context": min(L, n_pred), "loss": total / n_pred,
             "ppl": float(np.exp(total / n_pred))}
@@ -495,10 +497,10 @@ def perplexity(model, tokens: np.ndarray, context=None, device="cpu", batch_size
 
 def timed(device, fn, *args) -> float:
     """Seconds that fn(*args) takes, the device's queued work done before and after."""
-    run.sync(device)
+    devices.sync(device)
     t0 = time.perf_counter()
     fn(*args)
-    run.sync(device)
+    devices.sync(device)
     return time.perf_counter() - t0
 
 
@@ -552,7 +554,7 @@ def load_training(cfg: EvalConfig, prompts: dict) -> dict:
         train, validation = TRAIN_SPLITS[name]
         if cfg.train_dir:
             if not (Path(cfg.train_dir) / f"{name}_train.jsonl").is_file():
-                raise run.ModelError(f"--train-dir {cfg.train_dir} holds no {name}_train.jsonl, "
+                raise door.ModelError(f"--train-dir {cfg.train_dir} holds no {name}_train.jsonl, "
                                      f"the training split of {name}; add it or drop {name}")
             train = "train"
             has = (Path(cfg.train_dir) / f"{name}_validation.jsonl").is_file()
@@ -614,24 +616,24 @@ def chunks(docs: list, max_requests: int) -> list[list[int]]:
     return [r for r in runs if r]
 
 
-def train_step(model, opt, docs, golds, cfg, device) -> float:
+def train_step(model, optim, docs, golds, cfg, device) -> float:
     """One Adam step on the mean loss of a batch of documents; under torchrun each process takes a
     share and the gradients are averaged. Returns the batch's mean loss (every process's)."""
-    mine = run.shard(list(range(len(docs))))
+    mine = devices.shard(list(range(len(docs))))
     # all_mean divides the processes' summed gradients by their number: scale up to the batch mean
-    scale = run.get_world_size() / len(docs)
+    scale = devices.get_world_size() / len(docs)
     total = torch.zeros((), device=device)
     cuda = torch.device(device).type == "cuda"
-    opt.zero_grad(set_to_none=False)
+    optim.zero_grad(set_to_none=False)
     for part in chunks([docs[i] for i in mine], cfg.batch_size):
         ids = [mine[i] for i in part]
         with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=cuda):
             loss = batch_loss(model, [docs[i] for i in ids], [golds[i] for i in ids], device)
         (loss * scale).backward()
         total += loss.detach() * scale
-    run.all_mean([p.grad for p in model.parameters()])
-    run.all_mean([total])
-    opt.step()
+    devices.all_mean([p.grad for p in model.parameters()])
+    devices.all_mean([total])
+    optim.step()
     return float(total)
 
 
@@ -643,7 +645,7 @@ def finetune(model, enc, splits, lr: float, epochs: int, B: int, cfg, device, de
     model = copy.deepcopy(model).float().train().requires_grad_(True)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # a process without documents in a step adds zeros
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    optim = torch.optim.Adam(model.parameters(), lr=lr)
     tokenized, golds = tokenize(enc, splits["train"]), [p.gold for p in splits["train"]]
     steps = math.ceil(len(golds) / B)
     out = {"lr": lr, "epochs": [], "stopped": None}
@@ -655,7 +657,7 @@ def finetune(model, enc, splits, lr: float, epochs: int, B: int, cfg, device, de
         losses = []
         for i in range(0, len(order), B):
             batch = order[i:i + B]
-            losses.append(train_step(model, opt, [tokenized[j] for j in batch],
+            losses.append(train_step(model, optim, [tokenized[j] for j in batch],
                                      [golds[j] for j in batch], cfg, device))
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
@@ -711,7 +713,7 @@ def finetune_task(cfg, models: dict, enc, name: str, splits: dict, device) -> di
     lrs = parse_lrs(cfg.finetune_lr) or [lr]
     B = cfg.finetune_batch_size or B
     epochs = 1 if name == "mmlu" else cfg.finetune_epochs
-    desc = f"fine-tune teacher {name}" if run.is_main() else None
+    desc = f"fine-tune teacher {name}" if devices.is_main() else None
     grid = [finetune(models["teacher"], enc, splits, lr, epochs, B, cfg, device, desc)
             for lr in lrs]
     for point in grid:
@@ -724,7 +726,7 @@ def finetune_task(cfg, models: dict, enc, name: str, splits: dict, device) -> di
     best = max(done, key=lambda point: point["rules"]["paper"]["acc"])
     out = {"teacher": {**best, "batch_size": B, "grid": grid}}
     for label in [k for k in models if k != "teacher"]:
-        desc = f"fine-tune {label} {name}" if run.is_main() else None
+        desc = f"fine-tune {label} {name}" if devices.is_main() else None
         result = finetune(models[label], enc, splits, best["lr"], epochs, B, cfg, device, desc)
         out[label] = {**result, "rules": rules(result["epochs"]), "batch_size": B}
     return out
@@ -768,14 +770,14 @@ def print_finetune(tasks: dict):
 def check_output(output, model, ckpt, data_dir, ppl=None, flag="--output"):
     """A ModelError, before any work, where `output` cannot be written or would replace a file
     that the run reads."""
-    run.check_out(output, flag=flag, file=True)
+    files.check_out(output, flag=flag, file=True)
     out = Path(output).resolve()
     reads = {Path(p).resolve() for p in (ppl, model) if p}
     if ckpt:
         reads |= {Path(ckpt, f).resolve() for f in ("config.json", "features.safetensors")}
     folders = {Path(d).resolve() for d in (model, data_dir) if d}
     if out.is_file() and (out in reads or out.parent in folders):
-        raise run.ModelError(f"{flag} {output} would replace a file this run reads (the "
+        raise door.ModelError(f"{flag} {output} would replace a file this run reads (the "
                              "checkpoint's, the teacher's, its data or tasks); pass another path")
 
 
@@ -785,7 +787,7 @@ def load_models(cfg: EvalConfig, device) -> dict:
     dtype = getattr(torch, cfg.dtype)
     if cfg.ckpt is not None:
         todo = "pass a complete distill.py checkpoint as --ckpt"
-        prev = run.read_json(Path(cfg.ckpt) / "config.json", todo)
+        prev = files.read_json(Path(cfg.ckpt) / "config.json", todo)
         if prev.get("teacher") is not None:
             checkpoint.check_teacher(prev, cfg.model, f"checkpoint {cfg.ckpt}")
     models = {"teacher": GPT.from_pretrained(cfg.model, device=device, dtype=dtype)}
@@ -801,7 +803,7 @@ def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict
     for label, m in models.items():
         part = report if label == "teacher" else report.setdefault(label, {})
         for name, ps in prompts.items():
-            desc = f"{label} {name}" if run.is_main() else None
+            desc = f"{label} {name}" if devices.is_main() else None
             result, samples = evaluate_task(m, enc, ps, cfg.batch_size, device, desc, cfg.plain)
             part.setdefault("results", {})[name] = result
             part.setdefault("samples", {})[name] = samples
@@ -820,12 +822,12 @@ def main(argv=None):
     """Flags, tasks, models and what the model's config bounds, all checked first; then each
     model's next-token loss, tasks (zero-shot, then fine-tuned on each) and speed, printed and
     written to --output."""
-    cfg = run.parse_config(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
+    cfg = door.parse_config(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
     names = [] if cfg.tasks is None and (cfg.ppl or cfg.speed) else parse_tasks(cfg.tasks)
     prompts = {name: load_task(name, cfg.data_dir, cfg.limit) for name in names}
     training = load_training(cfg, prompts)
     # the model is cast to --dtype: no autocast
-    device = run.init_distributed(run.pick_device(cfg.device, "float32")[0])
+    device = devices.init_distributed(devices.pick_device(cfg.device, "float32")[0])
     models = load_models(cfg, device)
     enc, config = tokenizer.load_tokenizer(cfg.model), models["teacher"].config
     cfg.check(config)
@@ -844,16 +846,16 @@ def main(argv=None):
         report.update(run_tasks(cfg, models, enc, prompts, device))
     if training:
         report["finetune"] = finetune_tasks(cfg, models, enc, training, device, report, argv)
-    if run.is_main() and cfg.speed:  # timings: rank 0 alone
+    if devices.is_main() and cfg.speed:  # timings: rank 0 alone
         report["speed"] = {k: speed(m, cfg.speed_tokens, device) for k, m in models.items()}
         for k, r in report["speed"].items():
             print(f"speed {k}: {r['tokens']} tokens: prefill {r['prefill_s']:.3f} s, "
                   f"decoding {r['generate_s']:.3f} s")
-    if run.is_main() and cfg.output:  # the other processes' shares are in rank 0's report
-        everything = {**report, "config": asdict(cfg), "world_size": run.get_world_size()}
-        run.write_text_atomic(cfg.output, json.dumps(everything, indent=1, ensure_ascii=False))
+    if devices.is_main() and cfg.output:  # the other processes' shares are in rank 0's report
+        everything = {**report, "config": asdict(cfg), "world_size": devices.get_world_size()}
+        files.write_text_atomic(cfg.output, json.dumps(everything, indent=1, ensure_ascii=False))
         print(f"wrote {cfg.output}")
 
 
 if __name__ == "__main__":
-    run.run_main(main)
+    door.run_main(main)

@@ -12,7 +12,10 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 import checkpoint
-import common
+import devices
+import door
+import files
+import forks
 import dof
 from model import feature_state
 
@@ -33,7 +36,7 @@ def from_checkpoint(cfg):
     if cfg.resume:
         check_resume(cfg, path, prev)
     if cfg.dims and dof.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
-        raise common.ModelError(f"{path} was trained with dims {prev['dims']}, "
+        raise door.ModelError(f"{path} was trained with dims {prev['dims']}, "
                                 f"not --dims {cfg.dims}; drop --dims")
     print(f"note: {', '.join(FROM_CHECKPOINT)} and the features come from {path}")
     return Checkpoint(path, prev, sd)
@@ -49,7 +52,7 @@ def check_resume(cfg, path, prev):
     torchrun's process count, and no flag of a fork's that this script lacks."""
     args = prev.get("args")
     if not isinstance(args, dict):
-        raise common.ModelError(f"{path}'s config.json records no args, the flags to resume it "
+        raise door.ModelError(f"{path}'s config.json records no args, the flags to resume it "
                                 f"with; pass --init-from {path} and another --out-dir to train on "
                                 "from its features")
     # a fork's flag that the script which started it lacks: its default
@@ -57,9 +60,9 @@ def check_resume(cfg, path, prev):
     was = defaults | args | {"nproc_per_node": prev.get("world_size", 1),
                              "decay_steps": args.get("decay_steps") or args.get("max_steps")}
     now = asdict(cfg) | {"decay_steps": cfg.decay_steps or cfg.max_steps,
-                         "nproc_per_node": common.get_world_size()}
+                         "nproc_per_node": devices.get_world_size()}
     if lost := sorted(k for k in was.keys() - now.keys() if was[k]):
-        raise common.ModelError(f"{path} was started with --{lost[0].replace('_', '-')} "
+        raise door.ModelError(f"{path} was started with --{lost[0].replace('_', '-')} "
                                 f"{was[lost[0]]!r}, which this script lacks; resume it with the "
                                 "script that started it (experiments/*.py)")
     for name in cfg.RESUMED + ("decay_steps", "nproc_per_node"):
@@ -77,7 +80,7 @@ def check_resume(cfg, path, prev):
             todo = f"pass --decay-steps {a} to keep its schedule's length"
         elif args.get("preset", "") != cfg.preset:
             check_preset(path, args.get("preset", ""), cfg.preset, flag, a, b)
-        raise common.ModelError(f"{path} was started with {flag} {was[name]!r}, not {now[name]!r}; "
+        raise door.ModelError(f"{path} was started with {flag} {was[name]!r}, not {now[name]!r}; "
                                 f"{todo}")
 
 
@@ -86,7 +89,7 @@ def check_preset(path, was, now, flag, a, b):
     not typed)."""
     preset = f"--preset {was or now}"
     how = "with" if was else "without"
-    raise common.ModelError(f"{path} was started {how} {preset}, so its {flag} was {a!r}, not "
+    raise door.ModelError(f"{path} was started {how} {preset}, so its {flag} was {a!r}, not "
                             f"{b!r}; resume it {how} {preset}")
 
 
@@ -94,7 +97,7 @@ def check_same_tokens(cfg, prev, meta):
     """--resume: --data holds the token files that the checkpoint was trained on."""
     was = prev.config.get("data", {}).get("tokens", meta.get("tokens"))
     if was != meta.get("tokens"):
-        raise common.ModelError(f"{cfg.data} now holds other token files than {cfg.out_dir} "
+        raise door.ModelError(f"{cfg.data} now holds other token files than {cfg.out_dir} "
                                 f"was trained on ({meta.get('tokens')}, not {was}); resume it on "
                                 "the data it was started with")
 
@@ -104,7 +107,7 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
     state = {"optimizer": optim.state_dict() if optim else None, "step": config["step"],
              "train_rng": gen.get_state(), "torch_rng": torch.get_rng_state()}
     try:
-        with common.atomic_path(cfg.out_dir, directory=True) as tmp:
+        with files.atomic_path(cfg.out_dir, directory=True) as tmp:
             save_file(feature_state(student), str(tmp / "features.safetensors"))
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             (tmp / "metrics.json").write_text(json.dumps(metrics) + "\n")
@@ -112,18 +115,18 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
     # a full disk; torch.save's is a RuntimeError
     except (OSError, RuntimeError, SafetensorError) as e:
         todo = "make room, then run it again"
-        if common.is_checkpoint(cfg.out_dir):
+        if files.is_checkpoint(cfg.out_dir):
             todo = ("the checkpoint saved before is whole: make room, then add --resume to "
                     "continue from it")
         why = str(e).strip()[:80]
-        raise common.ModelError(f"saving into {cfg.out_dir} failed ({why}); {todo}") from None
+        raise door.ModelError(f"saving into {cfg.out_dir} failed ({why}); {todo}") from None
 
 
 def restore(cfg, optim, gen):
     """--resume: the optimizer, data position and torch RNG of --out-dir's -> (step, metrics)."""
     out, todo = Path(cfg.out_dir), "the checkpoint is damaged; pass --overwrite to start again"
-    state = common.torch_load(out / "optim.pt", todo)
-    metrics = common.read_json(out / "metrics.json", todo, dict)
+    state = files.torch_load(out / "optim.pt", todo)
+    metrics = files.read_json(out / "metrics.json", todo, dict)
     # another run's files, or edited ones, raise one of the errors caught
     try:
         if optim is not None:
@@ -138,10 +141,10 @@ def restore(cfg, optim, gen):
         if step != metrics["val"][-1]["step"]:
             raise ValueError(f"its step {step} is not its last validation's")
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise common.ModelError(f"{out}'s optim.pt or metrics.json does not fit it "
+        raise door.ModelError(f"{out}'s optim.pt or metrics.json does not fit it "
                                 f"({type(e).__name__}: {str(e)[:60]}); {todo}") from None
     if step > cfg.max_steps:
-        raise common.ModelError(f"{out} is at step {step}, past --max-steps {cfg.max_steps}; "
+        raise door.ModelError(f"{out} is at step {step}, past --max-steps {cfg.max_steps}; "
                                 f"pass --max-steps {step} or more")
     print(f"resuming {cfg.out_dir} at step {step}")
     return step, metrics
@@ -156,6 +159,6 @@ def run_record(cfg, dims, layer_dof, meta, step):
     return {"teacher": cfg.model, "teacher_fingerprint": fingerprint,
             "dims": dims, "dof": layer_dof,
             **{k: getattr(cfg, k) for k in FROM_CHECKPOINT + ("loss", "seed", "block_size")},
-            "init_from": cfg.init_from or None, "world_size": common.get_world_size(), "step": step,
-            "fork": common.FORK,
+            "init_from": cfg.init_from or None, "world_size": devices.get_world_size(), "step": step,
+            "fork": forks.FORK,
             "data": data, "args": asdict(cfg)}

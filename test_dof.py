@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint
-from common import ModelError
+import door
 from model import (causal_linear_attention, repeat_kv, DiJiang, GPT, linear_attention_reference, linear_attention_step,
                    LinearAttention, Performer, PRF)
 import distill
@@ -497,7 +497,7 @@ def test_key_mean_buffer_centres_keys_and_is_saved():
 
 
 def test_unknown_feature_map_is_a_clear_error():
-    with pytest.raises(ModelError, match="unknown feature map 'cosformer'; choose one of prf, "):
+    with pytest.raises(door.ModelError, match="unknown feature map 'cosformer'; choose one of prf, "):
         checkpoint.check_student({"dims": [8, 8], "feature_map": "cosformer"}, 2, M.FEATURE_MAPS)
 
 
@@ -708,14 +708,14 @@ def test_near_duplicates_far_above_lambda():
     torch.manual_seed(5)
     y = F.normalize(torch.randn(20, 32, dtype=torch.float64), dim=-1) * math.sqrt(80 * math.sqrt(32))
     near = torch.cat((y, y[:1] + 1e-13 * torch.randn(1, 32, dtype=torch.float64)))
-    with pytest.raises(ModelError, match="numerically singular.*--lam-relative"):
+    with pytest.raises(door.ModelError, match="numerically singular.*--lam-relative"):
         dof.degrees_of_freedom(near, 2 ** -4)
     N = dof.degrees_of_freedom(near, 1e-3, relative=True)
     assert 10 < N < 21 and abs(N - dof.degrees_of_freedom(torch.cat((y, y[:1])), 1e-3, relative=True)) < 1e-6
 
 
 def test_queries_and_keys_with_nan_are_a_clear_error():
-    with pytest.raises(ModelError, match="inf or nan"):
+    with pytest.raises(door.ModelError, match="inf or nan"):
         dof.degrees_of_freedom(torch.full((10, 4), float("nan")), 0.1)
 
 
@@ -772,7 +772,7 @@ def test_choose_dims_rules_are_allocate_on_the_layer_maxima(tmp_path):
     assert dof.choose_dims(m, batches, 16, "fix", **args) == ([16, 16], None)
     assert dof.DofConfig().lam == distill.DistillConfig().lam == 2 ** -4                 # the paper's, for GPT-2
     for bad in ("0,8", "8", "8,8,8", "8,x"):
-        with pytest.raises(ModelError, match=r"--dims needs 2 comma-separated positive integers, one per layer"):
+        with pytest.raises(door.ModelError, match=r"--dims needs 2 comma-separated positive integers, one per layer"):
             dof.parse_dims(bad, 2)
     assert dof.parse_dims("1,30", 2) == [1, 30]
 
@@ -861,7 +861,7 @@ def test_collect_qk_sample_is_uniform_over_the_stream(tmp_path):
 def test_collect_qk_bad_input(tmp_path):
     tiny_gpt2(tmp_path)
     m = M.GPT.from_pretrained(tmp_path)
-    with pytest.raises(ModelError, match="J=100 is more than the 40 queries"):
+    with pytest.raises(door.ModelError, match="J=100 is more than the 40 queries"):
         dof.check_sample(100, 1, 20)
     with pytest.raises(IndexError):                               # a failing forward pass leaves no hooks behind
         dof.collect_qk(m, [torch.full((1, 4), 10 ** 6)], J=1)

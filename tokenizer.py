@@ -10,7 +10,8 @@ import unicodedata
 import tiktoken
 
 from checkpoint import locate, open_gguf
-from common import ModelError, read_json
+import door
+import files
 
 # GPT-2's pre-tokenizer regex in tiktoken's form (HF's ByteLevel ends it with `\s+(?!\S)|\s+`, which
 # splits alike).
@@ -120,7 +121,7 @@ def _byte_level_bpe(name, vocab, merges, pat_str, specials=None, **kw):
 def _read_tokenizer_json(p):
     """A tokenizer.json: a BPE whose pre-tokenizer is ByteLevel, Digits + ByteLevel, or Split(regex)
     + ByteLevel(use_regex=false); bad content: a ValueError, KeyError, ..."""
-    spec = read_json(p, "re-download the tokenizer files", dict)
+    spec = files.read_json(p, "re-download the tokenizer files", dict)
     model = spec.get("model") or {}
     pre = spec.get("pre_tokenizer") or {}
     norm = (spec.get("normalizer") or {}).get("type")
@@ -180,9 +181,9 @@ def _read(p):
         if (p / vocab).is_file() and (p / merges).is_file():
             lines = (p / merges).read_text(encoding="utf-8", errors="replace").splitlines()
             pairs = [m for m in lines if m and not m.startswith("#version")]
-            encoder = read_json(p / vocab, "re-download the tokenizer files", dict)
+            encoder = files.read_json(p / vocab, "re-download the tokenizer files", dict)
             return _byte_level_bpe("gpt2", encoder, pairs, GPT2_PATTERN)
-    raise ModelError(f"{p} holds no tokenizer.json, vocab.json + merges.txt or encoder.json + "
+    raise door.ModelError(f"{p} holds no tokenizer.json, vocab.json + merges.txt or encoder.json + "
                      "vocab.bpe, nor is a file")
 
 
@@ -197,5 +198,5 @@ def load_tokenizer(name_or_path) -> tiktoken.Encoding:
         return _read(p)
     except (LookupError, TypeError, AttributeError, ValueError) as e:
         why = f"{type(e).__name__}: {e}"
-        raise ModelError(f"{p} is not a byte-level BPE tokenizer this loader reads ({why}); "
+        raise door.ModelError(f"{p} is not a byte-level BPE tokenizer this loader reads ({why}); "
                          "re-download the tokenizer files if they are damaged") from None

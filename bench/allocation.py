@@ -31,7 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
-from common import ModelError, opt, read_json, replaced, run_main, write_text_atomic  # noqa: E402
+import door  # noqa: E402
+import files  # noqa: E402
+import forks  # noqa: E402
 from evaluate import check_output  # noqa: E402
 
 
@@ -42,17 +44,17 @@ def load_curves(curves, prefix="fix"):
     """docs/results/curves/<prefix>-m<M>-s*.json -> (Ms (n,), KL (n, L)): each layer's final held-out KL at M."""
     todo = "pass the --curves of docs/experiments.py --run curves"
     if not Path(curves).is_dir():
-        raise ModelError(f"--curves {curves} is not a folder; {todo} (docs/results/curves, from the repository root)")
-    runs = [read_json(p, todo, dict) for p in sorted(Path(curves).glob(f"{prefix}-m*.json"))]
+        raise door.ModelError(f"--curves {curves} is not a folder; {todo} (docs/results/curves, from the repository root)")
+    runs = [files.read_json(p, todo, dict) for p in sorted(Path(curves).glob(f"{prefix}-m*.json"))]
     try:
         runs = sorted(((r["args"]["budget"], r["val"][-1]["attn_kl"]) for r in runs), key=lambda r: r[0])
         Ms, KL = np.array([m for m, _ in runs], float), np.array([kl for _, kl in runs], float)   # (n,), (n, L)
     except (KeyError, IndexError, TypeError, ValueError) as e:
-        raise ModelError(f"a curve run in {curves} lacks its budget or held-out KL ({type(e).__name__}); {todo}") \
+        raise door.ModelError(f"a curve run in {curves} lacks its budget or held-out KL ({type(e).__name__}); {todo}") \
             from None
     if len(runs) < 2 or len(set(Ms)) < len(Ms) or Ms[0] < 1 or not np.isfinite(Ms[-1]) or KL.ndim != 2 or not (
             np.isfinite(KL) & (KL > 0)).all():
-        raise ModelError(f"{curves} holds fewer than two {prefix}-m*.json curve runs of distinct finite budgets of at "
+        raise door.ModelError(f"{curves} holds fewer than two {prefix}-m*.json curve runs of distinct finite budgets of at "
                          f"least 1, or a KL that is not a list of finite positive numbers; {todo}")
     return Ms, KL
 
@@ -136,11 +138,11 @@ def slopes(Ms, KL):
 @dataclass
 class AllocationConfig(distill.DistillConfig):
     """distill.py with the dims of an allocation rule beyond the core's (bench/allocation.py)."""
-    rule: str = opt("dof-raw", "dof-raw (DoF of the uncentred kernel), measured (from --curves), or a predictor's "
+    rule: str = door.opt("dof-raw", "dof-raw (DoF of the uncentred kernel), measured (from --curves), or a predictor's "
                     "name (dims in proportion to it, see --predict)")
-    curves: str = opt("docs/results/curves", "directory of the Fix curve runs (for --rule measured)")
-    curve_prefix: str = opt("fix", "which curve runs: fix (240 steps) or probe (60 steps)")
-    predict: str = opt("", "compute the per-layer predictors on the calibration windows, write them to this JSON "
+    curves: str = door.opt("docs/results/curves", "directory of the Fix curve runs (for --rule measured)")
+    curve_prefix: str = door.opt("fix", "which curve runs: fix (240 steps) or probe (60 steps)")
+    predict: str = door.opt("", "compute the per-layer predictors on the calibration windows, write them to this JSON "
                        "file and stop (no training; --out-dir stays empty)")
 
     RESUMED = distill.DistillConfig.RESUMED + ("rule",)
@@ -148,11 +150,11 @@ class AllocationConfig(distill.DistillConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.dims or self.alloc != "dof":                       # both had been overwritten without a word
-            raise ModelError("--rule chooses the dims here; drop --dims and --alloc, or run distill.py with them")
+            raise door.ModelError("--rule chooses the dims here; drop --dims and --alloc, or run distill.py with them")
         # config.json records the rule as the checkpoint's alloc
         self.alloc = self.rule
         if self.predict and (self.resume or self.init_from):
-            raise ModelError("--predict computes the predictors of a fresh run; drop --resume and --init-from")
+            raise door.ModelError("--predict computes the predictors of a fresh run; drop --resume and --init-from")
         if self.predict:
             check_output(self.predict, self.model, None, self.data, flag="--predict")
 
@@ -162,14 +164,14 @@ def rule_dims(cfg, teacher, calib):
     if cfg.rule == "measured":
         Ms, KL = load_curves(cfg.curves, cfg.curve_prefix)
         if KL.shape[1] != teacher.config.n_layer:
-            raise ModelError(f"the curves in {cfg.curves} are of a model of {KL.shape[1]} layers, and {cfg.model} has "
+            raise door.ModelError(f"the curves in {cfg.curves} are of a model of {KL.shape[1]} layers, and {cfg.model} has "
                              f"{teacher.config.n_layer}; pass --curves of runs on this model")
         return measured_dims(Ms, KL, cfg.budget), None
     values = predictors(cfg, teacher, calib) if cfg.rule != "dof-raw" else {"dof-raw-max": dof.choose_dims(
         teacher, calib, cfg.budget, "dof", cfg.lam, cfg.lam_relative, cfg.J, cfg.seed)[1]}
     name = "dof-raw-max" if cfg.rule == "dof-raw" else cfg.rule
     if name not in values:
-        raise ModelError(f"--rule {cfg.rule} is none of dof-raw, measured, {', '.join(sorted(values))}")
+        raise door.ModelError(f"--rule {cfg.rule} is none of dof-raw, measured, {', '.join(sorted(values))}")
     return dof.allocate(values[name], cfg.budget), values[name]
 
 
@@ -183,7 +185,7 @@ def make_student(cfg, teacher, calib, prev=None):
     if cfg.predict:
         res = {"settings": {k: v for k, v in asdict(cfg).items() if k not in ("predict", "out_dir")},   # not written
                "predictors": predictors(cfg, teacher, calib)}
-        write_text_atomic(cfg.predict, json.dumps(res, indent=1) + "\n")
+        files.write_text_atomic(cfg.predict, json.dumps(res, indent=1) + "\n")
         print(f"wrote {cfg.predict}")
         raise SystemExit(0)
     dims, values = rule_dims(cfg, teacher, calib)
@@ -197,7 +199,7 @@ REPLACE = {(distill, "DistillConfig"): AllocationConfig, (distill, "make_student
 def main(argv=None):
     """distill.py's command line with this file's names set; --predict writes the predictors alone: --out-dir is
     neither checked nor locked (distill.run, not distill.main)."""
-    with replaced(REPLACE):
+    with forks.replaced(REPLACE):
         cfg = distill.parse_args(argv)
         if cfg.predict:
             distill.run(cfg)
@@ -206,4 +208,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    door.run_main(main)

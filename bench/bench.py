@@ -54,53 +54,56 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its forks (per_head)
-from common import (ModelError, check_free_memory, check_positive, opt, parse_config, pick_device,  # noqa: E402
-                    read_json, replaced, run_main, sync)
+import devices  # noqa: E402
+import door  # noqa: E402
+import datafiles  # noqa: E402
+import files  # noqa: E402
+import forks  # noqa: E402
 from graphed_decode import GraphedDecoder  # noqa: E402
 from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention  # noqa: E402
 
 
 @dataclass
 class BenchConfig:
-    T: list[int] = opt([1024, 4096, 16384], "sequence lengths of the scan table; none to skip it")
-    B: int = opt(1, "batch size")
-    H: int = opt(12, "number of heads")
-    D: int = opt(64, "head size (queries, keys and values)")
-    M: int = opt(64, "number of features of the linear attention")
-    chunk: int = opt(64, "chunk size of the scan in the main table")
-    chunks: list[int] = opt([32, 64, 128, 256], "chunk sizes of the tuning sweep (second table); none to skip it")
-    repeats: int = opt(3, "timed calls per measurement (the median is reported)")
-    threads: int = opt(min(torch.get_num_threads(), os.cpu_count() or 1), "torch intra-op threads")
-    device: str = opt("cpu", "torch device: cpu, cuda, cuda:1, ... or auto (cuda if there is one)")
-    decode_ctx: list[int] = opt([256, 512, 1024, 2048], "context lengths for the decoding table (Pythia-160M shape, "
+    T: list[int] = door.opt([1024, 4096, 16384], "sequence lengths of the scan table; none to skip it")
+    B: int = door.opt(1, "batch size")
+    H: int = door.opt(12, "number of heads")
+    D: int = door.opt(64, "head size (queries, keys and values)")
+    M: int = door.opt(64, "number of features of the linear attention")
+    chunk: int = door.opt(64, "chunk size of the scan in the main table")
+    chunks: list[int] = door.opt([32, 64, 128, 256], "chunk sizes of the tuning sweep (second table); none to skip it")
+    repeats: int = door.opt(3, "timed calls per measurement (the median is reported)")
+    threads: int = door.opt(min(torch.get_num_threads(), os.cpu_count() or 1), "torch intra-op threads")
+    device: str = door.opt("cpu", "torch device: cpu, cuda, cuda:1, ... or auto (cuda if there is one)")
+    decode_ctx: list[int] = door.opt([256, 512, 1024, 2048], "context lengths for the decoding table (Pythia-160M shape, "
                                 "random weights); none to skip it")
-    decode_steps: int = opt(32, "tokens decoded per context length (mean ms reported)")
-    decode_batch: int = opt(1, "sequences decoded at once in the decoding table (its KV cache grows with them)")
-    decode_compile: bool = opt(False, "also time each decoder with its step torch.compile'd (bench/"
+    decode_steps: int = door.opt(32, "tokens decoded per context length (mean ms reported)")
+    decode_batch: int = door.opt(1, "sequences decoded at once in the decoding table (its KV cache grows with them)")
+    decode_compile: bool = door.opt(False, "also time each decoder with its step torch.compile'd (bench/"
                                "graphed_decode.py: one CUDA graph a token on a GPU, eager on the CPU)")
-    heads: str = opt("", "an experiments/per_head.py run's JSON (its per-head DoF, docs/results/heads/*.json): "
+    heads: str = door.opt("", "an experiments/per_head.py run's JSON (its per-head DoF, docs/results/heads/*.json): "
                      "time per-head against per-layer dims at the same total; empty to skip")
-    heads_T: list[int] = opt([256, 1024], "tokens per sequence of the per-head table (distill.py's --block-size)")
-    query_block: int = opt(128, "queries per block of the per-head table's loss (distill.py's --query-block)")
-    step: list[str] = opt([], "losses whose distill.py step to count and time (softmax, l2, direct); none to skip")
-    step_tokens: int = opt(1024, "tokens of the step table's batch (one sequence)")
-    worker: list[str] | None = opt(None, "internal: METHOD T CHUNK measures one case ('linear' or 'sdpa') in this "
+    heads_T: list[int] = door.opt([256, 1024], "tokens per sequence of the per-head table (distill.py's --block-size)")
+    query_block: int = door.opt(128, "queries per block of the per-head table's loss (distill.py's --query-block)")
+    step: list[str] = door.opt([], "losses whose distill.py step to count and time (softmax, l2, direct); none to skip")
+    step_tokens: int = door.opt(1024, "tokens of the step table's batch (one sequence)")
+    worker: list[str] | None = door.opt(None, "internal: METHOD T CHUNK measures one case ('linear' or 'sdpa') in this "
                                    "process and prints it as JSON")
 
     def __post_init__(self):
-        check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block",
+        door.check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block",
                               "step_tokens", "decode_batch"))
         if self.threads > (cpus := os.cpu_count() or 1):           # libgomp crashes creating that many
-            raise ModelError(f"--threads {self.threads} is more than the {cpus} CPUs of this machine; pass at most "
+            raise door.ModelError(f"--threads {self.threads} is more than the {cpus} CPUs of this machine; pass at most "
                              f"{cpus}")
         if self.step_tokens > (n := GPTConfig().block_size):        # step_row's GPT-2 shape: learned positions
-            raise ModelError(f"--step-tokens {self.step_tokens} is more than the {n} positions of the step table's "
+            raise door.ModelError(f"--step-tokens {self.step_tokens} is more than the {n} positions of the step table's "
                              f"GPT-2 shape; pass at most {n}")
         if bad := sorted(set(self.step) - {"softmax", "l2", "direct"}):
-            raise ModelError(f"--step {' '.join(bad)}: the losses are softmax, l2 and direct")
+            raise door.ModelError(f"--step {' '.join(bad)}: the losses are softmax, l2 and direct")
         for name in ("T", "chunks", "decode_ctx", "heads_T"):
             if any(v < 1 for v in getattr(self, name)):
-                raise ModelError(f"--{name.replace('_', '-')} must list numbers of at least 1, got "
+                raise door.ModelError(f"--{name.replace('_', '-')} must list numbers of at least 1, got "
                                  f"{getattr(self, name)}")
 
 
@@ -131,9 +134,9 @@ def peak_meter(device):
 def worker(cfg):
     """One measurement: prints {"ms", "peak_mib", "flops"} as JSON."""
     if len(cfg.worker) != 3:
-        raise ModelError("--worker takes three values: METHOD ('linear' or 'sdpa'), T and CHUNK")
+        raise door.ModelError("--worker takes three values: METHOD ('linear' or 'sdpa'), T and CHUNK")
     method, T, C = cfg.worker[0], int(cfg.worker[1]), int(cfg.worker[2])
-    device, _ = pick_device(cfg.device, "float32")
+    device, _ = devices.pick_device(cfg.device, "float32")
     torch.manual_seed(0)
     B, H, D, M = cfg.B, cfg.H, cfg.D, cfg.M
     q, k, v = torch.randn(3, B, H, T, D, device=device).unbind(0)
@@ -148,14 +151,14 @@ def worker(cfg):
     with torch.no_grad():
         read_peak = peak_meter(device)
         y = run()
-        sync(device)
+        devices.sync(device)
         peak = read_peak()
         del y
         times = []
         for _ in range(cfg.repeats):
             t0 = time.perf_counter()
             run()
-            sync(device)
+            devices.sync(device)
             times.append(time.perf_counter() - t0)
     print(json.dumps({"ms": 1e3 * statistics.median(times), "peak_mib": peak / 1024, "flops": flops}))
 
@@ -167,7 +170,7 @@ def measure(cfg, method, T, chunk):
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:                                   # its last line says why (e.g. out of memory)
         why = (out.stderr.strip().splitlines() or ["no message"])[-1][:200]
-        raise ModelError(f"the {method} measurement at T={T} failed ({why}); lower --B, --T, --H, --D or --M")
+        raise door.ModelError(f"the {method} measurement at T={T} failed ({why}); lower --B, --T, --H, --D or --M")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -179,10 +182,10 @@ def matmul_gflops(device, n=4096):
     a @ b
     best = float("inf")
     for _ in range(5):
-        sync(device)
+        devices.sync(device)
         t0 = time.perf_counter()
         a @ b
-        sync(device)
+        devices.sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best / 1e9
 
@@ -243,11 +246,11 @@ def prefilled(model, ctx, device, batch=1):
 
 def mean_ms(fn, calls, device):
     """Mean wall ms of `calls` calls of fn, the device synchronised before the first and after the last."""
-    sync(device)
+    devices.sync(device)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
-    sync(device)
+    devices.sync(device)
     return 1e3 * (time.perf_counter() - t0) / calls
 
 
@@ -294,7 +297,7 @@ def decode_table(cfg, device):
     # rough fp32 count: both models, the feature maps and states, the longest prefill's KV caches (a second one for
     # the compiled step), activations, features and mask
     kv = 2 * L * H * D * (1 + cfg.decode_compile)
-    check_free_memory(4 * (2 * weights + 2 * L * H * M * D * B + B * ctx * (kv + 4 * mc.mlp_hidden + 4 * H * M + ctx)),
+    devices.check_free_memory(4 * (2 * weights + 2 * L * H * M * D * B + B * ctx * (kv + 4 * mc.mlp_hidden + 4 * H * M + ctx)),
                       device, f"the decoding table at --M {M}, --decode-ctx {ctx} and --decode-batch {B}",
                       "lower --M, --decode-ctx or --decode-batch")
     softmax = GPT(mc).eval()
@@ -327,15 +330,15 @@ def decode_table(cfg, device):
 
 def read_heads(path):
     """--heads' JSON -> (its per-head DoF (L, H), its budget), checked before any table is measured."""
-    run = read_json(path, "pass the JSON of an experiments/per_head.py run (docs/results/heads/*.json)", dict)
+    run = files.read_json(path, "pass the JSON of an experiments/per_head.py run (docs/results/heads/*.json)", dict)
     try:
         N = torch.tensor(run["args"].get("dof") or [], dtype=torch.float64)           # (L, H) per-head DoF
         budget = run["args"]["budget"]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ModelError(f"{path} lacks a per-head DoF table or its budget ({type(e).__name__}); pass the JSON "
+        raise door.ModelError(f"{path} lacks a per-head DoF table or its budget ({type(e).__name__}); pass the JSON "
                          "of an experiments/per_head.py run") from None
     if N.ndim != 2 or N.numel() == 0 or not (N.isfinite() & (N >= 0)).all() or type(budget) is not int or budget < 1:
-        raise ModelError(f"{path} holds no per-head table of finite DoF of at least 0 (one row a layer) and whole "
+        raise door.ModelError(f"{path} holds no per-head table of finite DoF of at least 0 (one row a layer) and whole "
                          "budget of at least 1; pass the JSON of an experiments/per_head.py run")
     return N, budget
 
@@ -352,7 +355,7 @@ def heads_table(cfg, device, N, budget):
             "per head": torch.tensor(dof.allocate(N.flatten(), budget)).view(L, H).tolist()}
     T, M = max(cfg.heads_T), max(dims["per layer"] + [m for row in dims["per head"] for m in row])
     # rough fp32 count: both layouts' feature maps, every layer's q, k, v, one layer's features, scores and gradients
-    check_free_memory(4 * (D * (H * sum(dims["per layer"]) + sum(map(sum, dims["per head"])))
+    devices.check_free_memory(4 * (D * (H * sum(dims["per layer"]) + sum(map(sum, dims["per head"])))
                            + cfg.B * T * (L * (H + 2 * Hkv) * D + 8 * H * (cfg.query_block + M))), device,
                       f"the per-head table at --B {cfg.B} and --heads-T {T} (budget {budget})",
                       "lower --B or --heads-T")
@@ -369,7 +372,7 @@ def heads_table(cfg, device, N, budget):
         q, k, v = (torch.randn(L, cfg.B, h, T, D, device=device) for h in (H, Hkv, Hkv))
 
         def step(name, train):
-            sync(device)
+            devices.sync(device)
             t0 = time.perf_counter()
             for l, core in enumerate(cores[name]):
                 if train:
@@ -377,7 +380,7 @@ def heads_table(cfg, device, N, budget):
                 else:
                     with torch.no_grad():
                         core(q[l], k[l], v[l])
-            sync(device)
+            devices.sync(device)
             return 1e3 * (time.perf_counter() - t0)
 
         times = {(name, train): [] for name in cores for train in (True, False)}
@@ -425,7 +428,7 @@ def step_row(distill, loss, T=1024, budget=64, repeats=3, device="cpu", config=N
     alike. per_head: experiments/per_head.py, whose names (its grouped cores and their losses) are set for the
     measurement and whose cores get dims budget/2 and 3 budget/2 on alternate heads; stack: distill.py's --stack
     (yes: the layout a GPU runs, no: a CPU's), where that version has it."""
-    with replaced(per_head.REPLACE) if per_head else contextlib.nullcontext():
+    with forks.replaced(per_head.REPLACE) if per_head else contextlib.nullcontext():
         return measure_step(distill, loss, T, budget, repeats, device, config, per_head is not None, stack)
 
 
@@ -444,17 +447,17 @@ def measure_step(distill, loss, T, budget, repeats, device, config, per_head, st
                                 **layout)
     optim, gen = distill.make_optimizer(student, cfg), torch.Generator().manual_seed(0)
     data = np.random.default_rng(0).integers(0, teacher.config.vocab_size, 50_000).astype(np.uint16)
-    step = lambda: distill.train_step(cfg, teacher, student, optim, lambda: distill.get_batch(data, 1, T, gen, device),
+    step = lambda: distill.train_step(cfg, teacher, student, optim, lambda: datafiles.get_batch(data, 1, T, gen, device),
                                       contextlib.nullcontext(), 10)
     step()
     with OpCount() as count:
         step()
     times, cpu = [], []                                     # wall and process CPU time (steadier on a shared CPU)
     for _ in range(repeats):
-        sync(device)
+        devices.sync(device)
         t0, c0 = time.perf_counter(), time.process_time()
         step()
-        sync(device)
+        devices.sync(device)
         times.append(1e3 * (time.perf_counter() - t0))
         cpu.append(1e3 * (time.process_time() - c0))
     return {"loss": loss, "ops": sum(count.ops.values()), "top": count.ops.most_common(6),
@@ -475,11 +478,11 @@ def step_table(cfg, device):
 
 
 def main(argv=None):
-    cfg = parse_config(BenchConfig, argv, description=__doc__)
+    cfg = door.parse_config(BenchConfig, argv, description=__doc__)
     torch.set_num_threads(cfg.threads)
     if cfg.worker:
         return worker(cfg)
-    device, _ = pick_device(cfg.device, "float32")
+    device, _ = devices.pick_device(cfg.device, "float32")
     heads = read_heads(cfg.heads) if cfg.heads else None                  # a bad file: refused before the tables
     if cfg.T:
         scan_table(cfg, device)
@@ -492,4 +495,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    door.run_main(main)

@@ -19,27 +19,29 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import evaluate as E  # noqa: E402
-from common import check_positive, opt, parse_config, pick_device, run_main, sync, write_text_atomic  # noqa: E402
+import devices  # noqa: E402
+import door  # noqa: E402
+import files  # noqa: E402
 from fast_scorer import score_windows  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 
 @dataclass
 class BenchConfig:
-    model: str = opt("gpt2", "teacher model: a hub id or a local checkpoint directory (GPT.from_pretrained)")
-    ckpt: str | None = opt(None, "distill.py checkpoint directory; its student is timed after the teacher")
-    tasks: str | None = opt(None, "comma-separated tasks, or all (the default)")
-    data_dir: str | None = opt(None, "folder of <task>.jsonl (e.g. tests/data/eval); default: the hub's datasets")
-    limit: int | None = opt(None, "time the first N documents of each task")
-    batch_size: int = opt(16, "sequences per forward pass")
-    device: str = opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
-    dtype: str = opt("float32", "model dtype", choices=["float32", "bfloat16", "float16"])
-    rounds: int = opt(1, "keep the fastest of this many alternating rounds (the stable number on a busy machine)")
-    output: str | None = opt(None, "write the table's numbers to this JSON file")
+    model: str = door.opt("gpt2", "teacher model: a hub id or a local checkpoint directory (GPT.from_pretrained)")
+    ckpt: str | None = door.opt(None, "distill.py checkpoint directory; its student is timed after the teacher")
+    tasks: str | None = door.opt(None, "comma-separated tasks, or all (the default)")
+    data_dir: str | None = door.opt(None, "folder of <task>.jsonl (e.g. tests/data/eval); default: the hub's datasets")
+    limit: int | None = door.opt(None, "time the first N documents of each task")
+    batch_size: int = door.opt(16, "sequences per forward pass")
+    device: str = door.opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
+    dtype: str = door.opt("float32", "model dtype", choices=["float32", "bfloat16", "float16"])
+    rounds: int = door.opt(1, "keep the fastest of this many alternating rounds (the stable number on a busy machine)")
+    output: str | None = door.opt(None, "write the table's numbers to this JSON file")
 
     def __post_init__(self):
-        check_positive(self, ("limit", "batch_size", "rounds"), 1)
-        pick_device(self.device, "float32")
+        door.check_positive(self, ("limit", "batch_size", "rounds"), 1)
+        devices.pick_device(self.device, "float32")
         if self.output:
             E.check_output(self.output, self.model, self.ckpt, self.data_dir)
 
@@ -57,11 +59,11 @@ def plain_forward_rate(model, n_tokens: int, seq_len: int, batch_size: int, devi
     n_batches = max(1, math.ceil(n_tokens / (rows * seq_len)))
     x = torch.randint(0, int(model.config.vocab_size), (rows, seq_len), device=device)
     model(x[:1, :8])  # warm-up
-    sync(device)
+    devices.sync(device)
     t0 = time.perf_counter()
     for _ in range(n_batches):
         model(x)
-    sync(device)
+    devices.sync(device)
     return n_batches * rows * seq_len / (time.perf_counter() - t0)
 
 
@@ -78,10 +80,10 @@ def bench(model, enc, task_prompts: dict, batch_size=16, device="cpu", rounds: i
         n_tok, n_req = harness_tokens(tokenized, L), sum(len(d) for d in tokenized)
         fast, plain = math.inf, 0.0
         for _ in range(rounds):
-            sync(device)
+            devices.sync(device)
             t0 = time.perf_counter()
             score_windows(model, windows, batch_size, device)
-            sync(device)
+            devices.sync(device)
             fast = min(fast, time.perf_counter() - t0)
             plain = max(plain, plain_forward_rate(model, n_tok, max(1, round(n_tok / n_req)), batch_size, device))
         rows[name] = {"harness_tokens": n_tok, "seconds": fast, "harness_tok_per_s": n_tok / fast,
@@ -96,18 +98,18 @@ def bench(model, enc, task_prompts: dict, batch_size=16, device="cpu", rounds: i
 
 
 def main(argv=None):
-    cfg = parse_config(BenchConfig, argv, description=__doc__.strip().split("\n\n")[0])
+    cfg = door.parse_config(BenchConfig, argv, description=__doc__.strip().split("\n\n")[0])
     prompts = {name: E.load_task(name, cfg.data_dir, cfg.limit) for name in E.parse_tasks(cfg.tasks)}
-    device = pick_device(cfg.device, "float32")[0]
+    device = devices.pick_device(cfg.device, "float32")[0]
     models, enc = E.load_models(cfg, device), load_tokenizer(cfg.model)
     report = {}
     for label, m in models.items():
         print(f"\n{label} ({cfg.model if label == 'teacher' else cfg.ckpt}) on {device}")
         report[label] = bench(m, enc, prompts, cfg.batch_size, device, cfg.rounds)
     if cfg.output:
-        write_text_atomic(cfg.output, json.dumps({**report, "config": asdict(cfg)}, indent=1))
+        files.write_text_atomic(cfg.output, json.dumps({**report, "config": asdict(cfg)}, indent=1))
         print(f"wrote {cfg.output}")
 
 
 if __name__ == "__main__":
-    run_main(main)
+    door.run_main(main)

@@ -61,8 +61,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its fork
 import dof  # noqa: E402
 from bench import decode_ms, graphed_ms  # noqa: E402
 from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
-from common import (ModelError, check_out, check_positive, fork, opt, parse_config,  # noqa: E402
-                    pick_device, remove, run_main, sync, write_text_atomic)
+import devices  # noqa: E402
+import door  # noqa: E402
+import files  # noqa: E402
+import forks  # noqa: E402
 from fla_scan import fla_linear_attention  # noqa: E402
 from model import GPT, PRF, GPTConfig, causal_linear_attention  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -74,34 +76,34 @@ TOKENIZERS = ROOT / "tests" / "data"
 class CheckConfig:
     """Distillation speed and memory, the scan against flash attention, decoding and the DoF profile on one GPU,
     on random-weight models of the paper's shapes."""
-    out: str = opt("gpu_check.json", "where to write the results (JSON)")
-    device: str = opt("cuda", "cuda, cuda:N or cpu")
-    tiny: bool = opt(False, "tiny shapes and sizes (a smoke test on the CPU); overrides the size flags below")
-    budget_seconds: float = opt(420.0, "deadline of the whole check; what would overrun it is skipped")
-    work_dir: str = opt("", "where the random checkpoints and tokens go (default: a temporary directory, removed)")
-    steps: int = opt(30, "optimizer steps per distillation run")
-    batch_size: int = opt(8, "samples per distillation step on the GPT-2 shape")
-    block_size: int = opt(1024, "tokens per distillation sample")
-    pythia_batch_size: int = opt(4, "samples per distillation step on the Pythia-1B shape")
-    distill_timeout: float = opt(100.0, "seconds one distillation run may take")
-    scan_T: list[int] = opt([1024, 2048, 4096, 8192, 16384, 32768, 65536], "sequence lengths of the scan rows")
-    decode_ctx: list[int] = opt([1024, 4096, 16384, 32768], "context lengths of the decoding rows")
-    decode_steps: int = opt(32, "tokens decoded per context length (the mean is reported)")
-    J: int = opt(2048, "points per head of the DoF profile")
-    repeats: int = opt(5, "timed calls per scan measurement (the median is reported)")
+    out: str = door.opt("gpu_check.json", "where to write the results (JSON)")
+    device: str = door.opt("cuda", "cuda, cuda:N or cpu")
+    tiny: bool = door.opt(False, "tiny shapes and sizes (a smoke test on the CPU); overrides the size flags below")
+    budget_seconds: float = door.opt(420.0, "deadline of the whole check; what would overrun it is skipped")
+    work_dir: str = door.opt("", "where the random checkpoints and tokens go (default: a temporary directory, removed)")
+    steps: int = door.opt(30, "optimizer steps per distillation run")
+    batch_size: int = door.opt(8, "samples per distillation step on the GPT-2 shape")
+    block_size: int = door.opt(1024, "tokens per distillation sample")
+    pythia_batch_size: int = door.opt(4, "samples per distillation step on the Pythia-1B shape")
+    distill_timeout: float = door.opt(100.0, "seconds one distillation run may take")
+    scan_T: list[int] = door.opt([1024, 2048, 4096, 8192, 16384, 32768, 65536], "sequence lengths of the scan rows")
+    decode_ctx: list[int] = door.opt([1024, 4096, 16384, 32768], "context lengths of the decoding rows")
+    decode_steps: int = door.opt(32, "tokens decoded per context length (the mean is reported)")
+    J: int = door.opt(2048, "points per head of the DoF profile")
+    repeats: int = door.opt(5, "timed calls per scan measurement (the median is reported)")
 
     def __post_init__(self):
-        check_positive(self, ("budget_seconds", "distill_timeout"), 0, above=True)
-        check_positive(self, ("steps", "batch_size", "block_size", "pythia_batch_size", "decode_steps", "J", "repeats"))
+        door.check_positive(self, ("budget_seconds", "distill_timeout"), 0, above=True)
+        door.check_positive(self, ("steps", "batch_size", "block_size", "pythia_batch_size", "decode_steps", "J", "repeats"))
         if self.block_size > GPT2_124M["n_positions"]:             # the GPT-2 rows: its learned positions
-            raise ModelError(f"--block-size {self.block_size} is more than GPT-2's {GPT2_124M['n_positions']} learned "
+            raise door.ModelError(f"--block-size {self.block_size} is more than GPT-2's {GPT2_124M['n_positions']} learned "
                              "positions, which its distillation and ops rows use; pass at most that")
         if any(v < 1 for v in self.scan_T + self.decode_ctx):
-            raise ModelError(f"--scan-T and --decode-ctx must list numbers of at least 1, got {self.scan_T} and "
+            raise door.ModelError(f"--scan-T and --decode-ctx must list numbers of at least 1, got {self.scan_T} and "
                              f"{self.decode_ctx}")
-        check_out(self.out, file=True)                            # before the run, not after it
+        files.check_out(self.out, file=True)                            # before the run, not after it
         if self.work_dir:
-            check_out(self.work_dir, flag="--work-dir")
+            files.check_out(self.work_dir, flag="--work-dir")
 
 
 TINY = dict(steps=4, batch_size=2, block_size=64, pythia_batch_size=1, scan_T=[64, 256], decode_ctx=[16, 64],
@@ -156,7 +158,7 @@ def random_checkpoint(path, hf_config, tokenizer_files, device, seed=0):
     save_file(sd, str(path / "model.safetensors"))
     for src, dst in tokenizer_files.items():
         if not (TOKENIZERS / src).is_file():
-            raise ModelError(f"{TOKENIZERS / src} is missing; the check needs the tokenizer files in tests/data")
+            raise door.ModelError(f"{TOKENIZERS / src} is missing; the check needs the tokenizer files in tests/data")
         shutil.copy(TOKENIZERS / src, path / dst)
     (path / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")      # last: the checkpoint is whole
     return path
@@ -205,9 +207,9 @@ def distill_child(flags, device, log, script="distill"):
     sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)
     script = importlib.import_module(script)                    # distill, or the per_head fork of it
     if hasattr(script, "REPLACE"):
-        fork(script.__file__, script.REPLACE, flags)
+        forks.fork(script.__file__, script.REPLACE, flags)
     else:
-        run_main(lambda: script.main(flags))
+        door.run_main(lambda: script.main(flags))
     print("PEAK_BYTES", torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else
           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
@@ -216,14 +218,14 @@ def start_forkserver(preload):
     """The forkserver context (a fresh process each run, without re-importing torch), its server started once with
     SIGINT ignored, as it keeps it: a Ctrl-C while it imports `preload` is no traceback of its own. Its children take
     Ctrl-C again through run_main."""
-    forks = multiprocessing.get_context("forkserver")
-    forks.set_forkserver_preload(preload)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(preload)
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, old)
-    return forks
+    return ctx
 
 
 def distill_run(cfg, work, kind, loss, batch, device, left):
@@ -231,7 +233,7 @@ def distill_run(cfg, work, kind, loss, batch, device, left):
     1024-token sample, peak memory in MiB, wall seconds; "timeout" keeps the intervals logged before it."""
     model, per_head = kind.split("-")[0], kind.endswith("per-head")              # gpt2-per-head: the fork
     ckpt, data, out = work / f"{model}-checkpoint", work / f"{model}-tokens", work / f"{kind}-{loss}"
-    remove(out)
+    files.remove(out)
     flags = ["--model", str(ckpt), "--data", str(data), "--out-dir", str(out), "--alloc",
              "dof" if per_head else "fix", "--J", str(cfg.J), "--budget", str(BUDGET[model]), "--loss", loss,
              "--batch-size", str(batch),
@@ -241,9 +243,9 @@ def distill_run(cfg, work, kind, loss, batch, device, left):
     rec = {"model": kind, "loss": loss, "batch": batch, "block": cfg.block_size, "steps": cfg.steps,
            "command": f"python {'experiments/per_head.py' if per_head else 'distill.py'} " +
                       " ".join(flags).replace(str(work), "<work>")}          # the check's scratch folder
-    forks = start_forkserver(["distill", "torch._dynamo"])   # GPT() on the meta device imports torch._dynamo
+    ctx = start_forkserver(["distill", "torch._dynamo"])   # GPT() on the meta device imports torch._dynamo
     t0 = time.perf_counter()
-    p = forks.Process(target=distill_child, args=(flags, device, work / "distill.log",
+    p = ctx.Process(target=distill_child, args=(flags, device, work / "distill.log",
                                                   "per_head" if per_head else "distill"))
     p.start()
     try:
@@ -284,12 +286,12 @@ def distill_section(cfg, shapes, work, device, left, runs):
             continue
         try:
             if not have:                                        # built again, not another shape's reused
-                remove(ckpt)
-                remove(tokens)
+                files.remove(ckpt)
+                files.remove(tokens)
                 random_checkpoint(ckpt, shapes[model], TOKENIZER_FILES[model], device)
                 random_tokens(tokens, ckpt, cfg.block_size)
             out.append(distill_run(cfg, work, kind, loss, batch, device, left()))
-        except (ModelError, RuntimeError, OSError) as e:
+        except (door.ModelError, RuntimeError, OSError) as e:
             out.append({"model": kind, "loss": loss, "batch": batch, "status": "error", "error": str(e)})
     return out
 
@@ -300,12 +302,12 @@ def distill_section(cfg, shapes, work, device, left, runs):
 def time_ms(fn, device, repeats):
     """Median wall ms of `repeats` calls of fn after one warm-up call, the device synchronised around each."""
     fn()
-    sync(device)
+    devices.sync(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        sync(device)
+        devices.sync(device)
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
 
@@ -353,10 +355,10 @@ def dof_profile(shape, J, device):
     rec = {"shape": [L, H, J, D], "lam": 2 ** -4}
     try:
         xd = x.to(device)
-        sync(device)
+        devices.sync(device)
         t0 = time.perf_counter()
         N = dof.degrees_of_freedom(xd, 2 ** -4)                       # (L, H)
-        sync(device)
+        devices.sync(device)
         rec.update(status="ok", ms=1e3 * (time.perf_counter() - t0), mean_dof=N.mean().item(), max_dof=N.max().item())
     except Exception as e:                                           # a crash on the device is a finding
         rec.update(status="error", error=crash(e))
@@ -375,11 +377,11 @@ def ops_section(cfg, shapes, device, left):
     from bench import step_row
     config = GPTConfig(**config_from_hf(shapes["gpt2"]))
     out = []
-    for loss, fork in (("softmax", None), ("l2", None), ("direct", None), ("softmax", per_head)):
+    for loss, variant in (("softmax", None), ("l2", None), ("direct", None), ("softmax", per_head)):
         if left() < 60:
             break
-        row = step_row(distill, loss, cfg.block_size, BUDGET["gpt2"], cfg.repeats, device, config, fork)
-        out.append({"model": "gpt2-per-head" if fork else "gpt2", **row})
+        row = step_row(distill, loss, cfg.block_size, BUDGET["gpt2"], cfg.repeats, device, config, variant)
+        out.append({"model": "gpt2-per-head" if variant else "gpt2", **row})
     return out
 
 
@@ -534,10 +536,10 @@ def targets(res):
 
 
 def main(argv=None):
-    cfg = parse_config(CheckConfig, argv)
+    cfg = door.parse_config(CheckConfig, argv)
     cfg = replace(cfg, **TINY) if cfg.tiny else cfg
     shapes = TINY_SHAPES if cfg.tiny else SHAPES
-    device, _ = pick_device(cfg.device, "bfloat16")
+    device, _ = devices.pick_device(cfg.device, "bfloat16")
     end = time.monotonic() + cfg.budget_seconds
     left = lambda: end - time.monotonic()
     g = shapes["gpt2"]
@@ -561,9 +563,9 @@ def main(argv=None):
     print(table(res))
     if not cfg.tiny:
         print("\n".join(targets(res)))
-    write_text_atomic(cfg.out, json.dumps(res, indent=1) + "\n")
+    files.write_text_atomic(cfg.out, json.dumps(res, indent=1) + "\n")
     print(f"wrote {cfg.out} ({res['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":
-    run_main(main)
+    door.run_main(main)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import ModelError  # noqa: E402
+import door# noqa: E402
 from model import SoftmaxAttention  # noqa: E402
 
 
@@ -50,7 +50,7 @@ class GraphedDecoder:
     capacity a dynamic size, so one compile serves every context length."""
     def __init__(self, model, cache, tok, steps=4096, graph=True, compile=False):
         if model.config.family == "gpt2":
-            raise ModelError("GPT-2's learned positions are checked on the host at every step, which a graph cannot "
+            raise door.ModelError("GPT-2's learned positions are checked on the host at every step, which a graph cannot "
                              "replay; decode GPT-2 with model.generate")
         self.cache, self.tok, n = cache, tok.clone(), cache.pos
         capacity = -(-(n + steps) // 64) * 64                      # n + steps, rounded up to a multiple of 64

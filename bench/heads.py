@@ -36,8 +36,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its fork
 import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
-from common import (ModelError, atomic_path, check_free_memory, check_out, check_positive, check_tokenizer, opt,  # noqa
-                    parse_config, read_tokens, run_main, write_text_atomic)
+import datafiles  # noqa: E402
+import devices  # noqa: E402
+import door  # noqa: E402
+import files  # noqa: E402
 from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
 from per_head import GroupedLinearAttention, layer_losses  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -49,40 +51,40 @@ EQUAL = ("gaussian", "leverage", "trained")
 @dataclass
 class HeadsConfig:
     """Per-head error of linear attention against M for untrained and trained feature maps."""
-    model: str = opt("smollm2-135m", "teacher checkpoint")
-    data: str = opt("data/wikitext-smollm2", "directory of train.bin / val.bin in the teacher's tokens")
-    layers: list[int] = opt([0, 15, 29], "layers to measure (all their heads)")
-    Ms: list[int] = opt([8, 16, 32, 64, 128], "feature counts")
-    block_size: int = opt(256, "tokens per sequence")
-    calib_seqs: int = opt(4, "calibration sequences (DoF, key means, leverage, training)")
-    eval_seqs: int = opt(4, "held-out sequences the error is measured on")
-    J: int = opt(1024, "points per head for the DoF and the leverage scores")
-    lam: float = opt(1e-3, "lambda, relative to tr(G / J) (as the SmolLM2 experiments)")
-    budget: int = opt(32, "mean M of the equal-error comparison")
-    steps: int = opt(100, "Adam steps of the trained maps")
-    seeds: int = opt(3, "draws averaged for the untrained maps")
-    synthetic: bool = opt(False, "only the synthetic Gaussian-kernel check (seconds)")
-    out: str = opt("docs/results/heads-kl", "directory of the results: smollm2.json, synthetic.json")
+    model: str = door.opt("smollm2-135m", "teacher checkpoint")
+    data: str = door.opt("data/wikitext-smollm2", "directory of train.bin / val.bin in the teacher's tokens")
+    layers: list[int] = door.opt([0, 15, 29], "layers to measure (all their heads)")
+    Ms: list[int] = door.opt([8, 16, 32, 64, 128], "feature counts")
+    block_size: int = door.opt(256, "tokens per sequence")
+    calib_seqs: int = door.opt(4, "calibration sequences (DoF, key means, leverage, training)")
+    eval_seqs: int = door.opt(4, "held-out sequences the error is measured on")
+    J: int = door.opt(1024, "points per head for the DoF and the leverage scores")
+    lam: float = door.opt(1e-3, "lambda, relative to tr(G / J) (as the SmolLM2 experiments)")
+    budget: int = door.opt(32, "mean M of the equal-error comparison")
+    steps: int = door.opt(100, "Adam steps of the trained maps")
+    seeds: int = door.opt(3, "draws averaged for the untrained maps")
+    synthetic: bool = door.opt(False, "only the synthetic Gaussian-kernel check (seconds)")
+    out: str = door.opt("docs/results/heads-kl", "directory of the results: smollm2.json, synthetic.json")
 
     def __post_init__(self):
-        check_positive(self, ("block_size", "calib_seqs", "eval_seqs", "J", "budget", "seeds"))
-        check_positive(self, ("steps",), 0)
-        check_positive(self, ("lam",), 0, above=True)
+        door.check_positive(self, ("block_size", "calib_seqs", "eval_seqs", "J", "budget", "seeds"))
+        door.check_positive(self, ("steps",), 0)
+        door.check_positive(self, ("lam",), 0, above=True)
         if not self.Ms or min(self.Ms) < 1 or not self.layers or min(self.layers) < 0:
-            raise ModelError(f"--Ms must be one or more feature counts of at least 1, got {self.Ms}" if not self.Ms
+            raise door.ModelError(f"--Ms must be one or more feature counts of at least 1, got {self.Ms}" if not self.Ms
                              or min(self.Ms) < 1 else f"--layers must be one or more layers from 0, got {self.layers}")
         if self.J > 2 * self.calib_seqs * self.block_size:
-            raise ModelError(f"--J {self.J} is more than the {2 * self.calib_seqs * self.block_size} queries and keys "
+            raise door.ModelError(f"--J {self.J} is more than the {2 * self.calib_seqs * self.block_size} queries and keys "
                              "a head has in --calib-seqs x --block-size; lower --J or raise --calib-seqs")
-        check_out(self.out, ("smollm2.json", "synthetic.json"))
+        files.check_out(self.out, ("smollm2.json", "synthetic.json"))
         committed = ROOT / "docs" / "results" / "heads-kl"                      # SmolLM2-135M's numbers, in git
         if self.model != "smollm2-135m" and not self.synthetic and Path(self.out).resolve() == committed:
-            raise ModelError(f"--out {self.out} holds SmolLM2-135M's committed numbers (smollm2.json); pass another "
+            raise door.ModelError(f"--out {self.out} holds SmolLM2-135M's committed numbers (smollm2.json); pass another "
                              f"--out for {self.model}'s")
 
 
 def sequences(path, n, T, seed, vocab_size):
-    tokens = read_tokens(path, vocab_size=vocab_size, min_tokens=T + 1)
+    tokens = datafiles.read_tokens(path, vocab_size=vocab_size, min_tokens=T + 1)
     g = np.random.default_rng(seed)
     return torch.from_numpy(np.stack([tokens[i:i + T].astype(np.int64) for i in g.integers(0, len(tokens) - T, n)]))
 
@@ -143,16 +145,16 @@ def measure(cfg):
     model = M.GPT.from_pretrained(cfg.model)
     mc = model.config
     if max(cfg.layers) >= mc.n_layer:
-        raise ModelError(f"{cfg.model} has layers 0-{mc.n_layer - 1}; pass --layers among them (got {cfg.layers})")
+        raise door.ModelError(f"{cfg.model} has layers 0-{mc.n_layer - 1}; pass --layers among them (got {cfg.layers})")
     if cfg.block_size > mc.block_size:
-        raise ModelError(f"{cfg.model} has a context of {mc.block_size} tokens; pass a --block-size within it (got "
+        raise door.ModelError(f"{cfg.model} has a context of {mc.block_size} tokens; pass a --block-size within it (got "
                          f"{cfg.block_size})")
     n, T, H = cfg.calib_seqs + cfg.eval_seqs, cfg.block_size, mc.n_head
     m = max(cfg.Ms + [cfg.budget * len(cfg.layers) * H])             # a head's M ~ N_lam is at most the whole budget
-    check_free_memory(4 * n * T * (mc.n_layer * (H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + 6 * H * (T + m))
+    devices.check_free_memory(4 * n * T * (mc.n_layer * (H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + 6 * H * (T + m))
                       + 8 * 16 * m * (mc.head_dim + 3 * cfg.J), "cpu", f"{n} sequences (--calib-seqs + --eval-seqs) of "
                       f"{T} tokens with up to {m:,} features a head", "lower them, --Ms or --budget")
-    check_tokenizer(cfg.data, lambda: load_tokenizer(cfg.model), cfg.model)          # as distill.py checks it
+    datafiles.check_tokenizer(cfg.data, lambda: load_tokenizer(cfg.model), cfg.model)          # as distill.py checks it
     calib = sequences(Path(cfg.data) / "train.bin", cfg.calib_seqs, cfg.block_size, 0, mc.vocab_size)
     held = sequences(Path(cfg.data) / "val.bin", cfg.eval_seqs, cfg.block_size, 1, mc.vocab_size)
     qk_c, qk_h = dof.teacher_qk(model, calib), dof.teacher_qk(model, held)
@@ -313,14 +315,14 @@ def figure(res, path):
     a1.set(xlabel="head's DoF $N_\\lambda$", ylabel="held-out attention KL", title="per head: error against DoF")
     a1.legend()
     fig.tight_layout()
-    with atomic_path(path) as tmp:
+    with files.atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     return True
 
 
 def main(argv=None):
-    cfg = parse_config(HeadsConfig, argv)
+    cfg = door.parse_config(HeadsConfig, argv)
     torch.set_grad_enabled(True)
     out = Path(cfg.out)
     parts = {"synthetic": (synthetic, synthetic_table)}
@@ -329,10 +331,10 @@ def main(argv=None):
     for name, (run, show) in parts.items():
         res = run(cfg)
         out.mkdir(parents=True, exist_ok=True)                  # after the checks and the work
-        write_text_atomic(out / f"{name}.json", json.dumps(res, indent=1) + "\n")
+        files.write_text_atomic(out / f"{name}.json", json.dumps(res, indent=1) + "\n")
         print(show(res))
         print(f"wrote {out / name}.json")
 
 
 if __name__ == "__main__":
-    run_main(main)
+    door.run_main(main)

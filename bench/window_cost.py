@@ -31,37 +31,39 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]
-import common  # noqa: E402
+import datafiles  # noqa: E402
+import door  # noqa: E402
+import files  # noqa: E402
+import forks  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
 import window  # noqa: E402
-from common import opt  # noqa: E402
 
 
 @dataclass
 class CostConfig:
     """Attention mass in a window; the decoding and forward cost of the hybrid and the scan."""
-    model: str = opt("smollm2-135m", "teacher (a name, directory or .gguf file)")
-    data: str = opt("data/wikitext2", "folder with val.bin (distill.py prepares it)")
-    what: list[str] = opt(["mass", "decode", "forward"], "measurements: mass, decode, forward")
-    W: list[int] = opt([16, 64], "window sizes of the mass table; the last is the hybrid's")
-    block_size: int = opt(256, "tokens per window of the mass table")
-    windows: int = opt(8, "val.bin windows of the mass table")
-    budget: int = opt(32, "features a head in every layer of the students")
-    batch: int = opt(8, "sequences decoded at once")
-    ctx: list[int] = opt([1024, 2048, 4096, 8192], "contexts of the decoding table")
-    steps: int = opt(10, "decoded tokens timed per context and model")
-    T: list[int] = opt([1024, 2048, 4096, 8192, 16384], "sequence lengths of the forward table")
-    repeats: int = opt(5, "timed calls per forward measurement")
-    threads: int = opt(1, "torch threads")
-    out: str = opt("docs/results/window-cost/smollm2.json", "result file")
+    model: str = door.opt("smollm2-135m", "teacher (a name, directory or .gguf file)")
+    data: str = door.opt("data/wikitext2", "folder with val.bin (distill.py prepares it)")
+    what: list[str] = door.opt(["mass", "decode", "forward"], "measurements: mass, decode, forward")
+    W: list[int] = door.opt([16, 64], "window sizes of the mass table; the last is the hybrid's")
+    block_size: int = door.opt(256, "tokens per window of the mass table")
+    windows: int = door.opt(8, "val.bin windows of the mass table")
+    budget: int = door.opt(32, "features a head in every layer of the students")
+    batch: int = door.opt(8, "sequences decoded at once")
+    ctx: list[int] = door.opt([1024, 2048, 4096, 8192], "contexts of the decoding table")
+    steps: int = door.opt(10, "decoded tokens timed per context and model")
+    T: list[int] = door.opt([1024, 2048, 4096, 8192, 16384], "sequence lengths of the forward table")
+    repeats: int = door.opt(5, "timed calls per forward measurement")
+    threads: int = door.opt(1, "torch threads")
+    out: str = door.opt("docs/results/window-cost/smollm2.json", "result file")
 
     def __post_init__(self):
-        common.check_positive(self, ("block_size", "windows", "budget", "batch", "steps",
+        door.check_positive(self, ("block_size", "windows", "budget", "batch", "steps",
                                      "repeats", "threads"))
         if set(self.what) - {"mass", "decode", "forward"}:
             got = " ".join(self.what)
-            raise common.ModelError(f"--what takes mass, decode and forward, got {got}")
+            raise door.ModelError(f"--what takes mass, decode and forward, got {got}")
 
 
 @torch.no_grad()
@@ -69,7 +71,7 @@ def attention_mass(teacher, tokens, cfg):
     """Per layer: {"W=16": mass on the last 16 keys, ..., "first": mass on token 0}, means over
     heads and queries i >= 64 of cfg.windows windows."""
     gen = torch.Generator().manual_seed(0)
-    x, _ = common.get_batch(tokens, cfg.windows, cfg.block_size, gen, "cpu")
+    x, _ = datafiles.get_batch(tokens, cfg.windows, cfg.block_size, gen, "cpu")
     T = cfg.block_size
     i, j = torch.arange(T)[:, None], torch.arange(T)
     out = []
@@ -150,7 +152,7 @@ def forward_cost(cfg):
 
 
 def main(argv=None):
-    cfg = common.parse_config(CostConfig, argv)
+    cfg = door.parse_config(CostConfig, argv)
     torch.set_num_threads(cfg.threads)
     teacher = M.GPT.from_pretrained(cfg.model).requires_grad_(False)
     args = sys.argv[1:] if argv is None else argv
@@ -161,14 +163,14 @@ def main(argv=None):
         out["mass"] = attention_mass(teacher, tokens, cfg)
     if "decode" in cfg.what:
         dims = [cfg.budget] * teacher.config.n_layer
-        with common.replaced(window.REPLACE):
+        with forks.replaced(window.REPLACE):
             hybrid = window.set_window(teacher.linearize(dims), cfg.W[-1])
         models = {"teacher": teacher, "linear": teacher.linearize(dims), "hybrid": hybrid}
         out["decode"] = decode_cost(models, cfg)
     if "forward" in cfg.what:
         out["forward"] = forward_cost(cfg)
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    with common.atomic_path(cfg.out) as tmp:
+    with files.atomic_path(cfg.out) as tmp:
         Path(tmp).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {cfg.out}")
     print("\n\n".join(tables(out).values()))
@@ -209,4 +211,4 @@ def tables(res):
 
 
 if __name__ == "__main__":
-    common.run_main(main)
+    door.run_main(main)

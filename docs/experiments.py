@@ -24,8 +24,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]  # the core, and bench/ (allocation, gpu_check, heads)
-from common import (ModelError, atomic_path, check_positive, is_checkpoint, opt, parse_config, read_json,  # noqa: E402
-                    run_main, write_text_atomic)
+import door  # noqa: E402
+import files  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 SCRATCH = ROOT / "out-experiments"           # checkpoints and logs of the runs (not committed)
@@ -214,7 +214,7 @@ def execute(run, results=RESULTS, scratch=SCRATCH):
     t0 = time.time()
     with open(out.with_suffix(".log"), "a") as log, LOCK:
         if STOPPED.is_set():
-            raise ModelError(f"run {run.grid}/{run.name} not started: the runner was stopped")
+            raise door.ModelError(f"run {run.grid}/{run.name} not started: the runner was stopped")
         child = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         CHILDREN.add(child)
     try:
@@ -223,7 +223,7 @@ def execute(run, results=RESULTS, scratch=SCRATCH):
         with LOCK:
             CHILDREN.discard(child)
     if rc != 0:
-        raise ModelError(f"run {run.grid}/{run.name} failed (exit {rc}); its log is {out.with_suffix('.log')}")
+        raise door.ModelError(f"run {run.grid}/{run.name} failed (exit {rc}); its log is {out.with_suffix('.log')}")
     config = json.loads((out / "config.json").read_text())
     metrics = json.loads((out / "metrics.json").read_text())
     said = re.findall(r"greedy continuations of (.*):\n  teacher: (.*)\n  student: (.*)\n", out.with_suffix(".log").read_text())
@@ -234,7 +234,7 @@ def execute(run, results=RESULTS, scratch=SCRATCH):
               "command": f"python {run.script} " + " ".join(run.flags + ["--seed", str(run.seed)]),
               "continuations": dict(zip(("prompt", "teacher", "student"), said[-1])) if said else None}
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+    files.write_text_atomic(path, json.dumps(record, indent=1) + "\n")
     return path
 
 
@@ -255,8 +255,8 @@ def run_grid(runs, jobs=2, results=RESULTS, scratch=SCRATCH):
     with its last checkpoint whole, for the next --run to resume) and waits for them to exit."""
     todo = [r for r in runs if not result_path(r, results).is_file()]
     for r in todo:                                              # a continuation starts from a checkpoint, not a JSON
-        if "--init-from" in r.flags and not is_checkpoint(ROOT / (ckpt := r.flags[r.flags.index("--init-from") + 1])):
-            raise ModelError(f"run {r.grid}/{r.name} continues the checkpoint {ckpt}, which is not here (result files "
+        if "--init-from" in r.flags and not files.is_checkpoint(ROOT / (ckpt := r.flags[r.flags.index("--init-from") + 1])):
+            raise door.ModelError(f"run {r.grid}/{r.name} continues the checkpoint {ckpt}, which is not here (result files "
                              f"are committed, checkpoints are not); make it first: move that run's JSON out of "
                              f"docs/results and run its grid with --match {Path(ckpt).name}")
     print(f"{len(runs) - len(todo)} of {len(runs)} runs done; running {len(todo)}, {jobs} at a time")
@@ -278,7 +278,7 @@ def run_grid(runs, jobs=2, results=RESULTS, scratch=SCRATCH):
 
 def read(path):
     """A result file's JSON object; a missing or damaged one is one sentence."""
-    return read_json(path, "restore it (git checkout -- docs/results) or run its grid again", dict)
+    return files.read_json(path, "restore it (git checkout -- docs/results) or run its grid again", dict)
 
 
 def load(grid, results=RESULTS):
@@ -291,7 +291,7 @@ def check_whole(grid, records, results=RESULTS):
     from a mean without a word."""
     short = [r["name"] for r in records if r["val"][-1]["step"] != r["args"]["args"]["max_steps"]]
     if lost := sorted({run.name for run in GRIDS[grid]()} - {r["name"] for r in records}) + short:
-        raise ModelError(f"{Path(results) / grid} lacks the whole runs {', '.join(lost)}; run them with `python "
+        raise door.ModelError(f"{Path(results) / grid} lacks the whole runs {', '.join(lost)}; run them with `python "
                          f"docs/experiments.py --run {grid}` (it resumes unfinished runs), then --report")
 
 
@@ -408,7 +408,7 @@ def curves(records, path):
     ax.legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:                                   # whole or not at all
+    with files.atomic_path(path) as tmp:                                   # whole or not at all
         fig.savefig(tmp, format="png")
     plt.close(fig)
     return True
@@ -543,7 +543,7 @@ def layer_curves_figure(Ms, KL, path, named=(0, 10, 21, 27)):
            xticklabels=[str(int(m)) for m in Ms], title="SmolLM2-135M: each layer's error against M (Fix runs)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
+    with files.atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
     plt.close(fig)
     return True
@@ -724,7 +724,7 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
         try:
             made.update(grid_blocks(grid, results, figures))
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:   # a file of another form
-            raise ModelError(f"{Path(results) / grid} holds a result file its script did not write ({type(e).__name__}"
+            raise door.ModelError(f"{Path(results) / grid} holds a result file its script did not write ({type(e).__name__}"
                              f": {str(e)[:80]}); restore it (git checkout -- docs/results) or run its grid again") \
                 from None
     if all((Path(results) / g).is_dir() for o in OVERVIEW for g in o[1]):
@@ -733,7 +733,7 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
         text = Path(doc).read_text()
         for name, body in made.items():
             text = splice(text, name, body)
-        write_text_atomic(doc, text)
+        files.write_text_atomic(doc, text)
         print(f"rebuilt {doc}")
     return made
 
@@ -742,21 +742,21 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
 class ExperimentConfig:
     """Run a grid of distill.py configurations (one JSON per run under docs/results/<grid>/), or rebuild the tables
     and figures of docs/results.md from those files."""
-    run: str = opt("", "grid to run (its missing configurations only)", choices=["", *sorted(GRIDS)])
-    match: str = opt("", "run only the grid's runs whose name contains this")
-    jobs: int = opt(2, "runs at a time, one torch thread each")
-    report: bool = opt(False, "rebuild the generated blocks of docs/results.md and README.md, and the figures")
+    run: str = door.opt("", "grid to run (its missing configurations only)", choices=["", *sorted(GRIDS)])
+    match: str = door.opt("", "run only the grid's runs whose name contains this")
+    jobs: int = door.opt(2, "runs at a time, one torch thread each")
+    report: bool = door.opt(False, "rebuild the generated blocks of docs/results.md and README.md, and the figures")
 
     def __post_init__(self):
-        check_positive(self, ("jobs",))
+        door.check_positive(self, ("jobs",))
 
 
 def main(argv=None):
-    cfg = parse_config(ExperimentConfig, argv)
+    cfg = door.parse_config(ExperimentConfig, argv)
     if not cfg.run and not cfg.report:
-        raise ModelError("nothing to do; pass --run GRID to run a grid or --report to rebuild docs/results.md")
+        raise door.ModelError("nothing to do; pass --run GRID to run a grid or --report to rebuild docs/results.md")
     if cfg.run and not (runs := [r for r in GRIDS[cfg.run]() if cfg.match in r.name]):
-        raise ModelError(f"no run of grid {cfg.run} has a name containing {cfg.match!r}; its runs are "
+        raise door.ModelError(f"no run of grid {cfg.run} has a name containing {cfg.match!r}; its runs are "
                          f"{', '.join(r.name for r in GRIDS[cfg.run]())}")
     if cfg.run:
         run_grid(runs, cfg.jobs)
@@ -765,4 +765,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    door.run_main(main)

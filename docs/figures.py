@@ -32,8 +32,10 @@ import distill  # noqa: E402
 import dof  # noqa: E402
 import model as M  # noqa: E402
 from checkpoint import read_student  # noqa: E402
-from common import (ModelError, atomic_path, check_free_memory, check_out, check_positive,  # noqa: E402
-                    check_tokenizer, opt, parse_config, read_tokens, run_main)
+import datafiles  # noqa: E402
+import devices  # noqa: E402
+import door  # noqa: E402
+import files  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 COLORS = ("C0", "C3")                                   # the low-DoF head, the high-DoF head
@@ -45,24 +47,24 @@ OUTPUTS = FIGURES + ["figures.json"]
 class FigConfig:
     """Draw the README's figures (eigenvalue spectra, random-feature error, attention maps, DoF heatmap) from a
     model's queries and keys on a text."""
-    model: str = opt("smollm2-135m", "checkpoint: smollm2-135m, a hub id (gpt2), a local directory or a .gguf file")
-    text: str = opt("data/wikitext2/wiki.test.raw", "UTF-8 text the queries and keys are computed on")
-    ckpt: str | None = opt(None, "a distill.py checkpoint of --model: its trained student joins the attention maps")
-    out: str = opt("docs", "folder the fig-*.png files are written to")
-    tokens: int = opt(4096, "tokens of --text used; the last --block-size of them are held out for the error figure")
-    block_size: int = opt(512, "tokens per forward pass (capped at the model's context)")
-    J: int = opt(1024, "queries+keys drawn per head for the J x J Gram matrix")
-    lam: float = opt(1e-3, "lambda, as a fraction of tr(G / J), the mean K(x, x), unless --lam-absolute")
-    lam_absolute: bool = opt(False, "take --lam as it is (the paper's GPT-2 setting: --lam 0.0625 --lam-absolute)")
-    budget: int = opt(32, "mean feature dimension C the dims bar is allocated for")
-    draws: int = opt(8, "random-feature draws averaged for each M")
-    window: int = opt(64, "first tokens of --text shown in the attention maps")
-    seed: int = opt(0, "seed of the query/key sample and of the random features")
+    model: str = door.opt("smollm2-135m", "checkpoint: smollm2-135m, a hub id (gpt2), a local directory or a .gguf file")
+    text: str = door.opt("data/wikitext2/wiki.test.raw", "UTF-8 text the queries and keys are computed on")
+    ckpt: str | None = door.opt(None, "a distill.py checkpoint of --model: its trained student joins the attention maps")
+    out: str = door.opt("docs", "folder the fig-*.png files are written to")
+    tokens: int = door.opt(4096, "tokens of --text used; the last --block-size of them are held out for the error figure")
+    block_size: int = door.opt(512, "tokens per forward pass (capped at the model's context)")
+    J: int = door.opt(1024, "queries+keys drawn per head for the J x J Gram matrix")
+    lam: float = door.opt(1e-3, "lambda, as a fraction of tr(G / J), the mean K(x, x), unless --lam-absolute")
+    lam_absolute: bool = door.opt(False, "take --lam as it is (the paper's GPT-2 setting: --lam 0.0625 --lam-absolute)")
+    budget: int = door.opt(32, "mean feature dimension C the dims bar is allocated for")
+    draws: int = door.opt(8, "random-feature draws averaged for each M")
+    window: int = door.opt(64, "first tokens of --text shown in the attention maps")
+    seed: int = door.opt(0, "seed of the query/key sample and of the random features")
 
     def __post_init__(self):
-        check_positive(self, ("tokens", "block_size", "J", "budget", "draws", "window"))
-        check_positive(self, ("lam",), 0, above=True)
-        check_out(self.out, OUTPUTS)
+        door.check_positive(self, ("tokens", "block_size", "J", "budget", "draws", "window"))
+        door.check_positive(self, ("lam",), 0, above=True)
+        files.check_out(self.out, OUTPUTS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -106,11 +108,11 @@ def load_ckpt(ckpt, name, model):
         return None
     t = read_student(ckpt)[0]["teacher"]                       # as evaluate.py: the teacher it names, not its config
     if Path(t).resolve() != Path(name).resolve():
-        raise ModelError(f"checkpoint {ckpt} was distilled from teacher '{t}' but --model is '{name}'; pass "
+        raise door.ModelError(f"checkpoint {ckpt} was distilled from teacher '{t}' but --model is '{name}'; pass "
                          f"--model {t}")
     student, cfg = M.load_student(ckpt)
     if student.config != model.config:
-        raise ModelError(f"{ckpt} was distilled from {cfg['teacher']}, not from --model; pass its teacher")
+        raise door.ModelError(f"{ckpt} was distilled from {cfg['teacher']}, not from --model; pass its teacher")
     return student, cfg
 
 
@@ -250,35 +252,35 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ModelError("the figures need matplotlib, which is not installed; pip install matplotlib") from None
+        raise door.ModelError("the figures need matplotlib, which is not installed; pip install matplotlib") from None
     return plt
 
 
 def main(argv=None):
-    cfg = parse_config(FigConfig, argv)
+    cfg = door.parse_config(FigConfig, argv)
     plt, out = pyplot(), Path(cfg.out)
     torch.manual_seed(cfg.seed)
     model = M.GPT.from_pretrained(cfg.model)
     ckpt = load_ckpt(cfg.ckpt, cfg.model, model)               # checked before any work
     enc = load_tokenizer(cfg.model)
-    check_tokenizer(cfg.text, enc, cfg.model, "pass a file made with this model's tokenizer (data/*/prepare.py)")
-    tokens = read_tokens(cfg.text, enc, cfg.tokens, vocab_size=model.config.vocab_size)
+    datafiles.check_tokenizer(cfg.text, enc, cfg.model, "pass a file made with this model's tokenizer (data/*/prepare.py)")
+    tokens = datafiles.read_tokens(cfg.text, enc, cfg.tokens, vocab_size=model.config.vocab_size)
     tokens = torch.from_numpy(np.array(tokens, np.int64))     # a copy: a .bin's memory map is read-only
     T = min(cfg.block_size, model.config.block_size)
     if len(tokens) < 2 * T:
-        raise ModelError(f"{cfg.text} gives {len(tokens)} tokens, fewer than 2 x --block-size = {2 * T}; give "
+        raise door.ModelError(f"{cfg.text} gives {len(tokens)} tokens, fewer than 2 x --block-size = {2 * T}; give "
                          "more text (--tokens) or lower --block-size")
     if not 0 < cfg.window <= T:
-        raise ModelError(f"--window must be between 1 and --block-size = {T}, got {cfg.window}")
+        raise door.ModelError(f"--window must be between 1 and --block-size = {T}, got {cfg.window}")
     if not cfg.ckpt:                 # the attention maps' untrained student: z (H, M, D), features (H, window, M)
         H, D = model.config.n_head, model.config.head_dim
-        check_free_memory(4 * H * cfg.budget * (D + 2 * cfg.window + 2), "cpu",
+        devices.check_free_memory(4 * H * cfg.budget * (D + 2 * cfg.window + 2), "cpu",
                           f"an untrained student of --budget {cfg.budget} features", "pass a smaller --budget")
     calib, held_out = tokens[:-T], tokens[-T:]
     x = dof.collect_qk(model, calib[:len(calib) // T * T].view(-1, T).split(1), cfg.J, cfg.seed)  # (L, H, J, D)
     N = dof.degrees_of_freedom(x, cfg.lam, relative=not cfg.lam_absolute).numpy()           # (L, H)
     if not (N > 0).any():                                     # nothing to draw on a log scale
-        raise ModelError(f"--lam {cfg.lam:g} leaves every head N = 0 (lambda far above every eigenvalue of S), so "
+        raise door.ModelError(f"--lam {cfg.lam:g} leaves every head N = 0 (lambda far above every eigenvalue of S), so "
                          "there is nothing to draw; pass a smaller --lam")
     low, high = N.max(1).argmin(), N.max(1).argmax()          # the layers with the smallest and largest DoF
     heads = [(int(low), int(N[low].argmax())), (int(high), int(N[high].argmax()))]
@@ -287,7 +289,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     try:
         with ExitStack() as stack:                                # each figure into its .tmp, all four replaced at the
-            tmp = {f: stack.enter_context(atomic_path(out / f)) for f in OUTPUTS}     # end: all new, or none
+            tmp = {f: stack.enter_context(files.atomic_path(out / f)) for f in OUTPUTS}     # end: all new, or none
             fig_spectrum(plt, tmp["fig-spectrum.png"], x, N, heads, cfg)
             errors = fig_kernel_error(plt, tmp["fig-kernel-error.png"], layer_qk(model, held_out), x, N, heads, cfg)
             if not cfg.ckpt:
@@ -296,11 +298,11 @@ def main(argv=None):
             fig_dof(plt, tmp["fig-dof.png"], N, heads, cfg)
             tmp["figures.json"].write_text(json.dumps(numbers(cfg, x, N, heads, errors)) + "\n")
     except OSError as e:                                          # a full disk: the figures stay as they were
-        raise ModelError(f"cannot write the figures into {out} ({e.strerror}); make room or pass another --out") \
+        raise door.ModelError(f"cannot write the figures into {out} ({e.strerror}); make room or pass another --out") \
             from None
     for f in OUTPUTS:
         print(f"wrote {out / f}")
 
 
 if __name__ == "__main__":
-    run_main(main)
+    door.run_main(main)

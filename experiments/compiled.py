@@ -15,7 +15,8 @@ import torch
 from torch._dynamo.exc import BackendCompilerFailed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common as run  # noqa: E402
+import door  # noqa: E402
+import forks  # noqa: E402
 import distill  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def compiled(fn):
         except BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", e)
             first = (str(inner).strip().splitlines() or [""])[0][:120]
-            raise run.ModelError(f"torch.compile could not compile the losses "
+            raise door.ModelError(f"torch.compile could not compile the losses "
                                  f"({type(inner).__name__}: {first}); it needs a working C++ "
                                  "compiler (or Triton on a GPU): install one (or point CXX at it), "
                                  "or run distill.py, the same losses uncompiled") from None
@@ -44,4 +45,4 @@ def replace():
 
 
 if __name__ == "__main__":
-    run.fork(__file__, replace())
+    forks.fork(__file__, replace())

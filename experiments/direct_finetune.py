@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common as run  # noqa: E402
+import door  # noqa: E402
+import forks  # noqa: E402
 import distill  # noqa: E402
-from common import opt  # noqa: E402
 
 
 @dataclass
 class DirectFinetuneConfig(distill.DistillConfig):
     """distill.py whose last --direct-steps steps train the direct loss."""
-    direct_steps: int = opt(0, "the schedule's last this many steps, and any past its end "
+    direct_steps: int = door.opt(0, "the schedule's last this many steps, and any past its end "
                             "(--max-steps above --decay-steps), train the direct loss after "
                             "--loss's (a short fine-tune)")
 
@@ -33,10 +33,10 @@ class DirectFinetuneConfig(distill.DistillConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        run.check_positive(self, ("direct_steps",), 0)
+        door.check_positive(self, ("direct_steps",), 0)
         total = self.decay_steps or self.max_steps
         if self.direct_steps > total:
-            raise run.ModelError(f"--direct-steps {self.direct_steps} is more than the schedule's "
+            raise door.ModelError(f"--direct-steps {self.direct_steps} is more than the schedule's "
                                  f"{total} steps (--decay-steps, or --max-steps)")
 
 
@@ -50,4 +50,4 @@ def step_loss(cfg, step):
 REPLACE = {(distill, "step_loss"): step_loss, (distill, "DistillConfig"): DirectFinetuneConfig}
 
 if __name__ == "__main__":
-    run.fork(__file__, REPLACE)
+    forks.fork(__file__, REPLACE)

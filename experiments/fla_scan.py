@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common as run  # noqa: E402
+import door  # noqa: E402
+import forks  # noqa: E402
 import evaluate  # noqa: E402
 import model  # noqa: E402
 
@@ -53,7 +54,7 @@ class FlaEvalConfig(evaluate.EvalConfig):
         super().__post_init__()
         cuda = self.device.startswith(("auto", "cuda")) and torch.cuda.is_available()
         if not (self.ckpt and cuda and importlib.util.find_spec("fla")):
-            raise run.ModelError("experiments/fla_scan.py runs a student's scan on CUDA: it needs "
+            raise door.ModelError("experiments/fla_scan.py runs a student's scan on CUDA: it needs "
                                  "--ckpt, a CUDA --device and flash-linear-attention "
                                  "(pip install flash-linear-attention)")
 
@@ -61,4 +62,4 @@ class FlaEvalConfig(evaluate.EvalConfig):
 REPLACE = {(model, "causal_linear_attention"): scan, (evaluate, "EvalConfig"): FlaEvalConfig}
 
 if __name__ == "__main__":
-    run.fork(__file__, REPLACE)
+    forks.fork(__file__, REPLACE)

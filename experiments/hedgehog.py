@@ -11,7 +11,7 @@ head, with a learned projection W (d x M/2):
         --ppl data/wikitext2/val.bin
 
 How it forks the core: REPLACE adds Hedgehog to model.FEATURE_MAPS, so --feature-map accepts it, and
-run.fork runs distill.py (or evaluate.py, after `evaluate`) with it. Its parameter `proj` trains at
+forks.fork runs distill.py (or evaluate.py, after `evaluate`) with it. Its parameter `proj` trains at
 --lr-z (only parameters whose names end in "alpha" take --lr-alpha); it is not a PRF, so the GPU's
 stacked loss runs each layer alone.
 """
@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common as run  # noqa: E402
+import forks  # noqa: E402
 import model  # noqa: E402
 
 
@@ -51,4 +51,4 @@ class Hedgehog(nn.Module):
 REPLACE = {(model, "FEATURE_MAPS"): {**model.FEATURE_MAPS, "hedgehog": Hedgehog}}
 
 if __name__ == "__main__":
-    run.fork(__file__, REPLACE)
+    forks.fork(__file__, REPLACE)

@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
-import common as run  # noqa: E402
-from common import opt  # noqa: E402
+import devices  # noqa: E402
+import door  # noqa: E402
+import forks  # noqa: E402
 from model import feature_state  # noqa: E402
 
 
@@ -113,33 +114,33 @@ def make_student(cfg, teacher, calib, prev=None):
         # a head's pool of candidates, their features and leverage
         what = f"--pool {cfg.pool} candidates for each of up to {max(dims):,} features a head"
         nbytes = 8 * cfg.pool * max(dims) * (teacher.config.head_dim + 3 * cfg.J)
-        run.check_free_memory(nbytes, "cpu", what, "lower --pool")
+        devices.check_free_memory(nbytes, "cpu", what, "lower --pool")
         mu = torch.stack([c.key_mean for c in student.cores()])  # (L, H, D): as the student
         x = dof.collect_qk(teacher, calib, cfg.J, cfg.seed, mu)  # (L, H, J, D)
         gen = torch.Generator().manual_seed(cfg.seed)
         for core, xl in zip(student.cores(), x.cpu()):
             init_leverage(core, xl, cfg.lam, cfg.lam_relative, cfg.pool, gen)
-        run.broadcast(None, list(feature_state(student).values()))
+        devices.broadcast(None, list(feature_state(student).values()))
     return student, dims, N
 
 
 @dataclass
 class LeverageConfig(distill.DistillConfig):
     """distill.py with PRF features drawn from each head's ridge leverage density."""
-    pool: int = opt(16, "candidate directions drawn per feature")
+    pool: int = door.opt(16, "candidate directions drawn per feature")
 
     def __post_init__(self):
         super().__post_init__()
-        run.check_positive(self, ("pool",), 1)
+        door.check_positive(self, ("pool",), 1)
         if self.init_from:
-            raise run.ModelError("leverage features are PRF directions drawn afresh: drop "
+            raise door.ModelError("leverage features are PRF directions drawn afresh: drop "
                                  "--init-from, whose checkpoint sets the starting features")
         if self.feature_map != "prf":
-            raise run.ModelError("leverage features are PRF directions drawn afresh: pass "
+            raise door.ModelError("leverage features are PRF directions drawn afresh: pass "
                                  f"--feature-map prf, not {self.feature_map}")
 
 
 REPLACE = {(distill, "make_student"): make_student, (distill, "DistillConfig"): LeverageConfig}
 
 if __name__ == "__main__":
-    run.fork(__file__, REPLACE)
+    forks.fork(__file__, REPLACE)

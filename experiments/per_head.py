@@ -24,12 +24,13 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
-import common as run  # noqa: E402
+import devices  # noqa: E402
+import door  # noqa: E402
+import forks  # noqa: E402
 import distill  # noqa: E402
 import dof  # noqa: E402
 import evaluate  # noqa: E402
 import model  # noqa: E402
-from common import opt  # noqa: E402
 
 # the core's, which this fork's wrap
 CoreLinearAttention = model.LinearAttention
@@ -93,10 +94,10 @@ def check_per_head(config, path, n_layer, n_head):
     number a layer)."""
     dims = config["dims"]
     if not any(isinstance(m, list) for m in dims):
-        raise run.ModelError(f"{path} has one dimension per layer: train, resume or evaluate it "
+        raise door.ModelError(f"{path} has one dimension per layer: train, resume or evaluate it "
                              "with distill.py and evaluate.py")
     if len(dims) != n_layer or any(len(m) != n_head for m in dims):
-        raise run.ModelError(f"per-head dims need {n_head} whole numbers of at least 1 a layer for "
+        raise door.ModelError(f"per-head dims need {n_head} whole numbers of at least 1 a layer for "
                              f"{n_layer} layers, got {len(dims)} of {dims[0]}; pass the --out-dir "
                              "of a per_head.py run")
 
@@ -111,14 +112,14 @@ def make_student(cfg, teacher, calib, prev=None):
         check_per_head(prev.config, prev.path, teacher.config.n_layer, teacher.config.n_head)
         return core_make_student(cfg, teacher, calib, prev)
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None  # (L, H, D)
-    chosen = per_head_dims(cfg, teacher, calib, mu) if run.is_main() else None
-    dims, N = run.broadcast(chosen)
+    chosen = per_head_dims(cfg, teacher, calib, mu) if devices.is_main() else None
+    dims, N = devices.broadcast(chosen)
     torch.manual_seed(cfg.seed)
     student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size)
     for core, m in zip(student.cores(), [] if mu is None else mu):
         for c, hs in zip(core.groups, core.heads):
             c.key_mean.copy_(m[hs])
-    run.broadcast(None, list(model.feature_state(student).values()))
+    devices.broadcast(None, list(model.feature_state(student).values()))
     return student, dims, N
 
 
@@ -138,13 +139,13 @@ def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
 @dataclass
 class PerHeadConfig(distill.DistillConfig):
     """distill.py with a feature dimension per head."""
-    alloc: str = opt("dof", "per-head dims: dof (M_lh in proportion to N_lh, total C x heads x "
+    alloc: str = door.opt("dof", "per-head dims: dof (M_lh in proportion to N_lh, total C x heads x "
                      "layers) or clip (the same, capped at the head size)", choices=("dof", "clip"))
 
     def __post_init__(self):
         super().__post_init__()
         if self.dims:
-            raise run.ModelError("--dims sets one dimension per layer; per-head dims come from "
+            raise door.ModelError("--dims sets one dimension per layer; per-head dims come from "
                                  "the DoF here")
 
 
@@ -155,4 +156,4 @@ REPLACE = {(model, "LinearAttention"): GroupedLinearAttention,
            (evaluate, "load_student"): load_student}
 
 if __name__ == "__main__":
-    run.fork(__file__, REPLACE)
+    forks.fork(__file__, REPLACE)

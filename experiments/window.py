@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import common as run  # noqa: E402
+import door  # noqa: E402
+import forks  # noqa: E402
 import distill  # noqa: E402
 import evaluate  # noqa: E402
 import model  # noqa: E402
-from common import opt  # noqa: E402
 
 # the core's, which this fork's wrap
 CoreLinearAttention = model.LinearAttention
@@ -275,20 +275,20 @@ def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
 @dataclass
 class WindowConfig(distill.DistillConfig):
     """distill.py with a window of exact softmax beside the features."""
-    window: int = opt(64, "exact softmax on each query's last W keys, the features on the keys "
+    window: int = door.opt(64, "exact softmax on each query's last W keys, the features on the keys "
                       "before them (0: the core's linear attention)")
 
     RESUMED = distill.DistillConfig.RESUMED + ("window",)
 
     def __post_init__(self):
         super().__post_init__()
-        run.check_positive(self, ("window",), 0)
+        door.check_positive(self, ("window",), 0)
         if self.window >= self.block_size:
-            raise run.ModelError(f"--window {self.window} holds every key of a --block-size "
+            raise door.ModelError(f"--window {self.window} holds every key of a --block-size "
                                  f"{self.block_size} window, so the features would never train; "
                                  f"pass a --window below {self.block_size}")
         if self.window and not issubclass(model.FEATURE_MAPS[self.feature_map], model.PRF):
-            raise run.ModelError(f"--window needs features whose products estimate "
+            raise door.ModelError(f"--window needs features whose products estimate "
                                  f"e^(q.k / sqrt d), as prf and performer do, not "
                                  f"{self.feature_map}; pass --feature-map prf or --window 0")
 
@@ -300,4 +300,4 @@ REPLACE = {(model, "LinearAttention"): WindowAttention,
            (evaluate, "load_student"): load_student}
 
 if __name__ == "__main__":
-    run.fork(__file__, REPLACE)
+    forks.fork(__file__, REPLACE)

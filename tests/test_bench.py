@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from common import ModelError
+import datafiles
+import door
+import forks
 from model import repeat_kv, GPT, LinearAttention
-import common
 import distill
 import dof
 import evaluate as E
@@ -64,7 +65,7 @@ def test_graphed_decoder_equals_decoding_through_models_cache(device, linear, co
     assert ours.pos.item() == ref.pos == 30 and sorted(ours[0]) == (["S", "pos", "s"] if linear else ["k", "pos", "v"])
     assert [{name: x.data_ptr() for name, x in layer.items()} for layer in ours] == addresses
     gpt2 = GPT(M.GPTConfig(family="gpt2", vocab_size=300, n_layer=1, n_head=2, n_embd=16, head_dim=8, block_size=64))
-    with pytest.raises(ModelError, match="^GPT-2's learned positions .* decode GPT-2 with model.generate$"):
+    with pytest.raises(door.ModelError, match="^GPT-2's learned positions .* decode GPT-2 with model.generate$"):
         graphed_decode.GraphedDecoder(gpt2, M.Cache(1), idx[:, :1].cpu(), graph=False)
 
 
@@ -82,9 +83,9 @@ def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys
     assert rows[0][2] == rows[1][2] == str(4 * 12) and float(rows[0][3]) < float(rows[1][3])
     assert "one head's loss products per block of 16 queries (B=1, T=40): M=3: " in out
     run.write_text(json.dumps({"args": {"budget": 4, "dof": [3.0, 5.0]}}))
-    with pytest.raises(ModelError, match="run.json holds no per-head table of finite DoF"):     # per-layer DoF
+    with pytest.raises(door.ModelError, match="run.json holds no per-head table of finite DoF"):     # per-layer DoF
         bench.main(["--T", "--decode-ctx", "--heads", str(run)])
-    with pytest.raises(ModelError, match="--query-block must be a number of at least 1, got 0"):
+    with pytest.raises(door.ModelError, match="--query-block must be a number of at least 1, got 0"):
         bench.main(["--T", "--heads", str(run), "--query-block", "0"])
     run.write_text(json.dumps({"args": {"budget": 4, "dof": [[1.0, 2.0, 9.0, 2.0]] * 2}}))   # 4 heads: no GQA
     bench.main(["--T", "--decode-ctx", "--heads", str(run), "--heads-T", "16", "--repeats", "1", "--threads", "1"])
@@ -97,16 +98,16 @@ def test_bench_tables_larger_than_memory_are_refused_before_any_work(tmp_path, c
     import bench
     run = tmp_path / "run.json"
     run.write_text(json.dumps({"args": {"budget": 4, "dof": [[1.0, 2.0, 9.0, 2.0, 1.0, 3.0], [5.0] * 6]}}))
-    with pytest.raises(ModelError, match=r"^the per-head table at --B 100000000 and --heads-T 16 \(budget 4\) needs "
+    with pytest.raises(door.ModelError, match=r"^the per-head table at --B 100000000 and --heads-T 16 \(budget 4\) needs "
                                          r"about [\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; lower --B or "
                                          r"--heads-T$"):
         bench.main(["--T", "--decode-ctx", "--heads", str(run), "--heads-T", "16", "--B", "100000000",
                     "--threads", "1"])
-    with pytest.raises(ModelError, match=r"^the decoding table at --M 100000000, --decode-ctx 16 and --decode-batch 1 "
+    with pytest.raises(door.ModelError, match=r"^the decoding table at --M 100000000, --decode-ctx 16 and --decode-batch 1 "
                                          r"needs about [\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; lower --M, "
                                          r"--decode-ctx or --decode-batch$"):
         bench.main(["--T", "--decode-ctx", "16", "--M", "100000000", "--threads", "1"])
-    with pytest.raises(ModelError, match=r"--decode-batch 10000000 needs about"):
+    with pytest.raises(door.ModelError, match=r"--decode-batch 10000000 needs about"):
         bench.main(["--T", "--decode-ctx", "1024", "--decode-batch", "10000000", "--threads", "1"])
     assert capsys.readouterr().out == ""
 
@@ -116,28 +117,28 @@ def test_bench_measurement_that_fails_is_one_sentence(monkeypatch):
     import bench
     died = subprocess.CompletedProcess([], 1, "", "Traceback (most recent call last):\n  ...\nRuntimeError: out of mem")
     monkeypatch.setattr(bench.subprocess, "run", lambda *args, **kwargs: died)
-    with pytest.raises(ModelError, match=r"the sdpa measurement at T=64 failed \(RuntimeError: out of mem\); lower"):
-        bench.measure(bench.parse_config(bench.BenchConfig, []), "sdpa", 64, 16)
+    with pytest.raises(door.ModelError, match=r"the sdpa measurement at T=64 failed \(RuntimeError: out of mem\); lower"):
+        bench.measure(door.parse_config(bench.BenchConfig, []), "sdpa", 64, 16)
 
 
 def test_bench_refuses_more_threads_than_cpus():
     """--threads above the machine's CPUs is one sentence (libgomp had crashed creating them: a segfault)."""
     import bench
     n = os.cpu_count()
-    assert bench.parse_config(bench.BenchConfig, ["--threads", str(n)]).threads == n
-    with pytest.raises(ModelError, match=f"^--threads 100000 is more than the {n} CPUs of this machine; pass at most "
+    assert door.parse_config(bench.BenchConfig, ["--threads", str(n)]).threads == n
+    with pytest.raises(door.ModelError, match=f"^--threads 100000 is more than the {n} CPUs of this machine; pass at most "
                                          f"{n}$"):
-        bench.parse_config(bench.BenchConfig, ["--threads", "100000"])
+        door.parse_config(bench.BenchConfig, ["--threads", "100000"])
 
 
 def test_bench_refuses_step_tokens_beyond_the_gpt2_positions():
     """--step-tokens beyond GPT-2's 1024 learned positions is refused with the config, not after the step table's
     header has printed."""
     import bench
-    assert bench.parse_config(bench.BenchConfig, ["--step", "softmax", "--step-tokens", "1024"]).step_tokens == 1024
-    with pytest.raises(ModelError, match="^--step-tokens 5000 is more than the 1024 positions of the step table's "
+    assert door.parse_config(bench.BenchConfig, ["--step", "softmax", "--step-tokens", "1024"]).step_tokens == 1024
+    with pytest.raises(door.ModelError, match="^--step-tokens 5000 is more than the 1024 positions of the step table's "
                                          "GPT-2 shape; pass at most 1024$"):
-        bench.parse_config(bench.BenchConfig, ["--step", "softmax", "--step-tokens", "5000"])
+        door.parse_config(bench.BenchConfig, ["--step", "softmax", "--step-tokens", "5000"])
 
 
 class FakeClock:
@@ -167,7 +168,7 @@ def test_bench_worker_reports_the_median_the_peak_in_mib_and_the_flops_written_o
 
     def run(method, T, C, durations):
         monkeypatch.setattr(bench, "time", FakeClock(durations))
-        bench.worker(bench.parse_config(bench.BenchConfig, ["--worker", method, str(T), str(C), "--repeats", "3",
+        bench.worker(door.parse_config(bench.BenchConfig, ["--worker", method, str(T), str(C), "--repeats", "3",
                                         "--B", "1", "--H", "2", "--D", "8", "--M", "4", "--threads", "1"]))
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     r = run("linear", 100, 64, [1.0, 1.0, 10.0])
@@ -191,7 +192,7 @@ def test_bench_scan_table_and_its_verdicts_read_sdpa_over_linear(monkeypatch, ca
     res = {"sdpa": {"ms": 9.0, "peak_mib": 50.0, "flops": 9e6}, "linear": {"ms": 3.0, "peak_mib": 2.0, "flops": 6e6}}
     monkeypatch.setattr(bench, "measure", lambda cfg, method, T, chunk: dict(res[method]))
     monkeypatch.setattr(bench, "matmul_gflops", lambda device, n=4096: 100.0)
-    bench.scan_table(bench.parse_config(bench.BenchConfig, ["--T", "1024", "--chunks", "--decode-ctx", "--threads",
+    bench.scan_table(door.parse_config(bench.BenchConfig, ["--T", "1024", "--chunks", "--decode-ctx", "--threads",
                                                             "1"]), "cpu")
     row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| 1024 |")).split(" | ")
     assert (row[3], row[6], row[7], row[8]) == ("3.0x", "2.0", "2.0", "1.0"), row
@@ -288,7 +289,7 @@ def test_gpu_check_reads_the_logs_times_and_targets_it_reports(tmp_path, monkeyp
         def start(self):
             Path(self.log).write_text(log)
     monkeypatch.setattr(gpu_check, "start_forkserver", lambda preload: types.SimpleNamespace(Process=Proc))
-    cfg = gpu_check.parse_config(gpu_check.CheckConfig, ["--out", str(tmp_path / "c.json"), "--block-size", "64"])
+    cfg = door.parse_config(gpu_check.CheckConfig, ["--out", str(tmp_path / "c.json"), "--block-size", "64"])
     rec = gpu_check.distill_run(cfg, tmp_path, "gpt2", "softmax", 2, "cpu", 100.0)
     assert (rec["status"], rec["ms_per_step"], rec["ms_per_sample"], rec["peak_mib"]) == ("ok", 11.5, 92.0, 3.0), rec
     monkeypatch.setattr(gpu_check, "time", clock := FakeClock())
@@ -402,7 +403,7 @@ def test_heads_refuses_data_of_another_tokenizer_and_reports_one_draw_without_an
     (other / "meta.json").write_text(json.dumps({"tokenizer": {"model": "smollm2-135m", "n_vocab": 49152}}))
     flags = ["--model", str(ckpt), "--layers", "0", "--block-size", "64", "--J", "128", "--Ms", "2", "--budget", "2",
              "--steps", "1", "--seeds", "1", "--out", str(tmp_path / "out")]
-    with pytest.raises(ModelError, match=r"^.*other was tokenized with the tokenizer of smollm2-135m \(49152 tokens\)"):
+    with pytest.raises(door.ModelError, match=r"^.*other was tokenized with the tokenizer of smollm2-135m \(49152 tokens\)"):
         heads.main(flags + ["--data", str(other)])
     assert not (tmp_path / "out").exists()
     heads.main(flags + ["--data", str(data)])
@@ -415,7 +416,7 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, st
     """bench/bench_scorer.py: harness tokens (a window's worth for a truncated request) over the fast scorer's
     time against the plain forward rate; run as a script it finds the core from bench/; a bad option is one
     sentence and exit code 2."""
-    import common
+    import door
     bs = load_script("bench/bench_scorer.py")
     torch.manual_seed(0)
     rows = bs.bench(model, enc, {"arc_easy": E.load_task("arc_easy", EVAL, 4)}, batch_size=4)
@@ -432,10 +433,10 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, st
              "--device", "cpu"])                                       # the student too (had been an AttributeError)
     assert "student (" in capsys.readouterr().out
     shutil.copytree(EVAL, tasks := tmp_path / "eval")
-    with pytest.raises(ModelError, match=r"--output \S+piqa.jsonl would replace a file this run reads"):
+    with pytest.raises(door.ModelError, match=r"--output \S+piqa.jsonl would replace a file this run reads"):
         bs.main(["--model", str(ckpt), "--data-dir", str(tasks), "--output", str(tasks / "piqa.jsonl")])
     with pytest.raises(SystemExit) as e:
-        common.run_main(lambda: bs.main(["--model", str(ckpt), "--rounds", "0", "--device", "cpu"]))
+        door.run_main(lambda: bs.main(["--model", str(ckpt), "--rounds", "0", "--device", "cpu"]))
     assert e.value.code == 2 and capsys.readouterr().err == "error: --rounds must be a number of at least 1, got 0\n"
     with pytest.raises(SystemExit) as e:
         bs.main(["--help"])
@@ -505,7 +506,7 @@ def test_gpu_check_work_dir_of_another_shape_is_built_again(tmp_path, monkeypatc
     args = ["--out", str(tmp_path / "check.json"), "--block-size"]
     small, other, built = gpu_check.TINY_SHAPES, {"gpt2": dict(gpu_check.TINY_SHAPES["gpt2"], n_layer=3)}, []
     for shapes, block in ((small, 64), (small, 64), (other, 64), (other, 32)):
-        cfg = gpu_check.parse_config(gpu_check.CheckConfig, args + [str(block)])
+        cfg = door.parse_config(gpu_check.CheckConfig, args + [str(block)])
         (r,) = gpu_check.distill_section(cfg, shapes, tmp_path, "cpu", lambda: 100.0, [("gpt2", "softmax")])
         assert r == {"config": shapes["gpt2"], "tokens": 8 * block + 2}, r
         built.append((tmp_path / "gpt2-checkpoint" / "model.safetensors").stat().st_mtime_ns)
@@ -529,7 +530,7 @@ def test_gpu_check_forkserver_ignores_a_ctrl_c_while_it_starts(tmp_path):
             time.sleep(0.5)                                     # into its imports
             os.kill(forkserver._forkserver._forkserver_pid, signal.SIGINT)
         threading.Thread(target=interrupt, daemon=True).start()
-        cfg = gpu_check.parse_config(gpu_check.CheckConfig, ["--out", sys.argv[1] + "/check.json"])
+        cfg = door.parse_config(gpu_check.CheckConfig, ["--out", sys.argv[1] + "/check.json"])
         print(gpu_check.distill_run(cfg, Path(sys.argv[1]), "gpt2", "softmax", 1, "cpu", 60.0)["status"])"""
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, env=script_env())
@@ -555,7 +556,7 @@ def test_gpu_check_stopped_while_a_distillation_runs_kills_it(tmp_path, monkeypa
         raise KeyboardInterrupt("SIGTERM")
     monkeypatch.setattr(gpu_check, "start_forkserver", lambda preload: Fork())
     monkeypatch.setattr(gpu_check, "distill_child", lambda *args: time.sleep(60))
-    cfg = gpu_check.parse_config(gpu_check.CheckConfig, ["--out", str(tmp_path / "check.json")])
+    cfg = door.parse_config(gpu_check.CheckConfig, ["--out", str(tmp_path / "check.json")])
     old = signal.signal(signal.SIGALRM, stop)
     try:
         signal.setitimer(signal.ITIMER_REAL, 1.0)
@@ -591,22 +592,22 @@ def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core
     flags = ["--rule", "dof-raw", "--center-keys", "--budget", "8", "--decay-steps", "4"]
     A.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "2"))
     teacher = GPT.from_pretrained(ckpt)
-    calib = dof.calibration_batches(common.read_tokens(data / "train.bin"), 2, 4, 64, 0, "cpu")
+    calib = dof.calibration_batches(datafiles.read_tokens(data / "train.bin"), 2, 4, 64, 0, "cpu")
     want, raw = dof.choose_dims(teacher, calib, 8, "dof", J=256)                     # no key means: uncentred
     cfg = json.loads((tmp_path / "raw" / "config.json").read_text())
     assert cfg["dims"] == want and cfg["alloc"] == "dof-raw" and cfg["dof"] == pytest.approx(raw)
     assert cfg["fork"] is None and distill.DistillConfig is not A.AllocationConfig      # the core's student; no leak
-    with pytest.raises(ModelError, match=r"raw was started with --\S+ '?\w+'?, which this script lacks; resume it "
+    with pytest.raises(door.ModelError, match=r"raw was started with --\S+ '?\w+'?, which this script lacks; resume it "
                                          r"with the script that started it"):
         distill.main(distill_args(ckpt, data, tmp_path / "raw", "--center-keys", "--budget", "8", "--decay-steps",
                                   "4", "--max-steps", "4", "--resume"))                # distill.py lacks --rule
     assert want != dof.choose_dims(teacher, calib, 8, "dof", J=256, key_means=dof.key_means(teacher, calib))[0]
-    with pytest.raises(ModelError, match=r"raw was started with --rule 'dof-raw', not 'entropy'; resume it with"):
+    with pytest.raises(door.ModelError, match=r"raw was started with --rule 'dof-raw', not 'entropy'; resume it with"):
         A.main(distill_args(ckpt, data, tmp_path / "raw", *flags[2:], "--rule", "entropy", "--max-steps", "4",
                             "--resume"))
     A.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "4", "--resume"))
     assert json.loads((tmp_path / "raw" / "config.json").read_text())["step"] == 4
-    with pytest.raises(ModelError, match=r"--predict \S+meta.json would replace a file this run reads"):
+    with pytest.raises(door.ModelError, match=r"--predict \S+meta.json would replace a file this run reads"):
         A.main(distill_args(ckpt, data, tmp_path / "none", "--predict", data / "meta.json"))
     with pytest.raises(SystemExit) as e:                                               # stops before training
         A.main(distill_args(ckpt, data, tmp_path / "none", "--predict", tmp_path / "p.json"))
@@ -626,32 +627,32 @@ def test_allocation_curves_damaged_or_not_positive_are_one_sentence(tmp_path):
     """bench/allocation.py --rule measured reads the curve runs through the checked reader."""
     import allocation as A
     (tmp_path / "fix-m4-s0.json").write_text('{"args": {"budget": 4')
-    with pytest.raises(ModelError, match=r"fix-m4-s0.json is damaged or truncated"):
+    with pytest.raises(door.ModelError, match=r"fix-m4-s0.json is damaged or truncated"):
         A.load_curves(tmp_path)
     for m, kl in ((4, [0.0, 0.1]), (8, [0.1, 0.1])):
         (tmp_path / f"fix-m{m}-s0.json").write_text(json.dumps({"args": {"budget": m}, "val": [{"attn_kl": kl}]}))
-    with pytest.raises(ModelError, match=r"or a KL that is not a list of finite positive numbers"):   # log KL: no 0
+    with pytest.raises(door.ModelError, match=r"or a KL that is not a list of finite positive numbers"):   # log KL: no 0
         A.load_curves(tmp_path)
     for kl8, kl4 in ((0.5, 0.5), (0.5, [0.2, 0.1]), ([0.1, 0.1], [float("inf"), 0.1])):   # an IndexError; dims of inf
         for m, kl in ((8, kl8), (4, kl4)):
             (tmp_path / f"fix-m{m}-s0.json").write_text(json.dumps({"args": {"budget": m}, "val": [{"attn_kl": kl}]}))
-        with pytest.raises(ModelError, match=r"lacks its budget or held-out KL \(ValueError\)|or a KL that is not a "
+        with pytest.raises(door.ModelError, match=r"lacks its budget or held-out KL \(ValueError\)|or a KL that is not a "
                                              r"list of finite positive numbers"):
             A.load_curves(tmp_path)
     (tmp_path / "fix-m4-s0.json").write_text(json.dumps({"args": {"budget": 4}, "val": [{"attn_kl": [0.2, 0.1]}]}))
     assert A.load_curves(tmp_path)[0].tolist() == [4, 8]
     (tmp_path / "fix-m4-s1.json").write_text(json.dumps({"args": {"budget": 4}, "val": [{"attn_kl": [0.2, 0.1]}]}))
-    with pytest.raises(ModelError, match=r"fewer than two fix-m\*.json curve runs of distinct finite budgets"):   # 0 / 0
+    with pytest.raises(door.ModelError, match=r"fewer than two fix-m\*.json curve runs of distinct finite budgets"):   # 0 / 0
         A.load_curves(tmp_path)
     (tmp_path / "fix-m4-s1.json").write_text(json.dumps({"args": {"budget": float("inf")}, "val": [{"attn_kl": [
         0.1, 0.05]}]}))
-    with pytest.raises(ModelError, match=r"fewer than two fix-m\*.json curve runs of distinct finite budgets"):
+    with pytest.raises(door.ModelError, match=r"fewer than two fix-m\*.json curve runs of distinct finite budgets"):
         A.load_curves(tmp_path)                                                      # it had given dims of 208, 16 ...
     (tmp_path / "fix-m4-s1.json").unlink()
-    with pytest.raises(ModelError, match=r"^--curves \S+nowhere is not a folder; pass the --curves of docs/exp"):
+    with pytest.raises(door.ModelError, match=r"^--curves \S+nowhere is not a folder; pass the --curves of docs/exp"):
         A.load_curves(tmp_path / "nowhere")
     (tmp_path / "fix-m4-s0.json").write_text(json.dumps({"val": []}))
-    with pytest.raises(ModelError, match=r"lacks its budget or held-out KL \(KeyError\)"):
+    with pytest.raises(door.ModelError, match=r"lacks its budget or held-out KL \(KeyError\)"):
         A.load_curves(tmp_path)
 
 
@@ -668,8 +669,8 @@ def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untraine
     d, ckpt, data = setup
     teacher = GPT.from_pretrained(ckpt)
     L, H = teacher.config.n_layer, teacher.config.n_head
-    calib = dof.calibration_batches(common.read_tokens(data / "train.bin"), 2, 2, 64, 0, "cpu")
-    with common.replaced(A.REPLACE):
+    calib = dof.calibration_batches(datafiles.read_tokens(data / "train.bin"), 2, 2, 64, 0, "cpu")
+    with forks.replaced(A.REPLACE):
         cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"])
     assert type(cfg) is A.AllocationConfig and distill.DistillConfig is not A.AllocationConfig
     P = A.predictors(cfg, teacher, calib)
@@ -725,7 +726,7 @@ def test_heads_proportional_dims_are_one_pool_of_every_measured_head(setup, monk
     heads = load_script("bench/heads.py")
     N = iter([torch.tensor([1.0, 3.0, 0.5, 4.0], dtype=torch.float64), torch.full((4,), 0.5, dtype=torch.float64)])
     monkeypatch.setattr(dof, "degrees_of_freedom", lambda *a, **k: next(N))
-    cfg = common.parse_config(heads.HeadsConfig, [str(a) for a in ["--model", ckpt, "--data", data, "--layers", 0, 2,
+    cfg = door.parse_config(heads.HeadsConfig, [str(a) for a in ["--model", ckpt, "--data", data, "--layers", 0, 2,
                               "--block-size", 32, "--J", 64, "--Ms", 4, "--budget", 4, "--steps", 0, "--seeds", 1,
                               "--calib-seqs", 1, "--eval-seqs", 1, "--out", d / "heads-pool"]])
     res = heads.measure(cfg)

@@ -26,13 +26,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import ModelError
+import datafiles
+import devices
+import door
+import files
+import forks
 from model import GPT, LinearAttention
 from tokenizer import load_tokenizer
 import checkpoint
-import common
 import distill
-import inputs
 import resume
 import dof
 import evaluate as E
@@ -106,26 +108,26 @@ def test_command_bad_input(tmp_path):
              (["--device", "tpu"], "--device tpu is not a device of this machine"),
              (["--data", str(tmp_path / "missing")], f"{tmp_path / 'missing' / 'train.bin'} does not exist")]
     for extra, msg in cases:
-        with pytest.raises(ModelError) as e:
+        with pytest.raises(door.ModelError) as e:
             dof.main(common + extra)
         assert str(e.value).startswith(msg) and "\n" not in str(e.value), (extra, str(e.value))
     for name in ("encoder.json", "vocab.bpe"):
         shutil.copy(TOKENIZER / name, ckpt / name)
     (data / "meta.json").write_text(json.dumps({"tokenizer": {"model": "smollm2-135m", "n_vocab": 49152}}))
-    with pytest.raises(ModelError, match=r"was tokenized with the tokenizer of smollm2-135m \(49152 tokens\), not "):
+    with pytest.raises(door.ModelError, match=r"was tokenized with the tokenizer of smollm2-135m \(49152 tokens\), not "):
         dof.main(common)                                    # prepare.py's record of another tokenizer
     (data / "meta.json").unlink()
     (data / "train.bin").write_bytes(b"abc")
-    with pytest.raises(ModelError, match="odd number of bytes"):
+    with pytest.raises(door.ModelError, match="odd number of bytes"):
         dof.main(common)
     np.array([60000] * 200, dtype=np.uint16).tofile(data / "train.bin")
-    with pytest.raises(ModelError, match="token id 60000, but the model has 50257 embeddings"):
+    with pytest.raises(door.ModelError, match="token id 60000, but the model has 50257 embeddings"):
         dof.main(common)
     (data / "train.bin").write_bytes(b"")
-    with pytest.raises(ModelError, match="holds 0 tokens"):
+    with pytest.raises(door.ModelError, match="holds 0 tokens"):
         dof.main(common)
     np.arange(100, dtype=np.uint16).tofile(data / "train.bin")
-    with pytest.raises(ModelError, match="holds 100 tokens, fewer than the 129 needed"):   # windows of 128 + 1
+    with pytest.raises(door.ModelError, match="holds 100 tokens, fewer than the 129 needed"):   # windows of 128 + 1
         dof.main(common + ["--block-size", "128"])
     r = run_dof(*common, "--lam", "0")                      # the command: one sentence, exit code 2
     assert r.returncode == 2 and r.stderr == "error: --lam must be a number above 0, got 0.0\n"
@@ -163,7 +165,7 @@ def test_prepare_text_keeps_the_files_line_endings(setup, tmp_path):
     enc = load_tokenizer(ckpt)
     ids = np.concatenate([np.fromfile(tmp_path / "out" / f"{s}.bin", dtype=np.uint16) for s in ("train", "val")])
     assert ids.tolist() == enc.encode_ordinary(raw.decode()) + [enc.eot_token]
-    assert E.read_tokens(tmp_path / "crlf.txt", enc).tolist() == enc.encode_ordinary(raw.decode())
+    assert datafiles.read_tokens(tmp_path / "crlf.txt", enc).tolist() == enc.encode_ordinary(raw.decode())
     (tmp_path / "second.txt").write_text("Second file, one line. " * 30)     # two files: an end-of-text after each
     r = cli("data/text/prepare.py", "--model", ckpt, "--out", tmp_path / "two", "--val-fraction", "0.1",
             tmp_path / "crlf.txt", tmp_path / "second.txt")
@@ -171,9 +173,9 @@ def test_prepare_text_keeps_the_files_line_endings(setup, tmp_path):
     assert r.returncode == 0 and ids.tolist() == enc.encode_ordinary(raw.decode()) + [enc.eot_token] + \
         enc.encode_ordinary("Second file, one line. " * 30) + [enc.eot_token]
     (tmp_path / "latin.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
-    with pytest.raises(ModelError, match=r"latin.txt is neither a .bin token file nor UTF-8 text; convert it to UTF-8 "
+    with pytest.raises(door.ModelError, match=r"latin.txt is neither a .bin token file nor UTF-8 text; convert it to UTF-8 "
                                          r"\(iconv -t utf-8\) or pass a .bin of data/\*/prepare.py$"):
-        E.read_tokens(tmp_path / "latin.txt", enc)
+        datafiles.read_tokens(tmp_path / "latin.txt", enc)
 
 
 def test_prepare_refuses_a_second_writer_of_one_directory(setup, tmp_path):
@@ -184,8 +186,8 @@ def test_prepare_refuses_a_second_writer_of_one_directory(setup, tmp_path):
     (tmp_path / "out").mkdir()
     with open(tmp_path / "out" / "prepare.lock", "w") as lock:        # the first run, still writing
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(ModelError, match=r"another run is writing token files into .*out \(it holds .*lock\)"):
-            inputs.data_script("text").main(["--model", str(ckpt), "--out", str(tmp_path / "out"), str(TEXT)])
+        with pytest.raises(door.ModelError, match=r"another run is writing token files into .*out \(it holds .*lock\)"):
+            datafiles.data_script("text").main(["--model", str(ckpt), "--out", str(tmp_path / "out"), str(TEXT)])
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["prepare.lock"]
 
 
@@ -235,16 +237,16 @@ def test_prepare_text_holds_out_the_rounded_share_and_a_failed_rename_leaves_no_
     replace = os.replace
     monkeypatch.setattr(os, "replace", lambda a, b: replace(a, b) if Path(b).name != "train.bin" else
                         (_ for _ in ()).throw(OSError(28, "No space left on device")))
-    with pytest.raises(ModelError, match=r"writing the token files into .*out failed .*; make room or pass another"):
+    with pytest.raises(door.ModelError, match=r"writing the token files into .*out failed .*; make room or pass another"):
         prep.prepare(cfg, enc)
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
 def test_read_tokens_refuses_an_id_the_model_has_no_embedding_for(tmp_path):
     np.array([1, 50257, 3], np.uint16).tofile(tmp_path / "t.bin")
-    with pytest.raises(ModelError, match=r"t.bin holds token id 50257, but the model has 50257 embeddings; tokenize"):
-        common.read_tokens(tmp_path / "t.bin", vocab_size=50257)
-    assert common.read_tokens(tmp_path / "t.bin", vocab_size=50258).tolist() == [1, 50257, 3]
+    with pytest.raises(door.ModelError, match=r"t.bin holds token id 50257, but the model has 50257 embeddings; tokenize"):
+        datafiles.read_tokens(tmp_path / "t.bin", vocab_size=50257)
+    assert datafiles.read_tokens(tmp_path / "t.bin", vocab_size=50258).tolist() == [1, 50257, 3]
 
 
 @pytest.mark.parametrize("directory", [False, True])
@@ -252,7 +254,7 @@ def test_atomic_path_leaves_the_old_file_and_no_tmp_when_the_writer_fails(tmp_pa
     path = tmp_path / "out"
     path.mkdir() if directory else path.write_text("whole")
     with pytest.raises(KeyboardInterrupt):
-        with common.atomic_path(path, directory) as tmp:
+        with files.atomic_path(path, directory) as tmp:
             (tmp / "half" if directory else tmp).write_text("half")
             raise KeyboardInterrupt
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
@@ -324,7 +326,7 @@ def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: Broken())
     monkeypatch.setattr(wiki, "hub_reachable", lambda: True)
     monkeypatch.setattr(wiki, "stream_articles", stream_articles)
-    with pytest.raises(ModelError, match=r"the stream of .* broke \(ConnectionError: Read timed out\); run it again"):
+    with pytest.raises(door.ModelError, match=r"the stream of .* broke \(ConnectionError: Read timed out\); run it again"):
         wiki.main(args + ["--out", str(tmp_path / "all"), "--overwrite"])
     assert json.loads((tmp_path / "all" / "meta.json").read_text()) == meta       # the previous files as they were
     monkeypatch.setattr(wiki, "stream_articles", lambda name, config: (iter(paragraphs), len(paragraphs)))
@@ -375,8 +377,8 @@ def test_l2_loss_student_beats_untrained_on_held_out_attention(setup, tmp_path):
     # the last validation, recomputed plainly from the saved student: val.bin's two windows of generator seed + 1,
     # their mean next-token loss and, per layer, the mean KL(p_i || p^_i) over the queries of both
     student, teacher = M.load_student(out)[0], GPT.from_pretrained(ckpt)
-    gen, tokens = torch.Generator().manual_seed(1), common.read_tokens(data / "val.bin")
-    val = [common.get_batch(tokens, 4, 64, gen, "cpu") for _ in range(2)]
+    gen, tokens = torch.Generator().manual_seed(1), datafiles.read_tokens(data / "val.bin")
+    val = [datafiles.get_batch(tokens, 4, 64, gen, "cpu") for _ in range(2)]
     with torch.no_grad():
         loss = np.mean([F.cross_entropy(student(x).flatten(0, 1), y.flatten()).item() for x, y in val])
         kl = np.mean([[distill.softmax_loss(*(qk := c.inputs(q, k)), *c.features(*qk)).mean().item()
@@ -407,8 +409,8 @@ def test_resume_equals_uninterrupted_run(setup, tmp_path):
 def test_process_shares_interleave_to_the_one_process_batch():
     """Process r of N keeps windows r, r+N, ... of the N*B windows one process draws for batch size N*B."""
     data = np.arange(1000, dtype=np.uint16)
-    one = distill.get_batch(data, 6, 8, torch.Generator().manual_seed(3), "cpu")
-    shares = [distill.get_batch(data, 2, 8, torch.Generator().manual_seed(3), "cpu", (r, 3)) for r in range(3)]
+    one = datafiles.get_batch(data, 6, 8, torch.Generator().manual_seed(3), "cpu")
+    shares = [datafiles.get_batch(data, 2, 8, torch.Generator().manual_seed(3), "cpu", (r, 3)) for r in range(3)]
     for i in range(2):                                     # x, then y
         assert torch.equal(torch.stack([s[i] for s in shares], 1).flatten(0, 1), one[i])
 
@@ -474,7 +476,7 @@ def script_config(script):
                   distill.DistillConfig)
     if hasattr(mod, "REPLACE"):                                         # fla_scan.py's config is evaluate.py's
         command = ["evaluate"] if issubclass(config, E.EvalConfig) else []
-        mod.main = lambda argv: common.fork(mod.__file__, mod.REPLACE, command + argv)
+        mod.main = lambda argv: forks.fork(mod.__file__, mod.REPLACE, command + argv)
     return mod, config
 
 
@@ -507,7 +509,7 @@ def test_every_script_refuses_an_integer_beyond_64_bits(script, capsys):
 def test_a_path_the_system_refuses_is_one_sentence(setup, tmp_path):
     """A name longer than the file system allows, as --out-dir or as --data: one sentence naming it (it had been
     OSError's traceback from Path.exists); an OSError of no path stays a traceback, a fault to see whole."""
-    from common import run_main
+    import door
     d, ckpt, data = setup
     long = tmp_path / ("a" * 300)
     for flags in (["--out-dir", long], ["--data", long, "--out-dir", tmp_path / "out"]):
@@ -519,11 +521,11 @@ def test_a_path_the_system_refuses_is_one_sentence(setup, tmp_path):
     def fault():
         raise OSError(5, "Input/output error")
     with pytest.raises(OSError, match="Input/output error"):
-        run_main(fault)
+        door.run_main(fault)
 
 
 def run_bad(argv, match):
-    with pytest.raises(ModelError, match=match) as e:
+    with pytest.raises(door.ModelError, match=match) as e:
         distill.main([str(a) for a in argv])
     assert "\n" not in str(e.value)
     return e
@@ -545,10 +547,10 @@ def test_torchrun_variables_set_by_hand_are_refused_before_any_work(setup, tmp_p
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert common.launch() == (1, 2)
+    assert devices.launch() == (1, 2)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("WORLD_SIZE")
-    assert common.launch() == (0, 1)                                  # RANK=0 alone: one process, as before
+    assert devices.launch() == (0, 1)                                  # RANK=0 alone: one process, as before
 
 
 def test_bad_data_directories(setup, tmp_path, monkeypatch):
@@ -632,7 +634,7 @@ def test_resume_from_another_directory_checks_the_data_it_names(setup, tmp_path,
     distill.main(run + ["--max-steps", "1"])
     assert json.loads((tmp_path / "out" / "config.json").read_text())["data"]["dir"] == str(tmp_path / "a" / "tok")
     monkeypatch.chdir(tmp_path / "b")
-    with pytest.raises(ModelError, match=rf"was started with --data '{tmp_path / 'a' / 'tok'}', not '{tmp_path / 'b'}"):
+    with pytest.raises(door.ModelError, match=rf"was started with --data '{tmp_path / 'a' / 'tok'}', not '{tmp_path / 'b'}"):
         distill.main(run + ["--max-steps", "2", "--resume"])
     monkeypatch.chdir(tmp_path / "a")
     distill.main(run + ["--max-steps", "2", "--resume"])
@@ -640,7 +642,7 @@ def test_resume_from_another_directory_checks_the_data_it_names(setup, tmp_path,
     (tmp_path / "half.txt").write_text(TEXT.read_text(encoding="utf-8")[:60000], encoding="utf-8")
     assert cli("data/text/prepare.py", "--model", ckpt, "--out", tmp_path / "a" / "tok", tmp_path / "half.txt"
                ).returncode == 0
-    with pytest.raises(ModelError, match=r"tok now holds other token files than \S+out was trained on \({'train': "
+    with pytest.raises(door.ModelError, match=r"tok now holds other token files than \S+out was trained on \({'train': "
                                          r"\d+, 'val': \d+}, not {'train': \d+, 'val': \d+}\); resume it on the data"):
         distill.main(run + ["--max-steps", "3", "--resume"])
 
@@ -658,7 +660,7 @@ def test_nan_loss_stops_naming_the_layer(setup, tmp_path, monkeypatch):
                         r"was not updated; lower --lr-z/--lr-alpha or use --dtype float32", r.stderr.split("\n")[-2])
     assert r.stderr.endswith("\n") and r.stderr.count("error: ") == 1
     assert json.loads((out / "config.json").read_text())["step"] == 0          # the first checkpoint, whole
-    with pytest.raises(ModelError, match=r"^layer 1's softmax loss became inf at step 7; the checkpoint in x was"):
+    with pytest.raises(door.ModelError, match=r"^layer 1's softmax loss became inf at step 7; the checkpoint in x was"):
         distill.check_finite(distill.DistillConfig(out_dir="x"), 7, [0.5, math.inf, math.nan],
                              lambda l: f"layer {l}'s softmax loss")         # the first that is not finite
     real = distill.lm_loss
@@ -680,7 +682,7 @@ def test_features_that_underflow_score_a_large_kl_and_a_negative_one_stops_the_r
     kl = json.loads((out / "metrics.json").read_text())["val"][-1]["attn_kl"]
     assert min(kl) > 10, kl
     wrong = lambda q, *a, **k: -torch.ones(q.size(1), dtype=torch.float64)         # noqa: E731
-    with common.replaced({(distill, "softmax_loss_blockwise"): wrong}):
+    with forks.replaced({(distill, "softmax_loss_blockwise"): wrong}):
         run_bad(distill_args(ckpt, data, tmp_path / "neg", "--alloc", "fix", "--budget", "4", "--max-steps", "2"),
                 r"^layer 0's held-out attention KL became -[\d.]+ at step 0; the checkpoint in \S+neg was not "
                 r"updated; no loss here can be negative, so the code that computed it is wrong$")
@@ -717,7 +719,7 @@ def test_wikipedia_sample_streamed_into_a_data_directory_without_text(setup, tmp
     data/wikipedia/prepare.py (its stream replaced by local paragraphs), a --val-fraction share of them held out."""
     d, ckpt, _ = setup
     arts = paragraphs()
-    monkeypatch.setattr(inputs.data_script("wikipedia"), "stream_articles", lambda name, config: (iter(arts), None))
+    monkeypatch.setattr(datafiles.data_script("wikipedia"), "stream_articles", lambda name, config: (iter(arts), None))
     out = tmp_path / "wiki"
     distill.main([str(a) for a in ["--model", ckpt, "--data", out, "--wiki-tokens", 20000, "--val-fraction", 0.2,
                                    "--alloc", "fix", "--budget", "4", "--max-steps", "2", "--prompt", "",
@@ -1021,7 +1023,7 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
     ]
     for argv, match in cases:
         before = snapshot(tmp_path)
-        with pytest.raises(ModelError, match=match) as e:
+        with pytest.raises(door.ModelError, match=match) as e:
             distill.main(argv)
         assert "\n" not in str(e.value) and snapshot(tmp_path) == before, (argv, str(e.value))
     assert not x.exists()
@@ -1034,7 +1036,7 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         return read_text(p, *a, **k)
     monkeypatch.setattr(Path, "read_text", refused)
     before = snapshot(tmp_path)
-    with pytest.raises(ModelError, match=r"^\S+config.json is not readable \(permission denied\); give this user read "
+    with pytest.raises(door.ModelError, match=r"^\S+config.json is not readable \(permission denied\); give this user read "
                                          r"access to it, or "):                    # had been "damaged or truncated"
         distill.main(distill_args(ckpt, data, x, "--init-from", locked))
     assert snapshot(tmp_path) == before and not x.exists()
@@ -1192,8 +1194,8 @@ def test_init_from_a_checkpoint_holding_only_what_load_student_needs(setup, tmp_
 def test_one_run_per_out_dir_and_a_crashed_runs_lock_is_not_stuck(setup, tmp_path):
     d, ckpt, data = setup
     out = tmp_path / "run"
-    with common.claim_out_dir(out):                                  # another run holds it
-        with pytest.raises(ModelError, match=r"another run is writing .*run \(it holds .*run.lock\); wait for it"):
+    with files.claim_out_dir(out):                                  # another run holds it
+        with pytest.raises(door.ModelError, match=r"another run is writing .*run \(it holds .*run.lock\); wait for it"):
             distill.main(distill_args(ckpt, data, out, "--alloc", "fix", "--budget", "4", "--max-steps", "1"))
     (tmp_path / "run.lock").write_text("")                           # left by a crashed run: not locked
     distill.main(distill_args(ckpt, data, out, "--alloc", "fix", "--budget", "4", "--max-steps", "1"))
@@ -1204,14 +1206,14 @@ def test_a_lock_file_unlinked_while_it_was_being_taken_is_refused(tmp_path, monk
     """Run B opens <out>.lock, run A ends (unlinks it, frees it), B locks the unlinked file: B is refused, since a
     run C would create and lock a new <out>.lock and write beside it."""
     lock = tmp_path / "run.lock"
-    with common.exclusive(lock, "run", "--out-dir"):
+    with files.exclusive(lock, "run", "--out-dir"):
         stale = os.open(lock, os.O_WRONLY)                               # B has opened it; A still holds it
-    monkeypatch.setattr(common.os, "open", lambda *args: stale)         # B goes on with the file it opened
-    with pytest.raises(ModelError, match=r"another run is writing run \(it holds .*run.lock\)"):
-        with common.exclusive(lock, "run", "--out-dir"):
+    monkeypatch.setattr(files.os, "open", lambda *args: stale)         # B goes on with the file it opened
+    with pytest.raises(door.ModelError, match=r"another run is writing run \(it holds .*run.lock\)"):
+        with files.exclusive(lock, "run", "--out-dir"):
             pass
     monkeypatch.undo()
-    with common.exclusive(lock, "run", "--out-dir"):                      # C: a new file, locked
+    with files.exclusive(lock, "run", "--out-dir"):                      # C: a new file, locked
         assert lock.exists()
 
 
@@ -1222,7 +1224,7 @@ def test_out_dir_that_is_a_link_and_a_full_disk(setup, tmp_path, monkeypatch):
     d, ckpt, data = setup
     (here := tmp_path / "here").mkdir()
     monkeypatch.chdir(here)
-    with pytest.raises(ModelError, match=r"--out-dir '.' is the working directory or holds it, and every save"):
+    with pytest.raises(door.ModelError, match=r"--out-dir '.' is the working directory or holds it, and every save"):
         distill.main(distill_args(ckpt, data, ".", "--alloc", "fix", "--budget", "4", "--max-steps", "1"))
     (real := tmp_path / "real").mkdir()
     (link := tmp_path / "link").symlink_to(real)
@@ -1235,7 +1237,7 @@ def test_out_dir_that_is_a_link_and_a_full_disk(setup, tmp_path, monkeypatch):
     def full_disk(*args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
     monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(ModelError, match=r"saving into .*link failed \(\[enforce fail.*\); the checkpoint saved "
+    with pytest.raises(door.ModelError, match=r"saving into .*link failed \(\[enforce fail.*\); the checkpoint saved "
                                          r"before is whole: make room, then add --resume"):
         distill.main(run + ["--max-steps", "3", "--resume"])
     assert snapshot(real) == before and sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "real"]
@@ -1245,13 +1247,13 @@ def test_out_dir_that_is_a_link_and_a_full_disk(setup, tmp_path, monkeypatch):
         from safetensors import SafetensorError
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     monkeypatch.setattr(resume, "save_file", full_disk_safetensors)
-    with pytest.raises(ModelError, match=r"saving into .*fresh failed \(Error while serializing: I/O error: No space "
+    with pytest.raises(door.ModelError, match=r"saving into .*fresh failed \(Error while serializing: I/O error: No space "
                                          r"left on device \(os error 28\)\); make room, then run it again$"):
         distill.main(distill_args(ckpt, data, tmp_path / "fresh", "--alloc", "fix", "--budget", "4",
                                   "--max-steps", "1"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "link", "real"]
-    prepare = inputs.data_script("text")
-    with pytest.raises(ModelError, match=r"writing the token files into .*b failed \(\[Errno 28\] No space left"):
+    prepare = datafiles.data_script("text")
+    with pytest.raises(door.ModelError, match=r"writing the token files into .*b failed \(\[Errno 28\] No space left"):
         with prepare.token_files(tmp_path / "a" / "b", {}):
             raise OSError(28, "No space left on device")
     assert not (tmp_path / "a").exists()
@@ -1270,7 +1272,7 @@ def test_out_dir_a_mount_point_and_a_stale_tmp_that_is_a_link(setup, tmp_path, m
     (keep / "mine.txt").write_text("mine")
     (tmp_path / "run.tmp").symlink_to(keep)
     distill.main(distill_args(ckpt, data, tmp_path / "run", "--alloc", "fix", "--budget", "4", "--max-steps", "1"))
-    assert common.is_checkpoint(tmp_path / "run") and not (tmp_path / "run.tmp").exists()
+    assert files.is_checkpoint(tmp_path / "run") and not (tmp_path / "run.tmp").exists()
     assert [p.name for p in keep.iterdir()] == ["mine.txt"]
 
 
@@ -1296,23 +1298,23 @@ def test_output_through_a_link_replaces_its_target_and_a_pipe_is_refused(tmp_pat
     a pipe or device is no file to write whole, and is refused."""
     (target := tmp_path / "target.json").write_text("old")
     (link := tmp_path / "link.json").symlink_to(target)
-    common.check_out(link, file=True)
-    common.write_text_atomic(link, "new")
+    files.check_out(link, file=True)
+    files.write_text_atomic(link, "new")
     assert link.is_symlink() and target.read_text() == "new"
     os.mkfifo(tmp_path / "fifo")
-    with pytest.raises(ModelError, match=r"cannot write .*fifo: it is not a regular file"):
-        common.check_out(tmp_path / "fifo", file=True)
+    with pytest.raises(door.ModelError, match=r"cannot write .*fifo: it is not a regular file"):
+        files.check_out(tmp_path / "fifo", file=True)
     (tmp_path / "dangling.json").symlink_to(tmp_path / "no" / "such.json")          # its target's folder: none
-    with pytest.raises(ModelError, match=r"--out .*dangling.json is in .*no, which does not exist"):
-        common.check_out(tmp_path / "dangling.json", file=True)
-    common.write_text_atomic(target, json.dumps({"goal": "\ud800"}, ensure_ascii=False))   # a lone surrogate
+    with pytest.raises(door.ModelError, match=r"--out .*dangling.json is in .*no, which does not exist"):
+        files.check_out(tmp_path / "dangling.json", file=True)
+    files.write_text_atomic(target, json.dumps({"goal": "\ud800"}, ensure_ascii=False))   # a lone surrogate
     assert json.loads(target.read_text()) == {"goal": "\ud800"}
-    with pytest.raises(ModelError, match=r"cannot write .*dangling.json \(No such file or directory\); make room or"):
-        common.write_text_atomic(tmp_path / "dangling.json", "x")                 # after the check, not a traceback
+    with pytest.raises(door.ModelError, match=r"cannot write .*dangling.json \(No such file or directory\); make room or"):
+        files.write_text_atomic(tmp_path / "dangling.json", "x")                 # after the check, not a traceback
     (tmp_path / "locked").mkdir()
     os.mkfifo(tmp_path / "locked" / "prepare.lock")                               # had hung opening it
-    with pytest.raises(ModelError, match=r"cannot write .*locked/prepare.lock \(No such device or address\); pass "):
-        with common.exclusive(tmp_path / "locked" / "prepare.lock", "token files", "--out"):
+    with pytest.raises(door.ModelError, match=r"cannot write .*locked/prepare.lock \(No such device or address\); pass "):
+        with files.exclusive(tmp_path / "locked" / "prepare.lock", "token files", "--out"):
             pass
 
 
@@ -1320,12 +1322,12 @@ def test_a_run_stopped_before_its_first_checkpoint_names_none(tmp_path, capsys):
     """Ctrl-C before the first save: exit 130 and no claim of a checkpoint that is not there; a second signal while
     it stops is ignored (a second Ctrl-C had printed a traceback from threading's shutdown after the line)."""
     def main():
-        with common.claim_out_dir(tmp_path / "run"):
+        with files.claim_out_dir(tmp_path / "run"):
             raise KeyboardInterrupt
     handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit) as e:
-            common.run_main(main)
+            door.run_main(main)
         assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, handlers[0])
@@ -1342,7 +1344,7 @@ def test_ctrl_c_of_an_overwrite_run_names_only_a_checkpoint_it_saved(tmp_path, c
         os.utime(out / name, (1, 1))                                     # an earlier run's
 
     def main(save):
-        with common.claim_out_dir(out, overwrite=True):
+        with files.claim_out_dir(out, overwrite=True):
             if save:
                 (out / "config.json").write_text("{}")
             raise KeyboardInterrupt
@@ -1350,7 +1352,7 @@ def test_ctrl_c_of_an_overwrite_run_names_only_a_checkpoint_it_saved(tmp_path, c
     try:
         for save, where in ((False, ""), (True, f"; the last checkpoint in {out} is whole: add --resume to continue it")):
             with pytest.raises(SystemExit):
-                common.run_main(lambda: main(save))
+                door.run_main(lambda: main(save))
             assert capsys.readouterr().err == f"\nstopped by Ctrl-C{where}\n"
     finally:
         signal.signal(signal.SIGINT, handlers[0])
@@ -1432,7 +1434,7 @@ def test_resume_takes_dims_key_means_and_features_from_the_checkpoint(setup, tmp
 def test_pick_device_autocasts_to_bf16_on_the_cpu_only_when_asked():
     """--dtype auto: bf16 autocast on cuda alone; on the CPU a matmul stays fp32 unless --dtype bfloat16 asks."""
     for dtype, want in (("auto", torch.float32), ("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        device, amp = common.pick_device("cpu", dtype)
+        device, amp = devices.pick_device("cpu", dtype)
         with amp:
             assert device == "cpu" and (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == want, dtype
 
@@ -1440,7 +1442,7 @@ def test_pick_device_autocasts_to_bf16_on_the_cpu_only_when_asked():
 def test_get_batch_draws_every_window_the_tokens_hold():
     """Windows of T + 1 tokens start at 0 .. len - T - 1: with T + 3 tokens, all three starts are drawn."""
     data, gen = np.arange(11, dtype=np.uint16), torch.Generator().manual_seed(0)
-    starts = {int(x[0, 0]) for x, _ in (common.get_batch(data, 1, 8, gen, "cpu") for _ in range(200))}
+    starts = {int(x[0, 0]) for x, _ in (datafiles.get_batch(data, 1, 8, gen, "cpu") for _ in range(200))}
     assert starts == {0, 1, 2}
 
 
@@ -1541,12 +1543,12 @@ def test_seed_draws_the_training_windows_and_seed_plus_one_the_held_out_ones(set
     """--seed s: training windows from a generator seeded s, validation windows from s + 1 (and the calibration
     windows from s + 2, dof.calibration_batches), so that runs of other seeds train on other windows."""
     d, ckpt, data = setup
-    drawn, real = [], common.get_batch
-    monkeypatch.setattr(distill, "get_batch", lambda tokens, B, T, gen, *a: drawn.append(
+    drawn, real = [], datafiles.get_batch
+    monkeypatch.setattr(datafiles, "get_batch", lambda tokens, B, T, gen, *a: drawn.append(
         (len(tokens), gen.initial_seed())) or real(tokens, B, T, gen, *a))
     distill.main([str(a) for a in ["--model", ckpt, "--data", data, "--budget", 4, "--alloc", "fix", "--seed", 7,
                                    "--max-steps", 2, "--prompt", "", "--out-dir", tmp_path / "run", *FAST]])
-    n_train, n_val = (len(common.read_tokens(data / f"{s}.bin")) for s in ("train", "val"))
+    n_train, n_val = (len(datafiles.read_tokens(data / f"{s}.bin")) for s in ("train", "val"))
     assert drawn == [(n_val, 8), (n_train, 7), (n_train, 7)]
 
 

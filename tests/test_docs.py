@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import ModelError
+import door
 import distill
 
 from conftest import DATA, ROOT, WIKITEXT, load_script
@@ -66,7 +66,7 @@ def figures_run(tmp_path_factory):
 
 
 def test_figures_script_writes_valid_pngs_and_needs_matplotlib(figures_run, tmp_path, monkeypatch, capsys):
-    from common import run_main
+    import door
     figures, args = figures_run.figures, figures_run.args
     figures.main(args + ["--ckpt", str(figures_run.student), "--out", str(tmp_path / "figs")])
     names = ["fig-spectrum.png", "fig-kernel-error.png", "fig-attention.png", "fig-dof.png"]
@@ -86,26 +86,26 @@ def test_figures_script_writes_valid_pngs_and_needs_matplotlib(figures_run, tmp_
         path = tmp_path / "figs" / name
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plt.imread(path).ndim == 3
     assert "untrained student only" not in capsys.readouterr().out
-    with pytest.raises(ModelError, match=r"data/config.json does not exist; \S+ is not a whole distill.py checkpoint"):
+    with pytest.raises(door.ModelError, match=r"data/config.json does not exist; \S+ is not a whole distill.py checkpoint"):
         figures.main(args + ["--ckpt", str(figures_run.data), "--out", str(tmp_path / "bad")])
     for flag in ("--J", "--draws", "--budget", "--window"):
-        with pytest.raises(ModelError, match=f"^{flag} must be a number of at least 1, got 0$"):
+        with pytest.raises(door.ModelError, match=f"^{flag} must be a number of at least 1, got 0$"):
             figures.main(args + [flag, "0", "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()                              # refused before any figure
     (tmp_path / "file").write_text("")                                 # these had been tracebacks
-    with pytest.raises(ModelError, match=r"^--out \S+file is a file; pass a directory$"):
+    with pytest.raises(door.ModelError, match=r"^--out \S+file is a file; pass a directory$"):
         figures.main(args + ["--out", str(tmp_path / "file")])
     import matplotlib.figure
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
-    with pytest.raises(ModelError, match=r"^cannot write the figures into \S+full \(No space left on device\); make "):
+    with pytest.raises(door.ModelError, match=r"^cannot write the figures into \S+full \(No space left on device\); make "):
         figures.main(args + ["--out", str(tmp_path / "full")])
     assert not any((tmp_path / "full").iterdir()) and not (tmp_path / "bad").exists()
     monkeypatch.setitem(sys.modules, "matplotlib", None)                # import matplotlib -> ImportError
     with pytest.raises(SystemExit) as e:
-        run_main(lambda: figures.main(args + ["--out", str(tmp_path / "none")]))
+        door.run_main(lambda: figures.main(args + ["--out", str(tmp_path / "none")]))
     assert e.value.code == 2 and not (tmp_path / "none").exists()
     assert capsys.readouterr().err == "error: the figures need matplotlib, which is not installed; pip install matplotlib\n"
 
@@ -116,7 +116,7 @@ def test_figures_refuse_a_checkpoint_distilled_from_another_teacher(figures_run,
     twin = tmp_path / "twin"
     shutil.copytree(figures_run.ckpt, twin)
     args = [str(twin) if a == str(figures_run.ckpt) else a for a in figures_run.args]
-    with pytest.raises(ModelError, match=r"^checkpoint \S+student was distilled from teacher '\S+llama' but --model "
+    with pytest.raises(door.ModelError, match=r"^checkpoint \S+student was distilled from teacher '\S+llama' but --model "
                                          r"is '\S+twin'; pass --model \S+llama$"):
         figures_run.figures.main(args + ["--ckpt", str(figures_run.student), "--out", str(tmp_path / "figs")])
     assert not (tmp_path / "figs").exists()
@@ -138,7 +138,7 @@ def test_figures_text_of_token_files_is_checked_against_the_models_tokenizer(fig
     meta["tokenizer"]["n_vocab"] = 49152                              # SmolLM2's, say
     (tmp_path / "other" / "meta.json").write_text(json.dumps(meta))
     other = [str(tmp_path / "other" / "train.bin") if a.endswith("text.txt") else a for a in figures_run.args]
-    with pytest.raises(ModelError, match=r"^\S+train.bin was tokenized with the tokenizer of \S+ \(49152 tokens\), not "
+    with pytest.raises(door.ModelError, match=r"^\S+train.bin was tokenized with the tokenizer of \S+ \(49152 tokens\), not "
                                          r"\S+llama's \(50257\); pass a file made with this model's tokenizer"):
         figures.main(other + ["--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()
@@ -153,7 +153,7 @@ def test_figures_refuse_a_lambda_above_every_eigenvalue_and_replace_all_figures_
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     assert sorted(before) == sorted(figures.OUTPUTS)
     for flags in (["--lam", "1e300"], ["--lam", "1e300", "--lam-absolute"]):
-        with pytest.raises(ModelError, match=r"^--lam 1e\+300 leaves every head N = 0"):
+        with pytest.raises(door.ModelError, match=r"^--lam 1e\+300 leaves every head N = 0"):
             figures.main(figures_run.args + flags + ["--out", str(out)])
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
@@ -169,7 +169,7 @@ def test_figures_refuse_a_budget_beyond_memory_before_any_figure(figures_run, tm
     """--budget 2^40 without --ckpt: the untrained student of the attention maps would need 2^40 features per head;
     one sentence before any work (it had been an allocation error after two figures were drawn)."""
     out = tmp_path / "figs"
-    with pytest.raises(ModelError, match=r"^an untrained student of --budget 1099511627776 features needs about "
+    with pytest.raises(door.ModelError, match=r"^an untrained student of --budget 1099511627776 features needs about "
                                          r"[\d,.]+ GiB, more than the [\d.]+ GiB free on cpu; pass a smaller --budget$"):
         figures_run.figures.main(figures_run.args + ["--budget", str(2 ** 40), "--out", str(out)])
     assert not out.exists()
@@ -225,7 +225,7 @@ def test_report_refuses_a_damaged_result_file_in_one_sentence(tmp_path, damage, 
     shutil.copy(ROOT / "docs" / "results.md", doc)
     docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)   # the grid alone
     damage(tmp_path / "results" / "claim" / "b32-dof-s0.json")
-    with pytest.raises(ModelError, match=match):
+    with pytest.raises(door.ModelError, match=match):
         docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
     assert doc.read_text() == (ROOT / "docs" / "results.md").read_text()
 
@@ -255,13 +255,13 @@ def test_report_names_the_curve_runs_that_are_missing(tmp_path, grids):
     (tmp_path / "results" / "curves" / "fix-m32-s0.json").unlink()
     doc = tmp_path / "results.md"
     shutil.copy(ROOT / "docs" / "results.md", doc)
-    with pytest.raises(ModelError, match=r"^\S+/results/curves lacks the whole runs fix-m32-s0; run them with "
+    with pytest.raises(door.ModelError, match=r"^\S+/results/curves lacks the whole runs fix-m32-s0; run them with "
                                          r"`python docs/experiments.py --run curves`"):
         docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
     assert doc.read_text() == (ROOT / "docs" / "results.md").read_text()
     if len(grids) == 2:                        # a damaged curve run is the curves folder's, not the allocation one's
         (tmp_path / "results" / "curves" / "fix-m16-s0.json").write_text('{"group": "16/Fix", "val": []}')
-        with pytest.raises(ModelError, match=r"^\S+/results/curves holds a result file its script did not write"):
+        with pytest.raises(door.ModelError, match=r"^\S+/results/curves holds a result file its script did not write"):
             docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
 
 
@@ -322,7 +322,7 @@ def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, t
     X.report(docs=[doc], results=res, figures=tmp_path)
     assert doc.read_text() == first and (tmp_path / "curves-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     later = X.Run("tiny", "later", "4/Later", 0, runs[0].flags + ["--init-from", str(scratch / "tiny" / "gone")])
-    with pytest.raises(ModelError, match=r"^run tiny/later continues the checkpoint \S+gone, which is not here "):
+    with pytest.raises(door.ModelError, match=r"^run tiny/later continues the checkpoint \S+gone, which is not here "):
         X.run_grid([later], results=res, scratch=scratch)                # refused before any run, not in a log
     assert not (scratch / "tiny" / "later.log").exists()
 

@@ -15,13 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import ModelError
+import datafiles
+import devices
+import door
 from model import GPT
 from tokenizer import load_tokenizer
 import checkpoint
-import common
-import distill
-import inputs
 import evaluate as E
 import model as M
 
@@ -184,7 +183,7 @@ def test_harness_window():
     assert inp == [1, 2] and targets == [(1, 3)]
     inp, targets = E.harness_window([1], [2, 3, 4, 5, 6], 5)          # a continuation as long as the context
     assert inp == [1, 2, 3, 4, 5] and targets == [(0, 2), (1, 3), (2, 4), (3, 5), (4, 6)]
-    with pytest.raises(ModelError, match=r"^a request with an empty context cannot be scored as the harness"):
+    with pytest.raises(door.ModelError, match=r"^a request with an empty context cannot be scored as the harness"):
         E.check_requests([[([], [3, 4])]], 5)                     # its first target would be read at position -1
 
 
@@ -373,11 +372,11 @@ def test_ppl_max_tokens_are_the_first_tokens_of_the_whole_file(enc, tmp_path):
         (tmp_path / f"{i}.txt").write_text(text, encoding="utf-8")
         full = enc.encode_ordinary(text)
         for n in (10, 100, len(full) - 1):
-            assert E.read_tokens(tmp_path / f"{i}.txt", enc, n).tolist() == full[:n], (i, n)
+            assert datafiles.read_tokens(tmp_path / f"{i}.txt", enc, n).tolist() == full[:n], (i, n)
     text = "".join("#" * (40 + 7 * i % 50) + "\n" for i in range(60))          # cuts inside many-token words
     (tmp_path / "runs.txt").write_text(text, encoding="utf-8")
     full = enc.encode_ordinary(text)
-    assert all(E.read_tokens(tmp_path / "runs.txt", enc, n).tolist() == full[:n] for n in range(1, len(full)))
+    assert all(datafiles.read_tokens(tmp_path / "runs.txt", enc, n).tolist() == full[:n] for n in range(1, len(full)))
 
 
 def test_token_files_of_a_tokenizer_of_the_same_size_are_refused_by_the_probe(enc, tmp_path):
@@ -386,25 +385,25 @@ def test_token_files_of_a_tokenizer_of_the_same_size_are_refused_by_the_probe(en
     probe, data = "Hello world! 13 dogs.", tmp_path / "data"
     meta = {"tokenizer": {"model": "other", "n_vocab": enc.n_vocab, "probe": probe, "probe_ids": enc.encode_ordinary(
         probe)}}
-    assert common.check_tokenizer(data, enc, "gpt2") is None and data.mkdir() is None
-    with pytest.raises(ModelError, match=r"^\S+meta.json does not exist; prepare them again$"):
-        common.check_tokenizer(data, enc, "gpt2", "prepare them again", need=True)
+    assert datafiles.check_tokenizer(data, enc, "gpt2") is None and data.mkdir() is None
+    with pytest.raises(door.ModelError, match=r"^\S+meta.json does not exist; prepare them again$"):
+        datafiles.check_tokenizer(data, enc, "gpt2", "prepare them again", need=True)
     (data / "meta.json").write_text(json.dumps(meta))
-    assert common.check_tokenizer(data, enc, "gpt2") == common.check_tokenizer(data / "val.bin", enc, "gpt2") == meta
+    assert datafiles.check_tokenizer(data, enc, "gpt2") == datafiles.check_tokenizer(data / "val.bin", enc, "gpt2") == meta
     meta["tokenizer"]["probe_ids"] = meta["tokenizer"]["probe_ids"][::-1]
     (data / "meta.json").write_text(json.dumps(meta))
-    assert common.check_tokenizer(data / "text.txt", enc, "gpt2") is None
+    assert datafiles.check_tokenizer(data / "text.txt", enc, "gpt2") is None
     for path in (data, data / "val.bin"):
-        with pytest.raises(ModelError, match=r"^\S+ was tokenized with the tokenizer of other \(50257 tokens\), not "
+        with pytest.raises(door.ModelError, match=r"^\S+ was tokenized with the tokenizer of other \(50257 tokens\), not "
                                              r"gpt2's \(50257\); prepare them again$"):
-            common.check_tokenizer(path, enc, "gpt2", "prepare them again")
+            datafiles.check_tokenizer(path, enc, "gpt2", "prepare them again")
 
 
 def test_ppl_refuses_token_files_of_another_tokenizer(ckpt, enc, tmp_path, capsys):
     """A .bin whose meta.json (prepare.py's record) names another tokenizer is one sentence, as in distill.py; with
     this model's record it is scored."""
     np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
-    meta = {"tokenizer": inputs.data_script("text").tokenizer_meta(enc, ckpt)}
+    meta = {"tokenizer": datafiles.data_script("text").tokenizer_meta(enc, ckpt)}
     (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": {**meta["tokenizer"], "n_vocab": 49152}}))
     code, err = evaluate_exit(capsys, "--model", ckpt, "--ppl", tmp_path / "val.bin")
     assert code == 2 and f"val.bin was tokenized with the tokenizer of {ckpt} (49152 tokens), not {ckpt}'s" in err
@@ -417,8 +416,8 @@ def test_ppl_text_keeps_special_tokens(enc, tmp_path):
     """--ppl encodes a text file as the tasks' text is: a special token's text becomes the special token."""
     text = tmp_path / "t.txt"
     text.write_text("Hello<|endoftext|>world")
-    assert list(E.read_tokens(text, enc, special=True)) == [15496, 50256, 6894]
-    assert 50256 not in list(E.read_tokens(text, enc))
+    assert list(datafiles.read_tokens(text, enc, special=True)) == [15496, 50256, 6894]
+    assert 50256 not in list(datafiles.read_tokens(text, enc))
 
 
 def test_cli_student_next_to_teacher(ckpt, student, tmp_path, capsys):
@@ -441,7 +440,7 @@ def test_a_checkpoint_with_a_dim_short_is_refused(ckpt, student, tmp_path):
     """Dims for fewer layers than the teacher has: a sentence that says what to pass, not linearize's words."""
     shutil.copytree(student, bad := tmp_path / "short")
     edit_json(bad / "config.json", dims=[8])
-    with pytest.raises(ModelError, match=r"^the dims \(1, the first 8\) are not a number per layer of this 2-layer "
+    with pytest.raises(door.ModelError, match=r"^the dims \(1, the first 8\) are not a number per layer of this 2-layer "
                                          r"teacher; pass a checkpoint"):
         M.load_student(bad)
 
@@ -472,15 +471,14 @@ def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, student
 def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monkeypatch):
     """Three simulated ranks: each scores only its share (None elsewhere), the shares cover every request once,
     and put together they are the one-process scores exactly, for the fast scorer and for --plain."""
-    import common
     docs = tokenized(enc, E.load_task("piqa", EVAL, 4) + E.load_task("mmlu", EVAL, 4) +
                      E.load_task("winogrande", EVAL, 3))
     for plain in (False, True):
         one, shares = E.score_requests(model, docs, batch_size=2, plain=plain), []
-        monkeypatch.setattr(common, "all_gather", lambda share: shares.append(share) or [share, one])  # each share
+        monkeypatch.setattr(devices, "all_gather", lambda share: shares.append(share) or [share, one])  # each share
         for rank in range(3):
-            monkeypatch.setattr(common, "get_rank", lambda: rank)
-            monkeypatch.setattr(common, "get_world_size", lambda: 3)
+            monkeypatch.setattr(devices, "get_rank", lambda: rank)
+            monkeypatch.setattr(devices, "get_world_size", lambda: 3)
             E.score_requests(model, docs, batch_size=2, plain=plain)
         monkeypatch.undo()
         for d, doc in enumerate(docs):
@@ -492,7 +490,7 @@ def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monk
 
 @pytest.mark.parametrize("context", [None, 50, 2])                    # 2: the last window is one token
 def test_perplexity_equals_transformers(model, enc, hf_model, context):
-    tokens = E.read_tokens(str(WIKITEXT), enc, 300, special=True)
+    tokens = datafiles.read_tokens(str(WIKITEXT), enc, 300, special=True)
     r = E.perplexity(model, tokens, context)
     L, nll = context or N_POS, 0.0
     with torch.no_grad():
@@ -571,9 +569,9 @@ def test_a_moved_teacher_serves_its_student_and_another_model_at_its_path_is_ref
 def evaluate_exit(capsys, *args):
     """evaluate.py's command line in-process, ended as `python evaluate.py` ends it (common.run_main): the exit code
     and what it wrote on stderr."""
-    import common
+    import door
     with pytest.raises(SystemExit) as e:
-        common.run_main(lambda: evaluate_cli(*args))
+        door.run_main(lambda: evaluate_cli(*args))
     return e.value.code, capsys.readouterr().err
 
 
@@ -714,10 +712,10 @@ def test_tasks_from_an_unreachable_hub_come_from_the_cache_at_once(monkeypatch):
         asked.append(datasets.config.HF_HUB_OFFLINE)
         raise ConnectionError(f"Couldn't reach '{path}' on the Hub (OfflineModeIsEnabled)")
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    with pytest.raises(ModelError, match=r"^could not load piqa from the hub \(ConnectionError in datasets.load_"
+    with pytest.raises(door.ModelError, match=r"^could not load piqa from the hub \(ConnectionError in datasets.load_"
                                          r"dataset\('baber/piqa', None, 'validation'\)\); pass --data-dir DIR holding"):
         E.load_task("piqa")
-    with pytest.raises(ModelError, match=r"^could not load arc_easy from the hub"):
+    with pytest.raises(door.ModelError, match=r"^could not load arc_easy from the hub"):
         E.load_task("arc_easy")
     assert asked == [True, True] and probes == [1]                    # one connection test, not one per task
 
@@ -729,46 +727,46 @@ def test_bad_documents_name_their_file_and_line(tmp_path):
     doc = json.loads(lines[1])
     doc["label"] = 2
     (bad / "piqa.jsonl").write_text("\n".join([lines[0], json.dumps(doc)]) + "\n")
-    with pytest.raises(ModelError, match=r"piqa.jsonl line 2: malformed piqa document \(label 2 is not one of its "
+    with pytest.raises(door.ModelError, match=r"piqa.jsonl line 2: malformed piqa document \(label 2 is not one of its "
                                          r"choices \[0, 1\]\)"):
         E.load_task("piqa", bad)
     doc["label"] = True                                              # JSON true is not the label 1
     (bad / "piqa.jsonl").write_text(json.dumps(doc) + "\n")
-    with pytest.raises(ModelError, match=r"piqa.jsonl line 1: malformed piqa document \(label True is not one"):
+    with pytest.raises(door.ModelError, match=r"piqa.jsonl line 1: malformed piqa document \(label True is not one"):
         E.load_task("piqa", bad)
     doc = json.loads((EVAL / "winogrande.jsonl").read_text().splitlines()[0])
     doc["answer"] = "3"
     (bad / "winogrande.jsonl").write_text(json.dumps(doc) + "\n")
-    with pytest.raises(ModelError, match="winogrande.jsonl line 1: malformed winogrande document .answer '3' is not"):
+    with pytest.raises(door.ModelError, match="winogrande.jsonl line 1: malformed winogrande document .answer '3' is not"):
         E.load_task("winogrande", bad)
     doc = json.loads((EVAL / "mmlu.jsonl").read_text().splitlines()[0])
     del doc["subject"]
     (bad / "mmlu.jsonl").write_text("\n" + json.dumps(doc) + "\n")
-    with pytest.raises(ModelError, match="mmlu.jsonl line 2: document has no field 'subject'; see tests/data/eval"):
+    with pytest.raises(door.ModelError, match="mmlu.jsonl line 2: document has no field 'subject'; see tests/data/eval"):
         E.load_task("mmlu", bad)
     (bad / "logiqa.jsonl").write_text("{not json\n")
-    with pytest.raises(ModelError, match=r"logiqa.jsonl line 1 is not valid JSON \(Expecting property name"):
+    with pytest.raises(door.ModelError, match=r"logiqa.jsonl line 1 is not valid JSON \(Expecting property name"):
         E.load_task("logiqa", bad)
     (bad / "arc_easy.jsonl").write_bytes(b"\xff\xfe{}\n")
-    with pytest.raises(ModelError, match=r"arc_easy.jsonl line 1 is not valid JSON"):
+    with pytest.raises(door.ModelError, match=r"arc_easy.jsonl line 1 is not valid JSON"):
         E.load_task("arc_easy", bad)
     (bad / "piqa.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
-    with pytest.raises(ModelError, match=r"piqa.jsonl line 1 is not valid JSON \(maximum recursion depth"):
+    with pytest.raises(door.ModelError, match=r"piqa.jsonl line 1 is not valid JSON \(maximum recursion depth"):
         E.load_task("piqa", bad)                                      # nested past Python's stack
     (bad / "arc_challenge.jsonl").write_text("[1, 2]\n")
-    with pytest.raises(ModelError, match=r"arc_challenge.jsonl line 1: malformed arc_challenge document"):
+    with pytest.raises(door.ModelError, match=r"arc_challenge.jsonl line 1: malformed arc_challenge document"):
         E.load_task("arc_challenge", bad)
     (bad / "wsc273.jsonl").write_text("\n\n")
-    with pytest.raises(ModelError, match=r"wsc273.jsonl holds no documents"):
+    with pytest.raises(door.ModelError, match=r"wsc273.jsonl holds no documents"):
         E.load_task("wsc273", bad)
 
 
 def test_bad_input_in_library_raises_model_error():
-    with pytest.raises(ModelError, match="unknown task"):
+    with pytest.raises(door.ModelError, match="unknown task"):
         E.parse_tasks("piqa,nope")
-    with pytest.raises(ModelError, match="does not exist"):
+    with pytest.raises(door.ModelError, match="does not exist"):
         E.load_task("piqa", "/nonexistent-dir")
-    with pytest.raises(ModelError, match="a continuation of 0 tokens cannot be scored"):
+    with pytest.raises(door.ModelError, match="a continuation of 0 tokens cannot be scored"):
         E.check_requests([[([1, 2], [])]], N_POS)
 
 
@@ -777,7 +775,7 @@ def test_every_process_refuses_a_request_that_another_process_scores():
     every process (each checks every request before scoring): one that alone raised would stop without its sentence
     (only rank 0 prints)."""
     docs = [[([1, 2], [3] * (N_POS + 1))], [([1, 2], [3])]]                  # document 0 is rank 0's
-    with pytest.raises(ModelError, match=f"a continuation of {N_POS + 1} tokens cannot be scored"):
+    with pytest.raises(door.ModelError, match=f"a continuation of {N_POS + 1} tokens cannot be scored"):
         E.check_requests(docs, N_POS)
 
 
@@ -794,7 +792,7 @@ def test_cli_ppl_scores_each_model_with_the_context_and_special_tokens_given(ckp
     evaluate_cli("--model", ckpt, "--ckpt", student, "--ppl", text, "--ppl-context", 50, "--batch-size", 3,
                  "--output", out)
     r = json.loads(out.read_text())["ppl"]
-    tokens = E.read_tokens(text, enc, special=True)
+    tokens = datafiles.read_tokens(text, enc, special=True)
     assert 50256 in tokens.tolist()
     for name, m in (("teacher", GPT.from_pretrained(ckpt)), ("student", M.load_student(student)[0])):
         want = E.perplexity(m, tokens, 50, batch_size=3)
@@ -806,7 +804,7 @@ def test_cli_ppl_scores_each_model_with_the_context_and_special_tokens_given(ckp
 def test_perplexity_does_not_depend_on_the_batch_size(model, enc):
     """E.perplexity with 1, 2 or 3 windows per forward pass scores every window of the file, as 64 a pass does
     (300 tokens: windows of 128, 50 and 7 tokens, the last shorter)."""
-    tokens = E.read_tokens(str(WIKITEXT), enc, 300, special=True)
+    tokens = datafiles.read_tokens(str(WIKITEXT), enc, 300, special=True)
     for context in (None, 50, 7):
         want = E.perplexity(model, tokens, context, batch_size=64)
         for b in (1, 2, 3):

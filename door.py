@@ -1,0 +1,222 @@
+"""The door of every entry script, which a learner may skip: one-sentence errors (ModelError)
+and their exit codes, Ctrl-C and SIGTERM, and command lines from config dataclasses whose fields
+declare their constraints (opt), all checked by one validator before any work."""
+
+import argparse
+import inspect
+import math
+import signal
+import sys
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import get_args, get_origin, get_type_hints
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+import devices
+import files
+
+
+REQUIRED = MISSING     # opt(REQUIRED, help): a field the command line must give
+
+
+class ModelError(Exception):
+    """Bad input a user can fix: the message is one sentence saying what is wrong and what to do."""
+
+
+def run_main(main):
+    """Run main(): a ModelError, or an OSError of a path no check foresaw (a name too long), is one
+    line on stderr (rank 0's), exit 2; Ctrl-C or SIGTERM one line, exit 130/143."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+    # SIGTERM stops a run as Ctrl-C does, and Ctrl-C works even where a shell started us ignoring it
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        main()
+        # no process tears gloo down while another works
+        devices.barrier()
+    except (ModelError, OSError) as e:
+        # an OSError of no path is a fault to see whole
+        if isinstance(e, OSError) and not e.filename:
+            raise
+        sentence = str(e)
+        if isinstance(e, OSError):
+            sentence = f"{e.filename}: {e.strerror}; pass another path"
+        # a progress bar ends its line first: the error is last
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+        if devices.get_rank() == 0:
+            print(f"error: {sentence}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt as e:
+        _exit_stopped(str(e) or "Ctrl-C")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_stopped(by):
+    """One line for Ctrl-C or SIGTERM, naming a checkpoint this run can resume; exit 130 or 143."""
+    # a second signal while stopping changes nothing
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    where = ""
+    if files.CLAIMED:
+        out, since = files.CLAIMED[0]
+        # with --overwrite, only a checkpoint this run saved counts
+        if files.is_checkpoint(out) and (Path(out) / "config.json").stat().st_mtime >= since:
+            where = f"; the last checkpoint in {out} is whole: add --resume to continue it"
+    print(f"\nstopped by {by}{where}", file=sys.stderr)
+    sys.exit(143 if by == "SIGTERM" else 130)
+
+
+def opt(default, help, choices=None, empty_ok=False, min=None, above=None, max=None,
+        excludes=None, needs=None, context=False, absolute=False, check=None):
+    """A config field with its help text and its constraints, which validate enforces:
+    choices (a list, or a function returning the names allowed when the run starts), min <= value,
+    above < value, value <= max, excludes (a field that may not be set with this one), needs (a
+    field that must be set with this one), context (at most the model's context, once it is known),
+    absolute (a path made absolute; "existing": where it exists), check (cfg -> a sentence saying what is wrong, or None).
+    An empty value is refused unless the default is empty or empty_ok (it says what '' means)."""
+    metadata = {"help": help, "choices": choices, "empty_ok": empty_ok, "min": min,
+                "above": above, "max": max, "excludes": excludes, "needs": needs,
+                "context": context, "absolute": absolute, "check": check}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class Config:
+    """The base of every entry script's configuration: validate runs when one is made."""
+
+    def __post_init__(self):
+        validate(self)
+
+
+def flag(name):
+    """A field's command-line flag: block_size -> --block-size."""
+    return "--" + name.replace("_", "-")
+
+
+def validate(cfg, context=None):
+    """Every field's declared constraints (opt) -> a ModelError naming the first broken one; with
+    context (the model's, once it is loaded) the fields declared context=True too. Paths declared
+    absolute are made absolute (config.json records them so)."""
+    for f in fields(cfg):
+        v, rule = getattr(cfg, f.name), f.metadata
+        if not rule or v is None:
+            continue
+        if rule["context"] and context is not None and v > context:
+            raise ModelError(f"{flag(f.name)} {v} is more than the model's context of {context} "
+                             f"tokens; pass at most {flag(f.name)} {context}")
+        if context is not None:
+            continue
+        if why := broken(cfg, f.name, v, rule):
+            raise ModelError(why)
+        # "existing": a path where one exists (a model may be a hub id)
+        if rule["absolute"] and v and (rule["absolute"] is True or Path(v).exists()):
+            setattr(cfg, f.name, str(Path(v).resolve()))
+
+
+def broken(cfg, name, v, rule):
+    """What is wrong with field `name`'s value v under its declared rule, or None."""
+    choices = rule["choices"]
+    if callable(choices):
+        choices = list(choices())
+    if choices is not None and v not in choices:
+        return f"{flag(name)} must be one of {', '.join(map(str, choices))}, got {v!r}"
+    for bound, ok, words in ((rule["min"], lambda b: v >= b, "a number of at least"),
+                             (rule["above"], lambda b: v > b, "a number above"),
+                             (rule["max"], lambda b: v <= b, "at most")):
+        if bound is not None and not (math.isfinite(v) and ok(bound)):
+            return f"{flag(name)} must be {words} {bound}, got {v}"
+    other = rule["excludes"]
+    if other and v and getattr(cfg, other):
+        return f"{flag(name)} and {flag(other)} contradict each other; pass one of them"
+    other = rule["needs"]
+    if other and v and not getattr(cfg, other):
+        return f"{flag(name)} needs {flag(other)}; pass {flag(other)} too, or drop {flag(name)}"
+    return rule["check"] and rule["check"](cfg)
+
+
+def parse_config(cls, argv=None, description=None):
+    """A config dataclass from argv: a --flag per field (bool: a switch; list: 0 or more, a REQUIRED
+    one positional). An empty value for a flag that refuses one (see opt) is a ModelError."""
+    description = description or inspect.cleandoc(cls.__doc__ or "")
+    formatter = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=description, formatter_class=formatter)
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        _add_flag(p, f, hints[f.name])
+    args = vars(p.parse_args(argv))
+    for f in fields(cls):
+        _check_not_empty(f, args[f.name])
+    return cls(**args)
+
+
+def _add_flag(p, f, hint):
+    """The argparse argument of the config field f, of type hint."""
+    required = f.default is MISSING and f.default_factory is MISSING
+    default = f.default if f.default_factory is MISSING else f.default_factory()
+    if required:
+        default = None
+    text = f.metadata["help"]
+    if default is not None and hint is not bool:
+        text += f" (default: {default})"
+    # argparse %-formats help
+    text = text.replace("%", "%%")
+    # X | None: an X
+    if type(None) in get_args(hint):
+        hint = next(t for t in get_args(hint) if t is not type(None))
+    many = get_origin(hint) is list
+    typ = (get_args(hint) or [hint])[0]
+    name = flag(f.name)
+    if hint is bool:
+        p.add_argument(name, action="store_true", help=text)
+    elif required and many:
+        p.add_argument(f.name, type=typ, nargs="+", help=text)
+    else:
+        typ = int64 if typ is int else typ
+        nargs = "*" if many else None
+        choices = f.metadata["choices"]
+        p.add_argument(name, type=typ, nargs=nargs, default=default, required=required,
+                       choices=None if callable(choices) else choices, help=text)
+
+
+def _check_not_empty(f, value):
+    """A ModelError for "" given to the field f, unless its default is "" or it is empty_ok: an
+    empty path would name the working directory."""
+    if value != "" or f.default == "" or f.metadata["empty_ok"]:
+        return
+    name = flag(f.name)
+    if f.default is MISSING:
+        todo = "pass a value"
+    elif f.default is None:
+        todo = "pass a value, or drop the flag"
+    else:
+        todo = f"pass a value, or drop the flag to use its default, {f.default}"
+    raise ModelError(f"{name} is empty; {todo}")
+
+
+def int64(text):
+    """argparse's int, refused (as argparse refuses "x") beyond the 64 bits of torch's seeds."""
+    value = int(text)
+    if abs(value) >= 2 ** 63:
+        raise ValueError(text)
+    return value
+
+
+def check_positive(cfg, names, minimum=1, above=False):
+    """A ModelError naming the first of `names` below `minimum` (above: not above it), or not finite."""
+    for name in names:
+        v = getattr(cfg, name)
+        if v is None:
+            continue
+        within = v > minimum if above else v >= minimum
+        if math.isfinite(v) and within:
+            continue
+        bound = f"above {minimum}" if above else f"of at least {minimum}"
+        raise ModelError(f"--{name.replace('_', '-')} must be a number {bound}, got {v}")

@@ -1,0 +1,206 @@
+"""The project's files, which a learner may skip: written whole or not at all, read with one
+sentence for a damaged one, and the run directory (--out-dir) claimed under a lock."""
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+import devices
+import door
+
+
+# (the out-dir this process writes checkpoints to, since when a checkpoint there is this run's)
+CLAIMED = []
+
+
+@contextmanager
+def atomic_path(path, directory=False):
+    """Yield <path>.tmp (a directory if asked) to write: on success it replaces `path`, else it goes."""
+    # a link stays, and its target is replaced
+    path = Path(path).resolve()
+    tmp = path.with_name(path.name + ".tmp")
+    old = path.with_name(path.name + ".old")
+    remove(tmp)
+    try:
+        if directory:
+            tmp.mkdir(parents=True)
+        yield tmp
+    except BaseException:
+        remove(tmp)
+        raise
+    # a directory takes two renames: at each moment <path> or <path>.old is whole
+    swap = tmp.is_dir() and path.exists()
+    if swap:
+        remove(old)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if swap:
+        remove(old)
+
+
+def remove(path):
+    """Remove a file, a link or a folder with its content; nothing where there is none."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def write_text_atomic(path, text):
+    """text -> path, whole or not at all; a lone surrogate ("\\ud800") is written as that escape."""
+    try:
+        with atomic_path(path) as tmp:
+            tmp.write_text(text, encoding="utf-8", errors="backslashreplace")
+    except OSError as e:
+        # a full disk, a folder gone since check_out
+        raise door.ModelError(f"cannot write {path} ({e.strerror}); make room or pass another path") \
+            from None
+
+
+def check_out(out, names=(), flag="--out", file=False):
+    """A ModelError, before any work, unless `out` (a directory for `files`, or a file) is writable."""
+    # a link: where its target is written
+    p = Path(out).resolve()
+    base = p.parent if file else p
+    # the nearest folder that exists: the directory, or one above it; a file's parent must exist
+    folder = next(a for a in (base, *base.parents) if a.exists())
+    if folder.is_dir() and file and folder != base:
+        raise door.ModelError(f"{flag} {out} is in {base}, which does not exist; pass a file path")
+    if not folder.is_dir():
+        where = "a file" if folder == p else f"inside the file {folder}"
+        raise door.ModelError(f"{flag} {out} is {where}; pass a {'file path' if file else 'directory'}")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise door.ModelError(f"cannot write {flag} {out}: {folder} is not writable ({e.strerror}); "
+                         f"pass another {flag}") from None
+    if file:
+        targets = [p]
+    elif folder == p:
+        targets = [p / f for f in names]
+    else:
+        targets = []
+    for t in targets:
+        # a file is written whole by a rename: not into a folder or a fifo
+        if t.is_dir():
+            why = "is a directory"
+        elif t.exists() and not t.is_file():
+            why = "is not a regular file"
+        elif file and str(out).endswith("/"):
+            why = "ends in /, as a directory does"
+        else:
+            continue
+        raise door.ModelError(f"cannot write {out if file else t}: it {why}; pass another {flag}")
+
+
+def is_checkpoint(folder):
+    """Whether `folder` holds a distill.py checkpoint: its config.json and features.safetensors."""
+    folder = Path(folder)
+    return (folder / "config.json").is_file() and (folder / "features.safetensors").is_file()
+
+
+@contextmanager
+def claim_out_dir(out_dir, resume=False, overwrite=False):
+    """Check --out-dir before any work (with --resume, --overwrite); hold <out_dir>.lock for the run."""
+    out = Path(out_dir).resolve()
+    _check_out_dir(out_dir, out, resume, overwrite)
+    # under torchrun rank 0 writes, and holds the lock
+    if devices.launch()[0] != 0:
+        CLAIMED.clear()
+        yield
+        return
+    with exclusive(out.with_name(out.name + ".lock"), out_dir, "--out-dir"):
+        CLAIMED[:] = [(out_dir, time.time() if overwrite else 0.0)]
+        yield
+
+
+def _check_out_dir(out_dir, out, resume, overwrite):
+    """claim_out_dir's checks of --out-dir (resolved: out)."""
+    # "." and its parents: every save would rename the working directory
+    if out in (Path.cwd(), *Path.cwd().parents) or os.path.ismount(out):
+        what = "a mount point" if os.path.ismount(out) else "the working directory or holds it"
+        inside = Path(out_dir) / "out"
+        raise door.ModelError(f"--out-dir {str(out_dir)!r} is {what}, and every save replaces the "
+                         f"out-dir by renaming it; pass a folder inside it, e.g. --out-dir "
+                         f"{inside}")
+    check_out(out_dir, flag="--out-dir")
+    ckpt = is_checkpoint(out)
+    full = out.is_dir() and any(out.iterdir())
+    if full and not resume and overwrite and not ckpt:
+        raise door.ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not "
+                         "replace it; pass another --out-dir")
+    if full and not resume and not overwrite:
+        raise door.ModelError(f"{out_dir} already exists and is not empty; pass --resume to continue "
+                         "it, --overwrite to replace it, or another --out-dir")
+    if not out.exists() and (out.with_name(out.name + ".old") / "config.json").is_file():
+        raise door.ModelError(f"a save into {out_dir} was interrupted and the last checkpoint is in "
+                         f"{out.name}.old; rename it to {out.name} and pass --resume")
+    if resume and not ckpt:
+        files = ("config.json", "features.safetensors")
+        lacks = " and ".join(f for f in files if not (out / f).is_file())
+        todo = "pass --overwrite to start again, or another --out-dir" if full else "drop --resume"
+        raise door.ModelError(f"{out_dir} holds no checkpoint to resume (it lacks {lacks}); {todo}")
+
+
+@contextmanager
+def exclusive(lock, what, flag):
+    """Hold an flock on the file `lock` (freed even on a crash), or a ModelError naming `flag`."""
+    try:
+        Path(lock).parent.mkdir(parents=True, exist_ok=True)
+        # O_NONBLOCK: a fifo is ENXIO, not a hang
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK)
+    except OSError as e:
+        raise door.ModelError(f"cannot write {lock} ({e.strerror}); pass another {flag}") from None
+    with open(fd, "w"):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # opened as a finishing run unlinked it: that lock is no one's
+            if not os.path.samestat(os.fstat(fd), os.stat(lock)):
+                raise BlockingIOError
+        except (BlockingIOError, FileNotFoundError):
+            raise door.ModelError(f"another run is writing {what} (it holds {lock}); wait for it or "
+                             f"pass another {flag}") from None
+        try:
+            yield
+        finally:
+            Path(lock).unlink(missing_ok=True)
+
+
+def read_file(path, todo, reader):
+    """reader(path); a file missing, not a file, unreadable or damaged is one ModelError naming it,
+    the cause and `todo` (what to do)."""
+    if not Path(path).exists():
+        raise door.ModelError(f"{path} does not exist; {todo}")
+    if not Path(path).is_file():
+        raise door.ModelError(f"{path} is not a file; {todo}")
+    try:
+        return reader(str(path))
+    except PermissionError:
+        raise door.ModelError(f"{path} is not readable (permission denied); give this user read "
+                         f"access to it, or {todo}") from None
+    except Exception as e:
+        # every reader fails in its own way on a damaged file
+        why = f"{type(e).__name__}: {str(e)[:80]}"
+        raise door.ModelError(f"{path} is damaged or truncated ({why}); {todo}") from None
+
+
+def read_json(path, todo, kind=dict):
+    """A JSON file's content, which must be of type `kind` (a config: an object)."""
+    d = read_file(path, todo, lambda p: json.loads(Path(p).read_text(encoding="utf-8")))
+    if not isinstance(d, kind):
+        want = "object" if kind is dict else kind.__name__
+        raise door.ModelError(f"{path} holds a JSON {type(d).__name__}, not an {want}; {todo}")
+    return d
+
+
+def torch_load(path, todo):
+    """A torch.save file (the optimizer state), onto the CPU."""
+    return read_file(path, todo, lambda p: torch.load(p, map_location="cpu", weights_only=False))

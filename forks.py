@@ -1,0 +1,54 @@
+"""Forks, which a learner may skip. A fork is a script (experiments/*.py) that replaces names in
+the core's modules and runs a core command with them: REPLACE = {(model, "FEATURE_MAPS"): {...},
+(distill, "make_student"): f}. FORK names the running fork; distill.py records it in its
+checkpoints, and the readers refuse a fork's checkpoint in any other script."""
+
+import importlib
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+
+import door
+
+
+# Forks. A fork is a script (experiments/*.py) that replaces names in the core's modules and runs a
+# core command with them: REPLACE = {(model, "FEATURE_MAPS"): {...}, (distill, "make_student"): f}.
+# FORK names the running fork; distill.py records it in its checkpoints, and the readers refuse a
+# fork's checkpoint in any other script.
+FORK = None
+
+
+def fork(script, replace, argv=None):
+    """Run a core command as the fork `script` (its __file__) with the names in `replace` set:
+    distill.py's, or evaluate.py's or dof.py's when argv starts with `evaluate` or `dof`."""
+    name = os.path.relpath(Path(script).resolve(), Path(__file__).resolve().parent)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    command = "distill"
+    if argv[:1] in (["evaluate"], ["dof"]):
+        command = argv.pop(0)
+    main = importlib.import_module(command).main
+    with replaced({**replace, (sys.modules[__name__], "FORK"): name}):
+        door.run_main(lambda: main(argv))
+
+
+@contextmanager
+def replaced(replace):
+    """A fork's REPLACE set while inside, the core's names back after (for tests and instruments)."""
+    old = {key: getattr(*key) for key in replace}
+    for (module, name), value in replace.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for (module, name), value in old.items():
+            setattr(module, name, value)
+
+
+def check_fork(made_by, what):
+    """A checkpoint made by the fork `made_by` (its config.json's "fork") opens only in that fork."""
+    if made_by is None or made_by == FORK:
+        return
+    raise door.ModelError(f"{what} was made by the fork {made_by}; open it with that script, e.g. "
+                     f"`python {made_by} evaluate --ckpt {what}`, or `python {made_by} --resume`")
