@@ -1,16 +1,17 @@
 """
 Beyond the paper: a window of exact softmax beside the learned features (as LoLCATs, Liger and
-LoLA keep). Query i weighs its last W keys exactly and every earlier key through the features,
+LoLA keep), and S sink tokens (as StreamingLLM keeps). Query i weighs its last W keys and the
+first S tokens exactly (the exact set E_i) and every other earlier key through the features,
 under one normaliser:
 
-    y_i = (sum_{i-W<j<=i} e^(q_i.k_j / sqrt d) v_j + Phi(q_i) S_{i-W})
-          / (sum_{i-W<j<=i} e^(q_i.k_j / sqrt d) + Phi(q_i) s_{i-W}),
-    S_{i-W} = sum_{j<=i-W} Phi(k_j) v_j^T,   s_{i-W} = sum_{j<=i-W} Phi(k_j).
+    y_i = (sum_{j in E_i} e^(q_i.k_j / sqrt d) v_j + Phi(q_i) S_i)
+          / (sum_{j in E_i} e^(q_i.k_j / sqrt d) + Phi(q_i) s_i),
+    E_i = {j <= i: j > i - W or j < S},   S_i = sum_{S<=j<=i-W} Phi(k_j) v_j^T,   s_i likewise.
 
 E[Phi(q).Phi(k)] = e^(q.k / sqrt d) (positive random features), so the two parts are on one
-scale and need no mixing weight. W = 0 is the core's linear attention.
+scale and need no mixing weight. W = 0 (and S = 0) is the core's linear attention.
 
-    python experiments/window.py --window 64 --model smollm2-135m --data data/wikitext2 \
+    python experiments/window.py --window 64 --sinks 4 --model smollm2-135m --data data/wikitext2 \
         --preset cpu --out-dir out-window
     python experiments/window.py evaluate --model smollm2-135m --ckpt out-window \
         --ppl data/wikitext2/val.bin
@@ -59,12 +60,12 @@ def query_log_factor(feature_map, q):
     return math.log(feature_map.M) + model.KEY_SHIFT + half_x2 - a.amax(-1, keepdim=True)
 
 
-def window_masks(s, e, n_keys, W, device):
-    """Queries s..e-1 against keys 0..n_keys-1 -> (near, far) (e - s, n_keys): the window,
-    i - W < j <= i, and the keys before it, j <= i - W."""
+def window_masks(s, e, n_keys, W, device, S=0):
+    """Queries s..e-1 against keys 0..n_keys-1 -> (near, far) (e - s, n_keys): the exact keys,
+    j <= i in the window (i - W < j) or a sink (j < S), and the features' keys, S <= j <= i - W."""
     i = torch.arange(s, e, device=device)[:, None]
     j = torch.arange(n_keys, device=device)
-    return (j <= i) & (j > i - W), j <= i - W
+    return (j <= i) & ((j > i - W) | (j < S)), (j <= i - W) & (j >= S)
 
 
 def shifted(l):
@@ -85,13 +86,13 @@ def hybrid_weights(logits, log_f, phi_q, phi_k, near, far):
 
 # The hybrid three ways: the plain T x T form, the chunked form, the recurrent step
 
-def hybrid_reference(q, k, v, phi_q, phi_k, log_f, W):
+def hybrid_reference(q, k, v, phi_q, phi_k, log_f, W, S=0):
     """The plain form, a masked T x T matrix: y_i = sum_j a_ij v_j / sum_j a_ij (hybrid_weights).
     q, k, v (B, H, T, D) (keys centred), phi_q, phi_k (B, H, T, M), log_f (B, H, T, 1) -> y, in
     fp32 (fp64 stays fp64)."""
     dt = torch.promote_types(v.dtype, torch.float32)
     q, k, v, phi_q, phi_k, log_f = (x.to(dt) for x in (q, k, v, phi_q, phi_k, log_f))
-    near, far = window_masks(0, q.size(2), q.size(2), W, q.device)  # (T, T)
+    near, far = window_masks(0, q.size(2), q.size(2), W, q.device, S)  # (T, T)
     logits = q @ k.mT / math.sqrt(q.size(-1))
     a, _ = hybrid_weights(logits, log_f, phi_q, phi_k, near, far)  # (B, H, T, T)
     return (a @ v) / a.sum(-1, keepdim=True)
@@ -107,36 +108,47 @@ def delay(x, W):
     return F.pad(x, (0, 0, W, 0))[:, :, :x.size(2)]
 
 
-def hybrid_attention(q, k, v, phi_q, phi_k, log_f, W, chunk_size=64, eps=1e-30):
-    """The reference's y in O(T (C + W)) memory -> (y, the state after the last token). The
-    features' sums are the core's scan on keys and values delayed by W tokens (query i's state
-    then holds keys j <= i - W); the exact part runs a block of C queries at a time over their
-    last W keys. The state (B, H, M, D+1) sums phi(k_j) [v_j | 1] over the keys j <= T - 1 - W."""
+def hybrid_attention(q, k, v, phi_q, phi_k, log_f, W, chunk_size=64, eps=1e-30, S=0):
+    """The reference's y in O(T (C + W + S)) memory -> (y, the state after the last token). The
+    features' sums are the core's scan on keys and values delayed by W tokens, the sinks' features
+    zeroed (query i's state then holds keys S <= j <= i - W); the exact part runs a block of C
+    queries at a time over their last W keys and the sinks before them. The state (B, H, M, D+1)
+    sums phi(k_j) [v_j | 1] over the keys S <= j <= T - 1 - W."""
     B, H, T, D = v.shape
     dt = torch.promote_types(v.dtype, torch.float32)
     v1 = with_ones(v).to(dt)  # (B, H, T, D+1)
+    if S:
+        phi_k = torch.cat((torch.zeros_like(phi_k[:, :, :S]), phi_k[:, :, S:]), 2)
     sums, state = model.causal_linear_sums(phi_q, delay(phi_k, W), delay(v1, W), chunk_size)
     out = []
     for s in range(0, T, chunk_size):
         e = min(T, s + chunk_size)
         lo = max(0, s - W + 1)  # the block's first key in a window
-        logits = q[:, :, s:e].to(dt) @ k[:, :, lo:e].to(dt).mT / math.sqrt(D)  # (B, H, b, e - lo)
-        near, _ = window_masks(s - lo, e - lo, e - lo, W, q.device)
+        near = window_masks(s, e, e, W, q.device, S)[0]  # (b, e)
+        # the block's keys: the sinks before its first window, then keys lo..e-1
+        sink = min(S, lo)
+        kb, vb = k[:, :, lo:e], v1[:, :, lo:e]
+        if sink:
+            kb, vb = torch.cat((k[:, :, :sink], kb), 2), torch.cat((v1[:, :, :sink], vb), 2)
+        near = torch.cat((near[:, :sink], near[:, lo:]), 1)
+        logits = q[:, :, s:e].to(dt) @ kb.to(dt).mT / math.sqrt(D)  # (B, H, b, n)
         exact, c = shifted((logits + log_f[:, :, s:e]).masked_fill(~near, float("-inf")))
-        out.append(sums[:, :, s:e] * c + exact @ v1[:, :, lo:e])
+        out.append(sums[:, :, s:e] * c + exact @ vb)
     out = torch.cat(out, 2)  # (B, H, T, D+1)
     return out[..., :D] / out[..., D:].clamp_min(eps), state
 
 
 class WindowAttention(CoreLinearAttention):
-    """The core's LinearAttention with exact softmax on each query's last `window` keys (0: the
-    core's). Decoding keeps the state P (B, H, M, D+1) of the keys that left the window and a ring
-    buffer of the last W keys and values (B, Hkv, W, D): token n goes to slot n % W, and the key it
-    replaces, n - W, enters the state."""
+    """The core's LinearAttention with exact softmax on each query's last `window` keys and first
+    `sinks` tokens (0 and 0: the core's). Decoding keeps the state P (B, H, M, D+1) of the keys that
+    left the window, a ring buffer of the last W keys and values (B, Hkv, W, D) and the S sink keys
+    and values (B, Hkv, S, D): token n goes to slot n % W, and the key it replaces, n - W, enters
+    the state unless it is a sink."""
     window = 0
+    sinks = 0
 
     def forward(self, q, k, v, cache=None):
-        if self.window == 0:
+        if self.window == 0 and self.sinks == 0:
             return super().forward(q, k, v, cache)
         with torch.autocast(q.device.type, enabled=False):
             if cache is None:
@@ -154,7 +166,8 @@ class WindowAttention(CoreLinearAttention):
         phi_q, phi_k = self.features(q, kc)
         log_f = query_log_factor(self.feature_map, q)
         v = model.repeat_kv(v, self.n_head)
-        return hybrid_attention(q, kc, v, phi_q, phi_k, log_f, self.window, self.chunk_size)
+        return hybrid_attention(q, kc, v, phi_q, phi_k, log_f, self.window, self.chunk_size,
+                                S=self.sinks)
 
     def prefill(self, q, k, v, cache):
         """The first tokens: the chunked form, then the cache of its state and last W tokens."""
@@ -164,14 +177,15 @@ class WindowAttention(CoreLinearAttention):
         for name, x in (("k", k), ("v", v)):
             cache[name] = x.new_zeros(B, Hkv, self.window, D)
             cache[name][:, :, pos % self.window] = x[:, :, pos]
+        cache["sk"], cache["sv"] = k[:, :, :self.sinks], v[:, :, :self.sinks]
         cache["n"] = T
         return y
 
     def step(self, q, k, v, cache, eps=1e-30):
         """One token (B, H or Hkv, 1, D) of decoding, the recurrent form."""
-        n, W = cache["n"], self.window
+        n, W, S = cache["n"], self.window, self.sinks
         slot = n % W
-        if n >= W:
+        if n >= W + S:
             # key n - W leaves the window for the state
             k_out = self.inputs(q, cache["k"][:, :, slot:slot + 1])[1]  # (B, H, 1, D)
             phi_k = self.feature_map(k_out, is_query=False)  # (B, H, 1, M)
@@ -179,10 +193,16 @@ class WindowAttention(CoreLinearAttention):
             cache["P"] = cache["P"] + phi_k.mT @ with_ones(v_out).to(phi_k.dtype)  # (B, H, M, D+1)
         cache["k"][:, :, slot] = k[:, :, 0]
         cache["v"][:, :, slot] = v[:, :, 0]
+        if n < S:
+            cache["sk"] = torch.cat((cache["sk"], k), 2)
+            cache["sv"] = torch.cat((cache["sv"], v), 2)
         cache["n"] = n + 1
         kept = min(n + 1, W)  # slots 0..kept-1 hold the window
-        qf, kc = self.inputs(q, cache["k"][:, :, :kept])  # (B, H, 1 or kept, D)
-        v1 = with_ones(model.repeat_kv(cache["v"][:, :, :kept], self.n_head)).to(qf.dtype)
+        sinks = max(0, min(S, n + 1 - W))  # the sinks before the window
+        keys = torch.cat((cache["sk"][:, :, :sinks], cache["k"][:, :, :kept]), 2)
+        values = torch.cat((cache["sv"][:, :, :sinks], cache["v"][:, :, :kept]), 2)
+        qf, kc = self.inputs(q, keys)  # (B, H, 1 or sinks + kept, D)
+        v1 = with_ones(model.repeat_kv(values, self.n_head)).to(qf.dtype)
         l = qf @ kc.mT / math.sqrt(q.size(-1)) + query_log_factor(self.feature_map, qf)
         exact, c = shifted(l)  # (B, H, 1, kept), (B, H, 1, 1)
         phi_q = self.feature_map(qf, is_query=True)  # (B, H, 1, M)
@@ -190,20 +210,21 @@ class WindowAttention(CoreLinearAttention):
         return out[..., :-1] / out[..., -1:].clamp_min(eps)
 
 
-def set_window(student, W):
-    """The student with a window of W keys in every layer (0: the core's linear attention)."""
+def set_window(student, W, S=0):
+    """The student with a window of W keys and S sinks in every layer (0, 0: the core's linear
+    attention)."""
     for core in student.cores():
-        core.window = W
+        core.window, core.sinks = W, S
     return student
 
 
 # Training: the softmax loss on the hybrid's rows
 
-def softmax_loss(q, k, phi_q, phi_k, log_f, W):
+def softmax_loss(q, k, phi_q, phi_k, log_f, W, S=0):
     """KL(p_i || p^_i) of every query (B, H, T), the plain form: p the teacher's causal rows,
     p^_i(j) = a_ij / sum_j' a_ij' (hybrid_weights). q (B, H, T, D), k centred keys."""
     T = q.size(2)
-    near, far = window_masks(0, T, T, W, q.device)
+    near, far = window_masks(0, T, T, W, q.device, S)
     logits = q @ k.mT / math.sqrt(q.size(-1))
     logp = torch.log_softmax(logits.masked_fill(~(near | far), float("-inf")), -1)
     a, _ = hybrid_weights(logits, log_f, phi_q, phi_k, near, far)
@@ -213,7 +234,7 @@ def softmax_loss(q, k, phi_q, phi_k, log_f, W):
 
 
 @torch.no_grad()
-def softmax_loss_blockwise(q, k, pq, pk, log_f, W, block, grad_scale=None):
+def softmax_loss_blockwise(q, k, pq, pk, log_f, W, block, grad_scale=None, S=0):
     """softmax_loss summed over each head's rows, `block` at a time -> (H,) float64, as the core's
     distill.softmax_loss_blockwise (q over sqrt d). The window's a_ij are constants (the teacher's
     q, k); the features' are c_i pq_i.pk_j, c_i = e^(-m_i). So grad_scale adds
@@ -222,7 +243,7 @@ def softmax_loss_blockwise(q, k, pq, pk, log_f, W, block, grad_scale=None):
     total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
     for s, e, logits, _ in distill.causal_blocks(q, k, block):
         p = torch.log_softmax(logits, -1).exp_()  # teacher (B, H, b, e)
-        near, far = window_masks(s, e, e, W, q.device)
+        near, far = window_masks(s, e, e, W, q.device, S)
         a, c = hybrid_weights(logits, log_f[:, :, s:e], pq[:, :, s:e], pk[:, :, :e], near, far)
         kl, g = distill.row_kl(p, a, grad_scale is not None)
         total += kl.double()
@@ -236,7 +257,7 @@ def softmax_loss_blockwise(q, k, pq, pk, log_f, W, block, grad_scale=None):
 def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
     """distill.layer_losses with the hybrid's rows -> (L,) float64: each layer's mean softmax loss,
     with scale backpropagated into its features. The l2 loss, and W = 0, are the core's."""
-    if kind == "l2" or all(c.window == 0 for c in cores):
+    if kind == "l2" or all(c.window == 0 and c.sinks == 0 for c in cores):
         return core_layer_losses(cores, qk, kind, query_block, scale, stack)
     out = []
     grad = scale is not None
@@ -251,7 +272,7 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
             B, H, T, D = q.shape
             row_scale = scale / (B * H * T) if grad else None
             sums = softmax_loss_blockwise(q * D ** -0.5, kc, pq, pk, log_f, core.window,
-                                          query_block or 128, row_scale)  # (H,)
+                                          query_block or 128, row_scale, core.sinks)  # (H,)
             if grad:
                 torch.autograd.backward([fq, fk], [pq.grad, pk.grad])
         out.append(sums.sum() / (B * H * T))
@@ -261,36 +282,47 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
 # The student and the flag
 
 def make_student(cfg, teacher, calib, prev=None):
-    """The core's student (fresh, --init-from or --resume), with --window."""
+    """The core's student (fresh, --init-from or --resume), with --window and --sinks."""
     student, dims, layer_dof = core_make_student(cfg, teacher, calib, prev)
-    return set_window(student, cfg.window), dims, layer_dof
+    return set_window(student, cfg.window, cfg.sinks), dims, layer_dof
 
 
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
-    """The core's load_student, with the window its run was given (a core checkpoint's: 0)."""
+    """The core's load_student, with the window and sinks its run was given (a core checkpoint's:
+    0 and 0)."""
     student, cfg = core_load_student(ckpt_dir, device, dtype, teacher)
-    return set_window(student, cfg.get("args", {}).get("window", 0)), cfg
+    args = cfg.get("args", {})
+    return set_window(student, args.get("window", 0), args.get("sinks", 0)), cfg
+
+
+def band_fits(cfg):
+    """The exact keys leave some for the features to train on in a --block-size window."""
+    if cfg.window + cfg.sinks >= cfg.block_size:
+        held = f"--window {cfg.window} and --sinks {cfg.sinks} hold" if cfg.sinks else \
+            f"--window {cfg.window} holds"
+        return (f"{held} every key of a --block-size {cfg.block_size} window, so the features would "
+                f"never train; pass a --window below {cfg.block_size - cfg.sinks}")
+    if cfg.sinks and not cfg.window:
+        return "--sinks needs a window of at least one key; pass --window 1 or more"
+    if cfg.window and not issubclass(model.FEATURE_MAPS[cfg.feature_map], model.PRF):
+        return (f"--window needs features whose products estimate e^(q.k / sqrt d), as prf and "
+                f"performer do, not {cfg.feature_map}; pass --feature-map prf or --window 0")
+    return None
 
 
 @dataclass
 class WindowConfig(distill.DistillConfig):
-    """distill.py with a window of exact softmax beside the features."""
+    """distill.py with a window of exact softmax beside the features, and sinks."""
     window: int = door.opt(64, "exact softmax on each query's last W keys, the features on the keys "
-                      "before them (0: the core's linear attention)")
+                           "before them (0: the core's linear attention)", min=0)
+    sinks: int = door.opt(0, "exact softmax on the first S tokens too (StreamingLLM's sinks)", min=0,
+                          check=band_fits)
 
-    RESUMED = distill.DistillConfig.RESUMED + ("window",)
+    RESUMED = distill.DistillConfig.RESUMED + ("window", "sinks")
 
     def __post_init__(self):
         super().__post_init__()
-        door.check_positive(self, ("window",), 0)
-        if self.window >= self.block_size:
-            raise door.ModelError(f"--window {self.window} holds every key of a --block-size "
-                                 f"{self.block_size} window, so the features would never train; "
-                                 f"pass a --window below {self.block_size}")
-        if self.window and not issubclass(model.FEATURE_MAPS[self.feature_map], model.PRF):
-            raise door.ModelError(f"--window needs features whose products estimate "
-                                 f"e^(q.k / sqrt d), as prf and performer do, not "
-                                 f"{self.feature_map}; pass --feature-map prf or --window 0")
+        door.validate(self)
 
 
 REPLACE = {(model, "LinearAttention"): WindowAttention,

@@ -22,13 +22,13 @@ from test_experiments import forked, refusal
 CHUNK = 16
 
 
-def window_core(W, H=4, Hkv=2, D=16, M_=8, seed=0, dtype=torch.float64):
+def window_core(W, H=4, Hkv=2, D=16, M_=8, seed=0, dtype=torch.float64, S=0):
     torch.manual_seed(seed)
     core = window.WindowAttention(H, Hkv, D, M_, chunk_size=CHUNK).to(dtype)
     with torch.no_grad():
         core.feature_map.log_alpha.normal_(0, 0.3)
         core.key_mean.normal_(0, 0.2)
-    core.window = W
+    core.window, core.sinks = W, S
     return core
 
 
@@ -41,31 +41,32 @@ def parts(core, q, k):
 def reference(core, q, k, v):
     """The plain T x T form on the core's own inputs and features."""
     q, kc, phi_q, phi_k, log_f = parts(core, q, k)
-    return window.hybrid_reference(q, kc, M.repeat_kv(v, q.size(1)), phi_q, phi_k, log_f, core.window)
+    return window.hybrid_reference(q, kc, M.repeat_kv(v, q.size(1)), phi_q, phi_k, log_f, core.window, core.sinks)
 
 
-@pytest.mark.parametrize("W", [0, 1, 5, 40])
-def test_plain_form_is_the_equation_with_one_normaliser(W):
-    """With the true features Phi (their plain log formula) and e^(q.k / sqrt d) in the window, no factor and no shift:
-    y_i = (sum_window e^(q.k) v + sum_before Phi(q).Phi(k) v) / (the same without v), in fp64."""
-    core = window_core(W)
+@pytest.mark.parametrize("W,S", [(0, 0), (1, 0), (5, 0), (40, 0), (5, 3), (1, 1), (40, 4)])
+def test_plain_form_is_the_equation_with_one_normaliser(W, S):
+    """With the true features Phi (their plain log formula) and e^(q.k / sqrt d) on the window and the sinks, no factor
+    and no shift: y_i = (sum_exact e^(q.k) v + sum_between Phi(q).Phi(k) v) / (the same without v), in fp64."""
+    core = window_core(W, S=S)
     q, k, v = [x.double() for x in qkv(2, 4, 2, 33, 16, scale=0.7, seed=W)]
     q_, kc = core.inputs(q, k)
     lq, lk = core.feature_map.log_features(q_), core.feature_map.log_features(kc)
     features = torch.logsumexp(lq[..., :, None, :] + lk[..., None, :, :], -1).exp()   # Phi(q_i).Phi(k_j)
     exact = (q_ @ kc.mT / 4).exp()
     i, j = torch.arange(33)[:, None], torch.arange(33)
-    a = torch.where((j <= i) & (j > i - W), exact, 0.0) + torch.where(j <= i - W, features, 0.0)
+    exact_keys = (j <= i) & ((j > i - W) | (j < S))
+    a = torch.where(exact_keys, exact, 0.0) + torch.where((j <= i) & ~exact_keys, features, 0.0)
     want = a @ M.repeat_kv(v, 4) / a.sum(-1, keepdim=True)
     assert rel(reference(core, q, k, v), want) < 1e-12
 
 
 @pytest.mark.parametrize("T", [1, 37, 64])
-@pytest.mark.parametrize("W", [0, 1, CHUNK, 70])
-def test_chunked_form_equals_the_plain_form_forward_and_backward(W, T):
-    """W = 0, 1, the chunk size and more than T; T not a multiple of the chunk; the gradients of q, k, v, z and
-    alpha (the window's logits carry q's and k's)."""
-    core = window_core(W, seed=T)
+@pytest.mark.parametrize("W,S", [(0, 0), (1, 0), (CHUNK, 0), (70, 0), (1, 4), (CHUNK, 4), (5, 20), (3, 70)])
+def test_chunked_form_equals_the_plain_form_forward_and_backward(W, S, T):
+    """W = 0, 1, the chunk size and more than T; S sinks, more than a chunk and more than T; T not a multiple of the
+    chunk; the gradients of q, k, v, z and alpha (the exact logits carry q's and k's)."""
+    core = window_core(W, seed=T, S=S)
     q, k, v = [x.double().requires_grad_() for x in qkv(2, 4, 2, T, 16, seed=T)]
     g = torch.randn(2, 4, T, 16, dtype=torch.float64)
     y = core(q, k, v)
@@ -99,11 +100,12 @@ def test_a_window_wider_than_the_sequence_is_softmax_attention():
     assert rel(core(q, k, v), M.SoftmaxAttention()(q, k, v)) < 1e-5
 
 
-@pytest.mark.parametrize("W", [1, 5, CHUNK, 60])
-def test_decoding_token_by_token_equals_the_full_forward(W):
+@pytest.mark.parametrize("W,S", [(1, 0), (5, 0), (CHUNK, 0), (60, 0), (1, 4), (5, 4), (5, 15), (CHUNK, 2)])
+def test_decoding_token_by_token_equals_the_full_forward(W, S):
     """A prefill of 11 tokens, then one token at a time (the ring buffer: key n - W enters the state as token n
-    takes its slot), then 7 tokens at once from the cache (as the fast scorer continues a shared prefix)."""
-    core = window_core(W, seed=W)
+    takes its slot, unless it is a sink), then 7 tokens at once from the cache (as the fast scorer continues a shared
+    prefix); 15 sinks: more than the prefill, the rest kept as they come."""
+    core = window_core(W, seed=W, S=S)
     q, k, v = [x.double() for x in qkv(2, 4, 2, 50, 16, seed=W)]
     full = core(q, k, v)
     cache, ys = {}, []
@@ -111,23 +113,24 @@ def test_decoding_token_by_token_equals_the_full_forward(W):
         ys.append(core(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], cache))
     assert rel(torch.cat(ys, 2), full) < 1e-12
     assert cache["n"] == 50 and cache["k"].shape == (2, 2, W, 16)          # keys and values kept at Hkv heads
+    assert cache["sk"].shape == (2, 2, S, 16) and torch.equal(cache["sv"], v[:, :, :S])
 
 
-@pytest.mark.parametrize("W", [0, 1, 20, 40])
+@pytest.mark.parametrize("W,S", [(0, 0), (1, 0), (20, 0), (40, 0), (1, 4), (20, 4)])
 @pytest.mark.parametrize("block", [7, 128])
-def test_loss_blockwise_equals_its_plain_form_forward_and_backward(W, block):
+def test_loss_blockwise_equals_its_plain_form_forward_and_backward(W, S, block):
     """The KL of the hybrid's rows, blockwise with the gradient written out, against the plain T x T form under
     autograd; at W = 0, the core's softmax loss, bit for bit."""
-    core = window_core(W, seed=3)
+    core = window_core(W, seed=3, S=S)
     q, k, _ = [x.double() for x in qkv(2, 4, 2, 33, 16, scale=1.5, seed=3)]
     q, kc, fq, fk, log_f = parts(core, q, k)
     pq, pk = fq.detach().requires_grad_(), fk.detach().requires_grad_()
-    plain = window.softmax_loss(q, kc, pq, pk, log_f, W)                     # (B, H, T)
+    plain = window.softmax_loss(q, kc, pq, pk, log_f, W, S)                  # (B, H, T)
     plain.sum().backward()
     want = (pq.grad, pk.grad)
     pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
-    sums = window.softmax_loss_blockwise(q / 4, kc, pq, pk, log_f, W, block, 1.0)
-    assert plain.min() > -1e-12 and (W < 33) == (plain.max() > 1e-3)       # W > T: the teacher's rows exactly
+    sums = window.softmax_loss_blockwise(q / 4, kc, pq, pk, log_f, W, block, 1.0, S)
+    assert plain.min() > -1e-12 and (W + S < 33) == (plain.max() > 1e-3)   # W > T: the teacher's rows exactly
     for a, b in ((sums, plain.sum((0, 2))), (pq.grad, want[0]), (pk.grad, want[1])):
         assert (a - b).norm() < 1e-10 * max(b.norm(), 1e-3)
     if W == 0:
