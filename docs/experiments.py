@@ -190,9 +190,25 @@ def window_grid(seeds=(0, 1, 2)):
             for label, (name, flags) in WINDOW_RUNS.items() for s in seeds]
 
 
+# group label -> (name, flags): the window with StreamingLLM's sinks, and the students its table compares, most
+# wanted first (each keeps its checkpoint in out-experiments/sinks/ for the long-context and recall table)
+SINK_RUNS = {"DoF, W=64, S=4": ("dof-w64-s4", ["--window", "64", "--sinks", "4"]),
+             "DoF, W=64": ("dof-w64", ["--window", "64"]),
+             "DoF, W=0": ("dof-w0", ["--window", "0"]),
+             "DoF, W=16, S=4": ("dof-w16-s4", ["--window", "16", "--sinks", "4"]),
+             "DoF, W=16": ("dof-w16", ["--window", "16"])}
+
+
+def sinks_grid(seeds=(0, 1, 2)):
+    """The window with sinks against without, and the core student: --preset cpu's recipe, seed 0 of every
+    configuration first."""
+    return [Run("sinks", f"{name}-s{s}", f"32/{label}", s, WINDOW_PRESET + flags, name, "experiments/window.py")
+            for s in seeds for label, (name, flags) in SINK_RUNS.items()]
+
+
 GRIDS = {"claim": claim_grid, "recipe": recipe_grid, "heads": heads_grid, "curves": curves_grid,
          "allocation": allocation_grid, "converge": converge_grid, "preset": preset_grid,
-         "best": best_grid, "window": window_grid}
+         "best": best_grid, "window": window_grid, "sinks": sinks_grid}
 
 
 # ----------------------------------------------------------------------------------------------------------------
