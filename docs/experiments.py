@@ -192,10 +192,10 @@ def window_grid(seeds=(0, 1, 2)):
 
 # group label -> (name, flags): the window with StreamingLLM's sinks, and the students its table compares, most
 # wanted first (each keeps its checkpoint in out-experiments/sinks/ for the long-context and recall table)
-SINK_RUNS = {"DoF, W=64, S=4": ("dof-w64-s4", ["--window", "64", "--sinks", "4"]),
+SINK_RUNS = {"DoF, W=64, S=4": ("dof-w64-sink4", ["--window", "64", "--sinks", "4"]),
              "DoF, W=64": ("dof-w64", ["--window", "64"]),
              "DoF, W=0": ("dof-w0", ["--window", "0"]),
-             "DoF, W=16, S=4": ("dof-w16-s4", ["--window", "16", "--sinks", "4"]),
+             "DoF, W=16, S=4": ("dof-w16-sink4", ["--window", "16", "--sinks", "4"]),
              "DoF, W=16": ("dof-w16", ["--window", "16"])}
 
 
