@@ -1,0 +1,120 @@
+"""
+Long context and recall, for one model a run: its next-token loss on held-out text at several
+window lengths (evaluate.perplexity), its passkey retrieval (passkey.py) at several prompt lengths,
+and the bytes its decoding cache holds a sequence. A model is the teacher, the teacher's untrained
+window with sinks (experiments/streaming.py) or a student of distill.py or experiments/window.py:
+
+    python bench/long_context.py --model smollm2-135m --what teacher --out long/teacher.json
+    python bench/long_context.py --what window:64:4 ...          # W = 64 keys, S = 4 sinks
+    python bench/long_context.py --what out-experiments/sinks/dof-w64-sink4-s0 ...   # a checkpoint
+
+With --offsets, the loss on 256-token windows whose positions start at each offset instead (the
+teacher's attention is the same at any offset, rotary being relative; a student's features see
+rotated queries and keys it may never have been trained on).
+"""
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]
+import datafiles  # noqa: E402
+import door  # noqa: E402
+import evaluate  # noqa: E402
+import files  # noqa: E402
+import forks  # noqa: E402
+import model  # noqa: E402
+import passkey  # noqa: E402
+import streaming  # noqa: E402
+import tokenizer  # noqa: E402
+import window  # noqa: E402
+
+
+def ints(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+@dataclass
+class LongConfig(door.Config):
+    """Loss at several window lengths, passkey recall and cache bytes of one model."""
+    model: str = door.opt("smollm2-135m", "the teacher")
+    what: str = door.opt("teacher", "teacher, window:W:S (the untrained window) or a checkpoint")
+    data: str = door.opt("data/wikitext2/val.bin", "held-out token file")
+    tokens: int = door.opt(8192, "first tokens of --data scored", min=2)
+    contexts: str = door.opt("256,1024,2048", "window lengths of the loss")
+    passkey: str = door.opt("", "passkey prompt lengths ('': none)")
+    passkey_trials: int = door.opt(20, "passkey trials a length", min=1)
+    offsets: str = door.opt("", "position offsets of 256-token windows ('': none)")
+    seed: int = door.opt(0, "seed of the passkey trials")
+    batch_size: int = door.opt(1, "passkey prompts of one length decoded at once", min=1)
+    out: str = door.opt(door.REQUIRED, "the JSON to write")
+
+
+def load(cfg):
+    """-> (the model, its decoding cache bytes a sequence (None: the teacher's grows with the
+    context), what it is)."""
+    teacher = model.GPT.from_pretrained(cfg.model)
+    c = teacher.config
+    if cfg.what == "teacher":
+        return teacher, None, {"kind": "teacher"}
+    if cfg.what.startswith("window:"):
+        W, S = ints(cfg.what.split(":", 1)[1].replace(":", ","))
+        net = streaming.sink_window(teacher, W, S)
+        return net, streaming.cache_bytes(c, W, S), {"kind": "untrained", "window": W, "sinks": S}
+    with forks.replaced({**window.REPLACE, (forks, "FORK"): "experiments/window.py"}):
+        net, ckpt = window.load_student(cfg.what, teacher=teacher)
+    W, S = (ckpt.get("args", {}).get(k, 0) for k in ("window", "sinks"))
+    dims = ckpt["dims"]
+    state = sum(c.n_head * m * (c.head_dim + 1) * 4 for m in dims)          # S, s in fp32
+    info = {"kind": "student", "window": W, "sinks": S, "dims": dims, "seed": ckpt["seed"],
+            "run": Path(cfg.what).name, "step": ckpt["step"]}
+    return net, state + streaming.cache_bytes(c, W, S), info
+
+
+@torch.inference_mode()
+def offset_loss(net, tokens, offset, T=256):
+    """Mean next-token loss of windows of T tokens whose positions start at `offset`."""
+    total, n = 0.0, 0
+    for s in range(0, len(tokens) - T - 1, T):
+        x = torch.tensor(tokens[s:s + T + 1].astype(np.int64))[None]
+        cache = model.Cache(net.config.n_layer)
+        cache.pos = offset
+        logits = net.lm_head(net.hidden(x[:, :-1], cache)).float()
+        total += torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum").item()
+        n += T
+    return total / n
+
+
+def main(argv=None):
+    cfg = door.parse_config(LongConfig, argv)
+    torch.manual_seed(0)
+    net, nbytes, info = load(cfg)
+    enc = tokenizer.load_tokenizer(cfg.model)
+    tokens = datafiles.read_tokens(cfg.data)[:cfg.tokens]
+    out = {**info, "what": cfg.what, "cache_bytes": nbytes, "tokens": len(tokens), "loss": {}}
+    t0 = time.time()
+    for T in ints(cfg.contexts):
+        out["loss"][str(T)] = evaluate.perplexity(net, tokens, T)["loss"]
+        print(f"{cfg.what}: loss {out['loss'][str(T)]:.4f} at {T} tokens", flush=True)
+    if cfg.offsets:
+        out["offset_loss"] = {str(o): offset_loss(net, tokens, o) for o in ints(cfg.offsets)}
+        print(f"{cfg.what}: loss at position offsets {out['offset_loss']}", flush=True)
+    if cfg.passkey:
+        trials = passkey.make_trials(enc, ints(cfg.passkey), cfg, net.config.block_size)
+        out["passkey"] = passkey.run({cfg.what: net}, enc, trials, cfg, "cpu")[cfg.what]
+        for r in out["passkey"].values():
+            del r["trials"]
+    out["seconds"] = round(time.time() - t0, 1)
+    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+    files.write_text_atomic(cfg.out, json.dumps(out, indent=1) + "\n")
+    print(f"wrote {cfg.out}")
+
+
+if __name__ == "__main__":
+    door.run_main(main)
