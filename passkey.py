@@ -106,9 +106,9 @@ def first_number(text: str) -> str:
 
 @torch.inference_mode()
 def answers(model, enc, prompts: list, batch_size: int, device, desc=None) -> list[str]:
-    """The first number that greedy decoding writes after each prompt (a list of tokens), prompts
-    of one length NEW_TOKENS at a time in batches (no padding); under torchrun each process
-    decodes a share and all get every answer."""
+    """The first number in the NEW_TOKENS tokens that greedy decoding writes after each prompt (a
+    list of tokens), prompts batched only with prompts of their own length (no padding); under
+    torchrun each process decodes a share and all get every answer."""
     by_length = {}
     for i in devices.shard(list(range(len(prompts)))):
         by_length.setdefault(len(prompts[i]), []).append(i)
@@ -116,7 +116,7 @@ def answers(model, enc, prompts: list, batch_size: int, device, desc=None) -> li
                for s in range(0, len(group), batch_size)]
     decoded = {}
     for batch in tqdm(batches, desc=desc, disable=desc is None, unit="batch", leave=False):
-        x = torch.tensor([prompts[i] for i in batch], device=device)              # (B, T)
+        x = torch.tensor([prompts[i] for i in batch], device=device)          # (B, T)
         new = model.generate(x, NEW_TOKENS)[:, x.size(1):]                    # (B, NEW_TOKENS)
         for i, row in zip(batch, new.tolist()):
             decoded[i] = enc.decode(row)
