@@ -32,6 +32,7 @@ import datafiles
 import devices
 import door
 import files
+import passkey
 import tokenizer
 from fast_scorer import score_windows
 from model import GPT, load_student
@@ -72,6 +73,10 @@ class EvalConfig:
                                       "the hub's splits")
     finetune_limit: int | None = door.opt(None, "train on the first N documents of each training split")
     seed: int = door.opt(0, "seed of the order in which the training documents are drawn")
+    # recall: the passkey retrieval test (passkey.py)
+    passkey: str | None = door.opt(None, "comma-separated prompt lengths in tokens of the passkey "
+                                   "retrieval test, e.g. 256,512,1024,2048 (--seed draws keys)")
+    passkey_trials: int = door.opt(20, "passkey trials a length, depths spread evenly", min=1)
 
     def __post_init__(self):
         """The flags, checked before any work."""
@@ -823,7 +828,8 @@ def main(argv=None):
     model's next-token loss, tasks (zero-shot, then fine-tuned on each) and speed, printed and
     written to --output."""
     cfg = door.parse_config(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
-    names = [] if cfg.tasks is None and (cfg.ppl or cfg.speed) else parse_tasks(cfg.tasks)
+    lengths = passkey.check_flags(cfg)
+    names = [] if cfg.tasks is None and (cfg.ppl or cfg.speed or lengths) else parse_tasks(cfg.tasks)
     prompts = {name: load_task(name, cfg.data_dir, cfg.limit) for name in names}
     training = load_training(cfg, prompts)
     # the model is cast to --dtype: no autocast
@@ -831,6 +837,7 @@ def main(argv=None):
     models = load_models(cfg, device)
     enc, config = tokenizer.load_tokenizer(cfg.model), models["teacher"].config
     cfg.check(config)
+    trials = passkey.make_trials(enc, lengths, cfg, config.block_size)
     for ps in [*prompts.values(), *[ps for s in training.values() for ps in s.values()]]:
         check_requests(tokenize(enc, ps), config.block_size)
     tokens = read_ppl(cfg, enc, config.vocab_size) if cfg.ppl else None
@@ -851,6 +858,8 @@ def main(argv=None):
         for k, r in report["speed"].items():
             print(f"speed {k}: {r['tokens']} tokens: prefill {r['prefill_s']:.3f} s, "
                   f"decoding {r['generate_s']:.3f} s")
+    if trials:
+        report["passkey"] = passkey.run(models, enc, trials, cfg, device)
     if devices.is_main() and cfg.output:  # the other processes' shares are in rank 0's report
         everything = {**report, "config": asdict(cfg), "world_size": devices.get_world_size()}
         files.write_text_atomic(cfg.output, json.dumps(everything, indent=1, ensure_ascii=False))

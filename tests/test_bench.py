@@ -522,6 +522,7 @@ def test_gpu_check_forkserver_ignores_a_ctrl_c_while_it_starts(tmp_path):
         from multiprocessing import forkserver
         from pathlib import Path
         sys.path.insert(0, "bench")
+        import door
         import gpu_check
 
         def interrupt():
