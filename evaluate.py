@@ -61,14 +61,15 @@ class EvalConfig(door.Config):
                            check=lambda cfg: devices.pick_device(cfg.device, "float32") and None)
     dtype: str = door.opt("float32", "model dtype (log-softmax is float32)",
                           choices=["float32", "bfloat16", "float16"])
-    plain: bool = door.opt(False, "one full forward pass per request, the plain harness way (slow; "
-                                  "the same numbers in float32, within rounding in bf16)")
+    plain: bool = door.opt(False, "one full forward pass per request, the plain harness way "
+                                  "(slow; the same numbers in float32, within rounding in bf16)")
     # other measurements
     ppl: str | None = door.opt(None, "next-token loss and perplexity on a uint16 .bin or a text "
                                      "file", check=lambda cfg: tasks.check_ppl_file(cfg.ppl))
     ppl_context: int | None = door.opt(None, "window length for --ppl; default: the model's "
                                              "context", min=1, context=True)
-    ppl_max_tokens: int | None = door.opt(None, "score the first N tokens of the --ppl file", min=2)
+    ppl_max_tokens: int | None = door.opt(None, "score only the first N tokens of the --ppl "
+                                                "file", min=2)
     speed: bool = door.opt(False, "time prefill and token-by-token generation of one sequence")
     speed_tokens: int = door.opt(1000, "sequence length for --speed (at most the model's context)",
                                  min=2, context="speed")
@@ -81,8 +82,8 @@ class EvalConfig(door.Config):
                                     "paper's Table 8 for GPT-2 and Pythia, else 1e-5, ours)",
                                 needs="finetune_epochs", check=lambda cfg: tasks.check_lrs(cfg))
     finetune_batch_size: int | None = door.opt(None, "documents per step (default: the paper's "
-                                                     "Table 9 for GPT-2 and Pythia, else 32, ours)",
-                                               min=1, needs="finetune_epochs")
+                                                     "Table 9 for GPT-2 and Pythia, else 32, "
+                                                     "ours)", min=1, needs="finetune_epochs")
     train_dir: str | None = door.opt(None, "folder of <task>_train.jsonl and optionally "
                                            "<task>_validation.jsonl in --data-dir's schema; "
                                            "default: the hub's splits", needs="finetune_epochs",
@@ -319,14 +320,14 @@ def perplexity(lm, tokens: np.ndarray, context=None, device="cpu", batch_size=8)
 
 def ppl_of_models(cfg: EvalConfig, models: dict, enc, device) -> dict:
     """perplexity() of every model on the --ppl file's tokens, printed. A teacher whose perplexity
-    is not finite stops the run (a numerical guard: its logits are not)."""
+    is not finite stops the run (a numerical guard)."""
     tokens, report = tasks.read_ppl(cfg, enc, models["teacher"].config.vocab_size), {}
     for label, lm in models.items():
         r = perplexity(lm, tokens, cfg.ppl_context, device, cfg.batch_size)
         if label == "teacher" and not math.isfinite(r["ppl"]):
             raise door.ModelError(f"the teacher {cfg.model} has a perplexity of {r['ppl']} on "
-                                  f"--ppl {cfg.ppl} (mean loss {r['loss']}): its logits are not "
-                                  "finite; check its weights and config, or pass another --model")
+                                  f"--ppl {cfg.ppl} (mean loss {r['loss']}): its weights or "
+                                  "config are broken; check them, or pass another --model")
         print(f"ppl {label}: loss {r['loss']:.4f}, perplexity {r['ppl']:.3f} "
               f"({r['tokens']} tokens, T {r['context']})")
         report[label] = r
@@ -357,7 +358,7 @@ class FineTune:
     device: str
     splits: dict         # prompts: "train", "eval" (the scored split), maybe "validation"
     epochs: int
-    docs_per_step: int   # Table 9's batch size
+    docs_per_step: int   # Table 9's batch size (tasks.PAPER_FINETUNE)
 
 
 def request_tensors(docs, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

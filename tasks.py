@@ -1,8 +1,9 @@
 """The tasks' documents and evaluate.py's door, which a learner may skip: where each task's
 documents are (the hub's datasets as lm-eval 0.4 loads them, or .jsonl files), reading and checking
-them, the training splits of the fine-tuning protocol, and the checks of evaluate.py's flags and
-files. The prompt functions that make a document its requests are evaluate.py's: the functions
-here take them as a parameter."""
+them, each task's training splits and the paper's fine-tuning settings, the checks of evaluate.py's
+flags and files, and the tables it prints. The prompt functions that make a document its requests
+are evaluate.py's: the functions here take them as a parameter (evaluate imports tasks, not the
+reverse)."""
 
 import json
 import math
@@ -185,12 +186,11 @@ def load_training(cfg, prompts: dict, prompt_of: dict) -> dict:
             train = "train"
             has = (Path(cfg.train_dir) / f"{name}_validation.jsonl").is_file()
             validation = "validation" if has else None
-        prompt = prompt_of[name]
-        splits[name] = {"train": load_task(name, prompt, cfg.train_dir, cfg.finetune_limit, train),
+        prompt, folder = prompt_of[name], cfg.train_dir
+        splits[name] = {"train": load_task(name, prompt, folder, cfg.finetune_limit, train),
                         "eval": prompts[name]}
         if validation:
-            splits[name]["validation"] = load_task(name, prompt, cfg.train_dir, cfg.limit,
-                                                   validation)
+            splits[name]["validation"] = load_task(name, prompt, folder, cfg.limit, validation)
     return splits
 
 
@@ -209,7 +209,8 @@ def check_requests(tokenized, max_len: int):
         for context, continuation in doc:
             if not 0 < len(continuation) <= max_len:
                 raise door.ModelError(f"a continuation of {len(continuation)} tokens cannot be "
-                                      f"scored: it needs 1 to {max_len}, the model's context length")
+                                      f"scored: it needs 1 to {max_len}, the model's context "
+                                      "length")
             # the harness puts its prefix token there
             if not context:
                 raise door.ModelError("a request with an empty context cannot be scored as the "
@@ -247,7 +248,8 @@ def read_ppl(cfg, enc, vocab_size: int):
                               "tokenizer?")
     if meta is None and Path(cfg.ppl).suffix == ".bin" and devices.is_main():
         print(f"warning: {cfg.ppl} has no meta.json beside it: its tokens are read as ids of "
-              f"{cfg.model}'s tokenizer, unchecked (data/*/prepare.py writes one)", file=sys.stderr)
+              f"{cfg.model}'s tokenizer, unchecked (data/*/prepare.py writes one)",
+              file=sys.stderr)
     return tokens
 
 
