@@ -485,7 +485,8 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
     """experiments/direct_finetune.py --direct-steps 2 of --max-steps 5: steps 1-3 train the layerwise loss (one loss
     per layer logged), steps 4-5 the whole student's next-token loss (one loss), also in a run stopped at step 3 of
     its 5-step schedule and resumed (it had trained steps 2-3 direct as well); --resume keeps --direct-steps;
-    distill.py does not resume such a run (common.check_fork), nor the fork a plain run with a direct tail it lacks."""
+    distill.py does not resume such a run (forks.check_fork), nor the fork a plain run (it had named the --direct-steps
+    0 that the run never had)."""
     d, ckpt, data = setup
     run = distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "5",
                        "--log-interval", "1", "--warmup-steps", "0")
@@ -510,11 +511,13 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
         distill.main(distill_args(ckpt, data, tmp_path / "x", "--max-steps", "5", "--direct-steps", "9"))
     with pytest.raises(door.ModelError, match="was started with --direct-steps 2, not 1; resume it with the flags"), fork():
         distill.main(run + ["--direct-steps", "1", "--resume"])
-    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(tmp_path / "run", "direct_finetune")) + "$"):
+    sentence = refusal(tmp_path / "run", "direct_finetune")
+    with pytest.raises(door.ModelError, match="^" + re.escape(sentence) + "$"):
         distill.main(run + ["--resume"])                                    # the core would drop its direct tail
     plain = distill_args(ckpt, data, tmp_path / "plain", "--budget", "4", "--alloc", "fix", "--max-steps", "2")
     distill.main(plain)
-    with pytest.raises(door.ModelError, match="was started with --direct-steps 0, not 1; resume it with the flags"), fork():
+    with pytest.raises(door.ModelError, match=f"^{re.escape(str(tmp_path / 'plain'))} was written by distill.py, not "
+                                         "experiments/direct_finetune.py; resume it with distill.py, or pass "), fork():
         distill.main(plain + ["--max-steps", "4", "--direct-steps", "1", "--resume"])   # a tail it never had
 
 

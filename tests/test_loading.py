@@ -2,6 +2,7 @@
 tokenizers against the Hugging Face references, and GGUF files against transformers' GGUF loader."""
 
 from pathlib import Path
+import dataclasses
 import importlib.util
 import json
 import pickle
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import check_teacher, fingerprint, locate, read_gguf
+from checkpoint import check_features, check_settings, check_teacher, fingerprint, locate, read_gguf
 import door
 from tokenizer import load_tokenizer
 import model as M
@@ -246,6 +247,69 @@ def test_a_checkpoint_s_teacher_is_checked_by_fingerprint_where_it_has_one(teach
     else:
         with pytest.raises(door.ModelError, match=sentence):
             teacher_check(teachers, tmp_path, recorded, model)
+
+
+CHECKPOINT_TENSORS = [   # the dtype a features file's tensor is written in, the sentence (None: accepted)
+    (torch.float32, None),
+    (torch.float64, r"^h\.0\.attn\.core\.\S+ in S holds torch\.float64, not the student's torch\.float32: the "
+                    r"checkpoint was not written by distill\.py; pass one that was, or train it again$"),
+    (torch.int64, r"holds torch\.int64, not the student's torch\.float32"),
+    (torch.bool, r"holds torch\.bool, not the student's torch\.float32"),
+    (torch.bfloat16, r"holds torch\.bfloat16, not the student's torch\.float32"),
+]
+
+
+@pytest.mark.parametrize("dtype, sentence", CHECKPOINT_TENSORS, ids=[str(d) for d, _ in CHECKPOINT_TENSORS])
+def test_checkpoint_tensors_of_another_dtype_are_refused(dtype, sentence):
+    """check_features: a tensor of the features file that is not the student's own float32 is refused (integer or
+    bool ones had loaded, cast, and changed the loss; float64 ones had loaded as though written by distill.py)."""
+    from test_dof import small_pair
+    _, student = small_pair()
+    mine = M.feature_state(student)
+    k = next(iter(mine))
+    sd = dict(mine, **{k: mine[k].to(dtype)})
+    if sentence is None:
+        check_features(mine, sd, "S")
+    else:
+        with pytest.raises(door.ModelError, match=sentence):
+            check_features(mine, sd, "S")
+
+
+@dataclasses.dataclass
+class Settings:
+    """A config of each kind of field that check_settings checks."""
+    center_keys: bool = False
+    J: int = 2048
+    lam: float = 0.0625
+    alloc: str = "dof"
+    init_from: str | None = None
+    names: list[str] = dataclasses.field(default_factory=list)
+
+
+SETTINGS = [   # config.json's values, the sentence (None: accepted)
+    ({"center_keys": True, "J": 8, "lam": 1, "alloc": "fix", "init_from": None, "names": [1], "other": "x"}, None),
+    ({"init_from": "here"}, None),
+    ({"center_keys": "no"}, r'^C records center_keys as "no", not true or false: it was edited; put back the value '
+                            r"the run wrote$"),
+    ({"center_keys": 1}, r"records center_keys as 1, not true or false"),
+    ({"J": True}, r"records J as true, not a whole number"),
+    ({"J": 8.5}, r"records J as 8.5, not a whole number"),
+    ({"lam": "0.1"}, r'records lam as "0.1", not a number'),
+    ({"lam": False}, r"records lam as false, not a number"),
+    ({"alloc": ["fix"]}, r'records alloc as \["fix"\], not a string'),
+    ({"init_from": 3}, r"records init_from as 3, not a string or null"),
+]
+
+
+@pytest.mark.parametrize("values, sentence", SETTINGS, ids=[json.dumps(v) for v, _ in SETTINGS])
+def test_checkpoint_settings_of_another_type_are_refused(values, sentence):
+    """check_settings: config.json's settings of the types the config's fields declare (a float's may be a whole
+    number, as JSON writes 1.0 by hand); "center_keys": "no" had been copied into the next run as a true value."""
+    if sentence is None:
+        check_settings(values, Settings, "C")
+    else:
+        with pytest.raises(door.ModelError, match=sentence):
+            check_settings(values, Settings, "C")
 
 
 def test_llama_config_with_biases_is_refused():
