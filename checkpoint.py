@@ -142,10 +142,15 @@ def check_teacher(prev, model, where):
     was = prev["teacher"]
     recorded = prev.get("teacher_fingerprint")
     if recorded is not None and is_local(model):
-        if fingerprint(model) != recorded:
-            raise door.ModelError(f"{where} was distilled from the teacher {was}, and --model "
-                             f"{model} is another model (its config or weights differ); pass "
-                             f"--model {was} or a copy of it")
+        if fingerprint(model) == recorded:
+            return
+        if Path(str(was)).resolve() == Path(model).resolve():
+            raise door.ModelError(f"the teacher at {model} has changed since {where} was "
+                                  "distilled from it (its config or weights differ); put back the "
+                                  "model it was, or distil a student of this one")
+        raise door.ModelError(f"{where} was distilled from the teacher {was}, and --model "
+                              f"{model} is another model (its config or weights differ); pass "
+                              f"--model {was} or a copy of it")
     elif Path(str(was)).resolve() != Path(model).resolve():
         raise door.ModelError(f"{where} was distilled from teacher '{was}' but --model is '{model}'; "
                          f"pass --model {was}")
@@ -191,7 +196,7 @@ def read_student(ckpt_dir):
             "saved run")
     f = Path(ckpt_dir) / "config.json"
     cfg = files.read_json(f, todo, dict)
-    forks.check_fork(cfg.get("fork"), ckpt_dir)
+    forks.check_fork(cfg.get("fork"), ckpt_dir, cfg.get("teacher"))
     dims = cfg.get("dims")
     # a fork's per-head dims: one list per layer, all of one length
     per_head = (isinstance(dims, list) and all(map(positive_ints, dims))

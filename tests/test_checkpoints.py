@@ -188,7 +188,7 @@ def test_a_checkpoint_resumes_only_in_the_script_that_wrote_it(setup, tmp_path):
             distill.main(tiny_run(ckpt, data, core, "--window", "8", "--max-steps", "2", "--resume"))
         distill.main(tiny_run(ckpt, data, tmp_path / "new", "--window", "8", "--init-from", core, "--max-steps", "1"))
     assert json.loads((tmp_path / "new" / "config.json").read_text())["fork"] == "experiments/window.py"
-    with pytest.raises(door.ModelError, match=f"^{re.escape(refusal(win, 'window'))}$"):
+    with pytest.raises(door.ModelError, match=f"^{re.escape(refusal(win, 'window', ckpt))}$"):
         distill.main(tiny_run(ckpt, data, win, "--max-steps", "2", "--resume"))
     assert forks.FORK is None and step_of(core) == step_of(win) == 1
     cfg = json.loads((core / "config.json").read_text())

@@ -211,9 +211,11 @@ def test_fingerprint_is_what_a_teacher_is_not_where_it_lies(teachers, tmp_path, 
 def teacher_check(teachers, tmp_path, recorded, model):
     """check_teacher of a checkpoint of teachers/gpt2 as config.json records it (`recorded`: the teacher's path
     "old", with or without its fingerprint, or a hub id) against --model `model` ("old", "moved", "other" or a hub
-    id): "old" and "moved" are copies of the teacher, "other" is it with one value changed."""
+    id): "moved" is a copy of the teacher, "other" and "old" (as --model) are it with one value changed."""
     shutil.copytree(teachers / "gpt2", tmp_path / "moved")
     nudge(shutil.copytree(teachers / "gpt2", tmp_path / "other") / "model.safetensors")
+    if model == "old":                                                 # the teacher changed where it lies
+        nudge(shutil.copytree(teachers / "gpt2", tmp_path / "old", dirs_exist_ok=True) / "model.safetensors")
     prev = {"teacher": str(tmp_path / "old")}
     if recorded == "fingerprint":
         prev["teacher_fingerprint"] = fingerprint(teachers / "gpt2")
@@ -226,6 +228,8 @@ TEACHER_CHECKS = [   # config.json's teacher, --model, the sentence (None: accep
     ("fingerprint", "moved", None),
     ("fingerprint", "other", r"^checkpoint S was distilled from the teacher \S+old, and --model \S+other is another "
                              r"model \(its config or weights differ\); pass --model \S+old or a copy of it$"),
+    ("fingerprint", "old", r"^the teacher at \S+old has changed since checkpoint S was distilled from it \(its "
+                           r"config or weights differ\); put back the model it was, or distil a student of this one$"),
     ("path", "moved", r"^checkpoint S was distilled from teacher '\S+old' but --model is '\S+moved'; pass --model "
                       r"\S+old$"),                                     # an older checkpoint: by path, as before
     ("path", "other", r"^checkpoint S was distilled from teacher '\S+old' but --model is '\S+other'"),
@@ -647,10 +651,12 @@ def test_missing_path():
         load_tokenizer("/no/such/dir")
 
 
-def test_folder_without_tokenizer_files(tmp_path):
+def test_a_teacher_folder_without_tokenizer_files_is_refused_saying_what_to_copy_there(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(door.ModelError, match=r"holds no tokenizer\.json, vocab\.json \+ merges\.txt or "
-                                         r"encoder\.json \+ vocab\.bpe"):
+    with pytest.raises(door.ModelError, match=r"^\S+ holds no tokenizer\.json, vocab\.json \+ merges\.txt or "
+                                         r"encoder\.json \+ vocab\.bpe, nor is a file; copy the tokenizer files of "
+                                         r"the model's hub checkpoint \(tokenizer\.json, or vocab\.json and "
+                                         r"merges\.txt\) beside its config\.json$"):
         load_tokenizer(tmp_path)
 
 
