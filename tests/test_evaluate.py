@@ -615,8 +615,9 @@ def test_a_moved_teacher_serves_its_student_and_another_model_at_its_path_is_ref
     monkeypatch.setattr(M.GPT, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
     before, _ = snapshot(tmp_path), capsys.readouterr()
     code, err = evaluate_exit(capsys, "--model", old, "--ckpt", s, *flags, "--output", tmp_path / "other.json")
-    assert code == 2 and err == (f"error: checkpoint {s} was distilled from the teacher {old}, and --model {old} is "
-                                 f"another model (its config or weights differ); pass --model {old} or a copy of it\n")
+    assert code == 2 and err == (f"error: the teacher at {old} has changed since checkpoint {s} was distilled from it "
+                                 "(its config or weights differ); put back the model it was, or distil a student of "
+                                 "this one\n")
     assert snapshot(tmp_path) == before
 
 
