@@ -556,7 +556,7 @@ def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict
             result, samples = evaluate_task(lm, enc, ps, cfg, device, desc)
             part.setdefault("results", {})[name] = result
             part.setdefault("samples", {})[name] = samples
-    tasks.print_results(report)
+    tasks.print_results(report, list(models))
     return report
 
 

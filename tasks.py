@@ -316,12 +316,11 @@ def check_student(ckpt, teacher):
 # --------------------------------------------------------------------------------------------------
 # Tables of evaluate.py's results.
 
-def print_results(report: dict):
-    """Each task's n and, for the teacher and the student (report["student"]), its acc, acc_norm
-    and acc's stderr."""
+def print_results(report: dict, labels: list):
+    """Each task's n and, for each model (the teacher's in report, another's in report[label]),
+    its acc, acc_norm and acc's stderr."""
     fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
-    parts = {"teacher": report, "student": report.get("student")}
-    parts = {label: part for label, part in parts.items() if part}
+    parts = {label: report if label == "teacher" else report[label] for label in labels}
     head = [f" | {label + ' acc':>14} {'acc_norm':>8} {'stderr':>7}" for label in parts]
     print(f"{'task':<14} {'n':>5}" + "".join(head))
     for name in report["results"]:
