@@ -10,6 +10,8 @@ import socket
 import threading
 import zlib
 from pathlib import Path
+from types import UnionType
+from typing import Union, get_args, get_origin, get_type_hints
 from urllib.parse import urlparse
 from urllib.request import getproxies
 
@@ -140,10 +142,15 @@ def check_teacher(prev, model, where):
     was = prev["teacher"]
     recorded = prev.get("teacher_fingerprint")
     if recorded is not None and is_local(model):
-        if fingerprint(model) != recorded:
-            raise door.ModelError(f"{where} was distilled from the teacher {was}, and --model "
-                             f"{model} is another model (its config or weights differ); pass "
-                             f"--model {was} or a copy of it")
+        if fingerprint(model) == recorded:
+            return
+        if Path(str(was)).resolve() == Path(model).resolve():
+            raise door.ModelError(f"the teacher at {model} has changed since {where} was "
+                                  "distilled from it (its config or weights differ); put back the "
+                                  "model it was, or distil a student of this one")
+        raise door.ModelError(f"{where} was distilled from the teacher {was}, and --model "
+                              f"{model} is another model (its config or weights differ); pass "
+                              f"--model {was} or a copy of it")
     elif Path(str(was)).resolve() != Path(model).resolve():
         raise door.ModelError(f"{where} was distilled from teacher '{was}' but --model is '{model}'; "
                          f"pass --model {was}")
@@ -183,23 +190,37 @@ def positive_ints(xs):
 
 def read_student(ckpt_dir):
     """A distill.py checkpoint directory -> (its config.json dict, its features.safetensors
-    tensors); check_student checks the dict against the teacher once that is loaded."""
+    tensors), both of one save (the step each records); check_student checks the dict against the
+    teacher once that is loaded."""
     todo = (f"{ckpt_dir} is not a whole distill.py checkpoint; pass the --out-dir of a finished or "
             "saved run")
     f = Path(ckpt_dir) / "config.json"
     cfg = files.read_json(f, todo, dict)
-    forks.check_fork(cfg.get("fork"), ckpt_dir)
+    forks.check_fork(cfg.get("fork"), ckpt_dir, cfg.get("teacher"))
     dims = cfg.get("dims")
     # a fork's per-head dims: one list per layer, all of one length
     per_head = (isinstance(dims, list) and all(map(positive_ints, dims))
                 and len({*map(len, dims)}) == 1)
-    if not (isinstance(cfg.get("teacher"), str) and "feature_map" in cfg
+    if not (isinstance(cfg.get("teacher"), str) and isinstance(cfg.get("feature_map"), str)
             and positive_ints([cfg.get("chunk_size")]) and isinstance(cfg.get("args", {}), dict)
             and (positive_ints(dims) or per_head)):
         raise door.ModelError(f"{f} lacks the teacher, dims (whole numbers of at least 1: one per layer, "
                          "or a list per layer), feature map or chunk size (such a number), or its args "
                          f"are no object; {todo}")
-    return cfg, files.read_file(Path(ckpt_dir) / "features.safetensors", todo, load_file)
+    sd, step = files.read_file(Path(ckpt_dir) / "features.safetensors", todo, read_features)
+    # a save writes config.json last: cut short, it leaves the new features beside the old config
+    if step is not None and step != str(cfg.get("step")):
+        raise door.ModelError(f"{ckpt_dir} holds parts of two saves (config.json of step "
+                              f"{cfg.get('step')}, features.safetensors of step {step}): a save "
+                              "was cut short; rename each of its .tmp files over the file of "
+                              "that name to finish it, or distil it again")
+    return cfg, sd
+
+
+def read_features(path):
+    """A features.safetensors file -> (its tensors, the step its metadata records or None)."""
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {}).get("step")
 
 
 def check_dims(dims, n_layer):
@@ -222,7 +243,7 @@ def check_student(cfg, n_layer, feature_maps):
 
 def check_features(mine, sd, where):
     """A features file's tensors sd against the student's own (`mine`, model.feature_state's): the
-    same keys of the same shapes (a set-equality check), all finite."""
+    same keys of the same shapes (a set-equality check) and dtypes, all finite."""
     missing = sorted(mine.keys() - sd.keys())
     extra = sorted(sd.keys() - mine.keys())
     shape = [f"{k} {list(sd[k].shape)}, not {list(v.shape)}" for k, v in mine.items()
@@ -231,10 +252,40 @@ def check_features(mine, sd, where):
         raise door.ModelError(f"{where} does not fit this student (missing {missing[:4]}, unexpected "
                          f"{extra[:4]}, of another shape: {shape[:2]}); it was made with another "
                          "teacher, dims or feature map")
+    dtype = [k for k, v in mine.items() if sd[k].dtype != v.dtype]
+    if dtype:
+        k = dtype[0]
+        raise door.ModelError(f"{k} in {where} holds {sd[k].dtype}, not the student's "
+                              f"{mine[k].dtype}: the checkpoint was not written by distill.py; "
+                              "pass one that was, or train it again")
     bad = [k for k in mine if not sd[k].isfinite().all()]
     if bad:
         raise door.ModelError(f"{bad[0]} in {where} holds inf or nan: the checkpoint is damaged; "
                          "train it again")
+
+
+def check_settings(values, config_class, where):
+    """The settings config.json records (values: {field: value}) of the types config_class's
+    fields declare (bool, int, float: also an int, str), or a ModelError naming the first that is
+    not (an edited config.json: "center_keys": "no")."""
+    hints = get_type_hints(config_class)
+    for name, v in values.items():
+        hint = hints.get(name)
+        # X | None: either; a list or other container: not checked
+        kinds = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+        if not all(k in (bool, int, float, str, type(None)) for k in kinds):
+            continue
+        if float in kinds:
+            kinds += (int,)
+        if type(v) not in kinds:
+            want = " or ".join(KIND_NAMES[k] for k in kinds if k is not int or float not in kinds)
+            raise door.ModelError(f"{where} records {name} as {json.dumps(v)}, not {want}: it was "
+                                  "edited; put back the value the run wrote")
+
+
+# how check_settings names a type, in JSON's words
+KIND_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+              type(None): "null"}
 
 
 def open_gguf(path):

@@ -4,6 +4,7 @@ and its collectives (one process: no-ops), free memory."""
 import os
 import re
 import sys
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -57,6 +58,15 @@ def sync(device):
     # (torch.accelerator would need torch 2.6)
     elif torch.device(device).type == "mps":
         torch.mps.synchronize()
+
+
+def timed(device, fn, *args) -> float:
+    """Seconds that fn(*args) takes, the device's queued work done before and after."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn(*args)
+    sync(device)
+    return time.perf_counter() - t0
 
 
 def launch():

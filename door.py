@@ -5,6 +5,7 @@ declare their constraints (opt), all checked by one validator before any work.""
 import argparse
 import inspect
 import math
+import re
 import signal
 import sys
 from dataclasses import MISSING, dataclass, field, fields
@@ -77,8 +78,10 @@ def opt(default, help, choices=None, empty_ok=False, min=None, above=None, max=N
     """A config field with its help text and its constraints, which validate enforces:
     choices (a list, or a function returning the names allowed when the run starts), min <= value,
     above < value, value <= max, excludes (a field that may not be set with this one), needs (a
-    field that must be set with this one), context (at most the model's context, once it is known),
-    absolute (a path made absolute; "existing": where it exists), check (cfg -> a sentence saying what is wrong, or None).
+    field that must be set with this one), context (at most the model's context, once it is known;
+    the name of a switch: where that switch is on), absolute (a path made absolute; "existing":
+    where it exists), check (cfg -> a sentence saying what is wrong, or None; or it raises the
+    ModelError itself).
     An empty value is refused unless the default is empty or empty_ok (it says what '' means)."""
     metadata = {"help": help, "choices": choices, "empty_ok": empty_ok, "min": min,
                 "above": above, "max": max, "excludes": excludes, "needs": needs,
@@ -109,7 +112,8 @@ def validate(cfg, context=None):
         v, rule = getattr(cfg, f.name), f.metadata
         if not rule or v is None:
             continue
-        if rule["context"] and context is not None and v > context:
+        when = rule["context"]
+        if when and context is not None and v > context and (when is True or getattr(cfg, when)):
             raise ModelError(f"{flag(f.name)} {v} is more than the model's context of {context} "
                              f"tokens; pass at most {flag(f.name)} {context}")
         if context is not None:
@@ -149,16 +153,29 @@ def parse_config(cls, argv=None, description=None):
     formatter = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(description=description, formatter_class=formatter)
     hints = get_type_hints(cls)
-    for f in fields(cls):
-        _add_flag(p, f, hints[f.name])
-    args = vars(p.parse_args(argv))
+    actions = [_add_flag(p, f, hints[f.name]) for f in fields(cls)]
+    one_value = {a.option_strings[0] for a in actions if a.option_strings and a.nargs is None}
+    args = vars(p.parse_args(_negatives_joined(argv, one_value)))
     for f in fields(cls):
         _check_not_empty(f, args[f.name])
     return cls(**args)
 
 
+def _negatives_joined(argv, one_value):
+    """argv with `--flag -1e-5` written `--flag=-1e-5` for the flags that take one value: argparse
+    (before Python 3.13) takes a value that starts with '-' for a flag unless it is a plain decimal,
+    and stops with "expected one argument"; joined, the value reaches the flag's own check."""
+    joined = []
+    for a in sys.argv[1:] if argv is None else argv:
+        if joined and joined[-1] in one_value and re.match(r"-[\d.]", str(a)):
+            joined[-1] = f"{joined[-1]}={a}"
+        else:
+            joined.append(a)
+    return joined
+
+
 def _add_flag(p, f, hint):
-    """The argparse argument of the config field f, of type hint."""
+    """The argparse argument (returned) of the config field f, of type hint."""
     required = f.default is MISSING and f.default_factory is MISSING
     default = f.default if f.default_factory is MISSING else f.default_factory()
     if required:
@@ -175,15 +192,14 @@ def _add_flag(p, f, hint):
     typ = (get_args(hint) or [hint])[0]
     name = flag(f.name)
     if hint is bool:
-        p.add_argument(name, action="store_true", help=text)
-    elif required and many:
-        p.add_argument(f.name, type=typ, nargs="+", help=text)
-    else:
-        typ = int64 if typ is int else typ
-        nargs = "*" if many else None
-        choices = f.metadata["choices"]
-        p.add_argument(name, type=typ, nargs=nargs, default=default, required=required,
-                       choices=None if callable(choices) else choices, help=text)
+        return p.add_argument(name, action="store_true", help=text)
+    if required and many:
+        return p.add_argument(f.name, type=typ, nargs="+", help=text)
+    typ = int64 if typ is int else typ
+    nargs = "*" if many else None
+    choices = f.metadata["choices"]
+    return p.add_argument(name, type=typ, nargs=nargs, default=default, required=required,
+                          choices=None if callable(choices) else choices, help=text)
 
 
 def _check_not_empty(f, value):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from model import Cache
+import model
 
 
 @dataclass
@@ -54,14 +54,14 @@ class Scores:
         self.greedy = np.ones(n, dtype=bool)
         self.done = np.zeros(n, dtype=bool)
 
-    def add(self, model, h, targets):
+    def add(self, lm, h, targets):
         """h (B, T, C) hidden states; targets [(b, position, next token, request)]. The LM head
         runs once per distinct (b, position) and nowhere else."""
         where: dict[tuple[int, int], int] = {}
         for b, p, _, _ in targets:
             where.setdefault((b, p), len(where))
         bi, pi = (torch.tensor(ix, device=h.device) for ix in zip(*where))
-        logp = F.log_softmax(model.lm_head(h[bi, pi]).float(), dim=-1)             # (N, V)
+        logp = F.log_softmax(lm.lm_head(h[bi, pi]).float(), dim=-1)                # (N, V)
         at = torch.tensor([where[b, p] for b, p, _, _ in targets], device=h.device)
         tok = torch.tensor([t for _, _, t, _ in targets], device=h.device)
         req = np.array([k for _, _, _, k in targets])
@@ -70,14 +70,14 @@ class Scores:
         self.done[req] = True
 
 
-def forward_rows(model, rows: list[Row], scores: Scores, device, cache=None):
+def forward_rows(lm, rows: list[Row], scores: Scores, device, cache=None):
     """One forward pass: rows right-padded into (B, T) after the cache's prefix, if any."""
     x = torch.zeros((len(rows), max(len(r.tokens) for r in rows)), dtype=torch.long)
     for b, row in enumerate(rows):
         x[b, :len(row.tokens)] = torch.tensor(row.tokens)
-    h = model.hidden(x.to(device), cache)                                           # (B, T, C)
+    h = lm.hidden(x.to(device), cache)                                              # (B, T, C)
     targets = [(b, p, t, k) for b, row in enumerate(rows) for p, t, k in row.targets]
-    scores.add(model, h, targets)
+    scores.add(lm, h, targets)
 
 
 def batches(items, length, batch_size: int, max_padding: float = 0.1, min_tokens: int = 256):
@@ -140,28 +140,28 @@ def _take(x, idx):
     return x
 
 
-def run_shared(model, docs: list[Shared], scores: Scores, batch_size: int, device):
+def run_shared(lm, docs: list[Shared], scores: Scores, batch_size: int, device):
     """Documents whose rows share at least P tokens (P = the smallest `shareable`): those P tokens
     of every document in one forward pass that fills a cache, then all the rows' remainders in
     batches of similar length, each row continuing from a copy of its document's part of the
     cache."""
     P = min(s.shareable for s in docs)
-    cache = Cache(model.config.n_layer)
+    cache = model.Cache(lm.config.n_layer)
     prefixes = torch.tensor([s.rows[0].tokens[:P] for s in docs], device=device)
-    h = model.hidden(prefixes, cache)                                               # (docs, P, C)
+    h = lm.hidden(prefixes, cache)                                                  # (docs, P, C)
     inside = [(d, p, t, k) for d, s in enumerate(docs) for r in s.rows for p, t, k in r.targets
               if p < P]
     # positions scored inside the prefix (their hidden state is the same for all the rows)
     if inside:
-        scores.add(model, h, inside)
+        scores.add(lm, h, inside)
     rows = [(d, Row(r.tokens[P:], [(p - P, t, k) for p, t, k in r.targets if p >= P]))
             for d, s in enumerate(docs) for r in s.rows]
     for batch in batches(rows, lambda dr: len(dr[1].tokens), batch_size):
         which = torch.tensor([d for d, _ in batch], device=device)
-        row_cache = Cache(model.config.n_layer)
+        row_cache = model.Cache(lm.config.n_layer)
         row_cache[:] = [_take(layer, which) for layer in cache]
         row_cache.pos = P
-        forward_rows(model, [r for _, r in batch], scores, device, row_cache)
+        forward_rows(lm, [r for _, r in batch], scores, device, row_cache)
 
 
 # prefix tokens whose cache is held at once (GPT-2 124M: 12 layers x 2 x 768 floats each)
@@ -192,7 +192,7 @@ def prefix_groups(shared: list[Shared], batch_size: int, spread: float = 0.25):
 # The scorer.
 
 @torch.inference_mode()
-def score_windows(model, windows, batch_size: int = 16, device="cpu", desc: str | None = None,
+def score_windows(lm, windows, batch_size: int = 16, device="cpu", desc: str | None = None,
                   share_prefix: bool = True, rank: int = 0, world_size: int = 1):
     """(log-likelihood, is_greedy) of every request, one list per document, equal to the plain
     scorer's; windows[d] lists document d's requests as (input tokens, [(position, next token)]).
@@ -206,9 +206,9 @@ def score_windows(model, windows, batch_size: int = 16, device="cpu", desc: str 
         alone, shared = [row for rows in plans for row in rows], []
     scores = Scores(sum(len(doc) for doc in windows))
     # rows that share nothing (and MMLU's), then documents with a shared prefix, by its length
-    passes = [(partial(forward_rows, model, batch, scores, device), batch)
+    passes = [(partial(forward_rows, lm, batch, scores, device), batch)
               for batch in batches(alone, lambda r: len(r.tokens), batch_size)]
-    passes += [(partial(run_shared, model, docs, scores, batch_size, device),
+    passes += [(partial(run_shared, lm, docs, scores, batch_size, device),
                 [r for s in docs for r in s.rows]) for docs in prefix_groups(shared, batch_size)]
     passes = passes[rank::world_size]
     requests = lambda rows: len({k for r in rows for _, _, k in r.targets})  # noqa: E731

@@ -5,7 +5,9 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,29 +22,53 @@ import door
 CLAIMED = []
 
 
+# a checkpoint's files in the order a save replaces them: config.json, which names the step, last
+CHECKPOINT_FILES = ("features.safetensors", "metrics.json", "optim.pt", "config.json")
+
+
 @contextmanager
-def atomic_path(path, directory=False):
-    """Yield <path>.tmp (a directory if asked) to write: on success it replaces `path`, else it goes."""
-    # a link stays, and its target is replaced
-    path = Path(path).resolve()
-    tmp = path.with_name(path.name + ".tmp")
-    old = path.with_name(path.name + ".old")
-    remove(tmp)
-    try:
-        if directory:
-            tmp.mkdir(parents=True)
+def atomic_path(path):
+    """Yield <path>.tmp to write: on success it replaces `path`, else it goes."""
+    with atomic_files([path]) as (tmp,):
         yield tmp
-    except BaseException:
+
+
+@contextmanager
+def atomic_files(paths):
+    """Yield [<path>.tmp for each of paths] to write: once all are written, each replaces its path
+    in the order given, Ctrl-C and SIGTERM held until the last; if one fails, they all go."""
+    # a link stays, and its target is replaced
+    paths = [Path(p).resolve() for p in paths]
+    tmps = [p.with_name(p.name + ".tmp") for p in paths]
+    for tmp in tmps:
         remove(tmp)
+    try:
+        yield tmps
+    except BaseException:
+        for tmp in tmps:
+            remove(tmp)
         raise
-    # a directory takes two renames: at each moment <path> or <path>.old is whole
-    swap = tmp.is_dir() and path.exists()
-    if swap:
-        remove(old)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if swap:
-        remove(old)
+    with signals_held():
+        for tmp, path in zip(tmps, paths):
+            os.replace(tmp, path)
+
+
+@contextmanager
+def signals_held():
+    """Ctrl-C and SIGTERM wait until the block ends (a few renames), then act."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    signals = (signal.SIGINT, signal.SIGTERM)
+    handlers = [signal.signal(s, lambda signum, frame: caught.append(signum)) for s in signals]
+    try:
+        yield
+    finally:
+        for s, handler in zip(signals, handlers):
+            signal.signal(s, handler)
+    if caught:
+        signal.raise_signal(caught[0])
 
 
 def remove(path):
@@ -124,28 +150,20 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
 
 def _check_out_dir(out_dir, out, resume, overwrite):
     """claim_out_dir's checks of --out-dir (resolved: out)."""
-    # "." and its parents: every save would rename the working directory
-    if out in (Path.cwd(), *Path.cwd().parents) or os.path.ismount(out):
-        what = "a mount point" if os.path.ismount(out) else "the working directory or holds it"
-        inside = Path(out_dir) / "out"
-        raise door.ModelError(f"--out-dir {str(out_dir)!r} is {what}, and every save replaces the "
-                         f"out-dir by renaming it; pass a folder inside it, e.g. --out-dir "
-                         f"{inside}")
     check_out(out_dir, flag="--out-dir")
     ckpt = is_checkpoint(out)
-    full = out.is_dir() and any(out.iterdir())
+    # a save cut short leaves only its temp files
+    stale = {name + ".tmp" for name in CHECKPOINT_FILES}
+    full = out.is_dir() and any(p.name not in stale for p in out.iterdir())
     if full and not resume and overwrite and not ckpt:
         raise door.ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not "
-                         "replace it; pass another --out-dir")
+                              "replace it; pass another --out-dir")
     if full and not resume and not overwrite:
         raise door.ModelError(f"{out_dir} already exists and is not empty; pass --resume to continue "
-                         "it, --overwrite to replace it, or another --out-dir")
-    if not out.exists() and (out.with_name(out.name + ".old") / "config.json").is_file():
-        raise door.ModelError(f"a save into {out_dir} was interrupted and the last checkpoint is in "
-                         f"{out.name}.old; rename it to {out.name} and pass --resume")
+                              "it, --overwrite to replace its checkpoint, or another --out-dir")
     if resume and not ckpt:
-        files = ("config.json", "features.safetensors")
-        lacks = " and ".join(f for f in files if not (out / f).is_file())
+        names = ("config.json", "features.safetensors")
+        lacks = " and ".join(f for f in names if not (out / f).is_file())
         todo = "pass --overwrite to start again, or another --out-dir" if full else "drop --resume"
         raise door.ModelError(f"{out_dir} holds no checkpoint to resume (it lacks {lacks}); {todo}")
 
@@ -156,7 +174,7 @@ def exclusive(lock, what, flag):
     try:
         Path(lock).parent.mkdir(parents=True, exist_ok=True)
         # O_NONBLOCK: a fifo is ENXIO, not a hang
-        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK)
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
     except OSError as e:
         raise door.ModelError(f"cannot write {lock} ({e.strerror}); pass another {flag}") from None
     with open(fd, "w"):

@@ -5,18 +5,14 @@ checkpoints, and the readers refuse a fork's checkpoint in any other script."""
 
 import importlib
 import os
+import shlex
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-
 import door
 
-
-# Forks. A fork is a script (experiments/*.py) that replaces names in the core's modules and runs a
-# core command with them: REPLACE = {(model, "FEATURE_MAPS"): {...}, (distill, "make_student"): f}.
-# FORK names the running fork; distill.py records it in its checkpoints, and the readers refuse a
-# fork's checkpoint in any other script.
+# the running fork's script, relative to the core (None: a core script)
 FORK = None
 
 
@@ -46,9 +42,13 @@ def replaced(replace):
             setattr(module, name, value)
 
 
-def check_fork(made_by, what):
-    """A checkpoint made by the fork `made_by` (its config.json's "fork") opens only in that fork."""
+def check_fork(made_by, what, teacher):
+    """A checkpoint made by the fork `made_by` (its config.json's "fork") opens only in that fork;
+    the command suggested names its teacher (evaluate.py's default, gpt2, may need the hub)."""
     if made_by is None or made_by == FORK:
         return
+    command = shlex.join(["python", str(made_by), "evaluate", "--model", str(teacher), "--ckpt",
+                          str(what)])
     raise door.ModelError(f"{what} was made by the fork {made_by}; open it with that script, e.g. "
-                     f"`python {made_by} evaluate --ckpt {what}`, or `python {made_by} --resume`")
+                          f"`{command}`, or resume it with that script and the flags it was "
+                          "started with")

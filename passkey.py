@@ -57,18 +57,18 @@ def shortest(enc) -> int:
     return len(enc.encode_ordinary(prompt_text(worst, 0.0, 0)))
 
 
-def check_flags(cfg) -> list[int]:
-    """--passkey's lengths (comma-separated positive whole numbers, repeats dropped) and
-    --passkey-trials, checked before any work: a ModelError; [] without --passkey."""
-    door.check_positive(cfg, ("passkey_trials",), 1)
-    if cfg.passkey is None:
-        return []
-    parts = [s.strip() for s in cfg.passkey.split(",")]
+def check_lengths(text: str | None) -> str | None:
+    """What is wrong with --passkey's lengths, or None: comma-separated positive whole numbers."""
+    parts = [s.strip() for s in (text or "1").split(",")]
     if not all(re.fullmatch(r"[0-9]+", s) and int(s) > 0 for s in parts):
-        raise door.ModelError(f"--passkey must be prompt lengths in tokens, positive whole "
-                              f"numbers separated by commas (e.g. 256,512,1024), got "
-                              f"{cfg.passkey!r}")
-    return list(dict.fromkeys(int(s) for s in parts))
+        return (f"--passkey must be prompt lengths in tokens, positive whole numbers separated by "
+                f"commas (e.g. 256,512,1024), got {text!r}")
+    return None
+
+
+def lengths(text: str | None) -> list[int]:
+    """--passkey's lengths, repeats dropped; [] without --passkey."""
+    return list(dict.fromkeys(int(s) for s in text.split(","))) if text else []
 
 
 def make_trials(enc, lengths: list[int], cfg, block_size: int) -> dict:

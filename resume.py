@@ -1,15 +1,17 @@
 """distill.py's checkpoints, which a learner may skip: the one to start from (--init-from,
---resume) checked at the door against this run's flags, and the run's own written whole and
-resumed exactly (rank 0 writes each whole into <out_dir>.tmp, then renames it into place)."""
+--resume) checked at the door against this run's script, flags and token files, and the run's own
+saved whole and resumed exactly (rank 0 writes its files into --out-dir, each whole, config.json
+last; the folder's other files stay)."""
 
+import hashlib
 import json
 from collections import namedtuple
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import safetensors.torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 import checkpoint
 import devices
@@ -24,6 +26,8 @@ FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map",
                    "center_keys")
 # from_checkpoint's: config.json's dict, the feature tensors
 Checkpoint = namedtuple("Checkpoint", "path config features")
+# what config.json records of --data, by size and hash
+TOKEN_FILES = ("train.bin", "val.bin")
 
 
 def from_checkpoint(cfg):
@@ -32,6 +36,8 @@ def from_checkpoint(cfg):
     path = cfg.out_dir if cfg.resume else cfg.init_from
     prev, sd = checkpoint.read_student(path)
     flag = "--resume" if cfg.resume else "--init-from"
+    settings = {k: prev[k] for k in FROM_CHECKPOINT if k in prev}
+    checkpoint.check_settings(settings, type(cfg), Path(path) / "config.json")
     checkpoint.check_teacher(prev, cfg.model, f"{flag} {path}")
     if cfg.resume:
         check_resume(cfg, path, prev)
@@ -48,23 +54,30 @@ def with_checkpoint_settings(cfg, prev):
 
 
 def check_resume(cfg, path, prev):
-    """--resume: RESUMED's flags as the checkpoint was started with, the schedule's length,
-    torchrun's process count, and no flag of a fork's that this script lacks."""
+    """--resume: the script and fork that wrote the checkpoint, RESUMED's flags as it was started
+    with, the schedule's length, torchrun's process count and the token files it was trained on."""
+    script, here = prev.get("fork") or "distill.py", forks.FORK or "distill.py"
+    if script != here:
+        raise door.ModelError(f"{path} was written by {script}, not {here}; resume it with "
+                              f"{script}, or pass --init-from {path} and another --out-dir to "
+                              "train on from its features here")
     args = prev.get("args")
     if not isinstance(args, dict):
         raise door.ModelError(f"{path}'s config.json records no args, the flags to resume it "
-                                f"with; pass --init-from {path} and another --out-dir to train on "
-                                "from its features")
-    # a fork's flag that the script which started it lacks: its default
-    defaults = {name: getattr(type(cfg), name, None) for name in cfg.RESUMED}
-    was = defaults | args | {"nproc_per_node": prev.get("world_size", 1),
-                             "decay_steps": args.get("decay_steps") or args.get("max_steps")}
+                              f"with; pass --init-from {path} and another --out-dir to train on "
+                              "from its features")
+    checkpoint.check_settings(args, type(cfg), Path(path) / "config.json")
+    was = args | {"nproc_per_node": prev.get("world_size"),
+                  "decay_steps": args.get("decay_steps") or args.get("max_steps")}
     now = asdict(cfg) | {"decay_steps": cfg.decay_steps or cfg.max_steps,
                          "nproc_per_node": devices.get_world_size()}
     if lost := sorted(k for k in was.keys() - now.keys() if was[k]):
-        raise door.ModelError(f"{path} was started with --{lost[0].replace('_', '-')} "
-                                f"{was[lost[0]]!r}, which this script lacks; resume it with the "
-                                "script that started it (experiments/*.py)")
+        raise door.ModelError(f"{path} was started with {door.flag(lost[0])} {was[lost[0]]!r}, "
+                              "which this script lacks; resume it with the script that started it "
+                              "(experiments/*.py)")
+    if new := [k for k in cfg.RESUMED if k not in args]:
+        raise door.ModelError(f"{path} was started by a script without {door.flag(new[0])}; "
+                              "resume it with the script that started it")
     for name in cfg.RESUMED + ("decay_steps", "nproc_per_node"):
         a, b = was.get(name), now[name]
         # one directory, however spelled
@@ -72,7 +85,7 @@ def check_resume(cfg, path, prev):
             a, b = Path(a).resolve(), Path(b).resolve()
         if a is None or a == b:
             continue
-        flag = "--" + name.replace("_", "-")
+        flag = door.flag(name)
         todo = "resume it with the flags it was started with"
         if name == "nproc_per_node":
             flag = "torchrun --nproc_per_node"
@@ -81,7 +94,8 @@ def check_resume(cfg, path, prev):
         elif args.get("preset", "") != cfg.preset:
             check_preset(path, args.get("preset", ""), cfg.preset, flag, a, b)
         raise door.ModelError(f"{path} was started with {flag} {was[name]!r}, not {now[name]!r}; "
-                                f"{todo}")
+                              f"{todo}")
+    check_same_files(cfg, path, prev)
 
 
 def check_preset(path, was, now, flag, a, b):
@@ -94,28 +108,83 @@ def check_preset(path, was, now, flag, a, b):
 
 
 def check_same_tokens(cfg, prev, meta):
-    """--resume: --data holds the token files that the checkpoint was trained on."""
-    was = prev.config.get("data", {}).get("tokens", meta.get("tokens"))
+    """--resume: --data holds as many tokens as the checkpoint was trained on (check_same_files
+    checks their bytes, where config.json records them)."""
+    data = prev.config.get("data")
+    was = data.get("tokens", meta.get("tokens")) if isinstance(data, dict) else meta.get("tokens")
     if was != meta.get("tokens"):
         raise door.ModelError(f"{cfg.data} now holds other token files than {cfg.out_dir} "
-                                f"was trained on ({meta.get('tokens')}, not {was}); resume it on "
-                                "the data it was started with")
+                              f"was trained on ({meta.get('tokens')}, not {was}); resume it on "
+                              "the data it was started with")
+
+
+def token_files(data):
+    """--data's train.bin and val.bin -> {name: {"bytes": its size, "sha256": its hash}, or None
+    where it is not a file}: what config.json records of them (read in 1 MiB chunks; 4 MB, two
+    million tokens, take about 10 ms)."""
+    found = {}
+    for name in TOKEN_FILES:
+        path = Path(data) / name
+        found[name] = None
+        if not path.is_file():
+            continue
+        digest, size = hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+        found[name] = {"bytes": size, "sha256": digest.hexdigest()}
+    return found
+
+
+def check_same_files(cfg, path, prev):
+    """--resume: --data's token files byte for byte those that the checkpoint's run began with,
+    where its config.json records them (token_files); an older one is checked by its counts
+    (check_same_tokens)."""
+    data = prev.get("data")
+    was = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(was, dict):
+        return
+    now = token_files(cfg.data)
+    for name in TOKEN_FILES:
+        if name not in was or was[name] == now[name]:
+            continue
+        a, b = was[name], now[name]
+        why = "its bytes differ"
+        if b is None:
+            why = "it is gone"
+        elif isinstance(a, dict) and type(a.get("bytes")) is int and a["bytes"] != b["bytes"]:
+            why = f"it holds {b['bytes']:,} bytes, not {a['bytes']:,}"
+        raise door.ModelError(f"{Path(cfg.data) / name} is not the token file that {path} was "
+                              f"trained on ({why}); put back the token files it was started with, "
+                              f"or pass --init-from {path} and another --out-dir to train on from "
+                              "its features")
 
 
 def save_checkpoint(cfg, student, optim, gen, config, metrics):
-    """--out-dir whole or as it was: the features, config.json, metrics.json and optim.pt."""
+    """The checkpoint's files (files.CHECKPOINT_FILES) into --out-dir, each whole, config.json
+    last: all of this save or all of the one before; each records the step (the features in their
+    metadata), which the readers check. The folder's other files stay."""
     state = {"optimizer": optim.state_dict() if optim else None, "step": config["step"],
              "train_rng": gen.get_state(), "torch_rng": torch.get_rng_state()}
+    metadata = {"step": str(config["step"])}
+    # a link stays, and its target is written
+    out = Path(cfg.out_dir).resolve()
+    made = not out.exists()
     try:
-        with files.atomic_path(cfg.out_dir, directory=True) as tmp:
-            save_file(feature_state(student), str(tmp / "features.safetensors"))
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            (tmp / "metrics.json").write_text(json.dumps(metrics) + "\n")
-            torch.save(state, tmp / "optim.pt")
+        out.mkdir(parents=True, exist_ok=True)
+        with files.atomic_files([out / name for name in files.CHECKPOINT_FILES]) as tmp:
+            tmp[0].write_bytes(safetensors.torch.save(feature_state(student), metadata=metadata))
+            tmp[1].write_text(json.dumps(metrics) + "\n")
+            torch.save(state, tmp[2])
+            tmp[3].write_text(json.dumps(config, indent=2) + "\n")
     # a full disk; torch.save's is a RuntimeError
     except (OSError, RuntimeError, SafetensorError) as e:
         todo = "make room, then run it again"
-        if files.is_checkpoint(cfg.out_dir):
+        # a folder this save made goes, empty (its files went)
+        if made and out.exists():
+            out.rmdir()
+        if files.is_checkpoint(out):
             todo = ("the checkpoint saved before is whole: make room, then add --resume to "
                     "continue from it")
         why = str(e).strip()[:80]
@@ -151,9 +220,10 @@ def restore(cfg, optim, gen):
 
 
 def run_record(cfg, dims, layer_dof, meta, step):
-    """config.json: the student that load_student reads (teacher, dims, settings), and its run."""
-    data = {"dir": cfg.data, "tokens": meta.get("tokens"), "source": meta.get("source"),
-            "tokenizer": meta["tokenizer"].get("model")}
+    """config.json: the student that load_student reads (teacher, dims, settings), and its run
+    (its script's fork, its flags, its token files by size and hash)."""
+    data = {"dir": cfg.data, "tokens": meta.get("tokens"), "files": token_files(cfg.data),
+            "source": meta.get("source"), "tokenizer": meta["tokenizer"].get("model")}
     # a local teacher is known by its fingerprint, wherever it lies
     fingerprint = checkpoint.fingerprint(cfg.model) if checkpoint.is_local(cfg.model) else None
     return {"teacher": cfg.model, "teacher_fingerprint": fingerprint,

@@ -184,7 +184,9 @@ def _read(p):
             encoder = files.read_json(p / vocab, "re-download the tokenizer files", dict)
             return _byte_level_bpe("gpt2", encoder, pairs, GPT2_PATTERN)
     raise door.ModelError(f"{p} holds no tokenizer.json, vocab.json + merges.txt or encoder.json + "
-                     "vocab.bpe, nor is a file")
+                          "vocab.bpe, nor is a file; copy the tokenizer files of the model's hub "
+                          "checkpoint (tokenizer.json, or vocab.json and merges.txt) beside its "
+                          "config.json")
 
 
 def load_tokenizer(name_or_path) -> tiktoken.Encoding:

@@ -34,7 +34,7 @@ import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
 import forks  # noqa: E402
-from evaluate import check_output  # noqa: E402
+import tasks  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ class AllocationConfig(distill.DistillConfig):
         if self.predict and (self.resume or self.init_from):
             raise door.ModelError("--predict computes the predictors of a fresh run; drop --resume and --init-from")
         if self.predict:
-            check_output(self.predict, self.model, None, self.data, flag="--predict")
+            tasks.check_output(self.predict, self.model, None, self.data, flag="--predict")
 
 
 def rule_dims(cfg, teacher, calib):

@@ -22,6 +22,7 @@ import evaluate as E  # noqa: E402
 import devices  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
+import tasks  # noqa: E402
 from fast_scorer import score_windows  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -43,7 +44,7 @@ class BenchConfig:
         door.check_positive(self, ("limit", "batch_size", "rounds"), 1)
         devices.pick_device(self.device, "float32")
         if self.output:
-            E.check_output(self.output, self.model, self.ckpt, self.data_dir)
+            tasks.check_output(self.output, self.model, self.ckpt, self.data_dir)
 
 
 def harness_tokens(tokenized, max_len: int) -> int:
@@ -99,7 +100,8 @@ def bench(model, enc, task_prompts: dict, batch_size=16, device="cpu", rounds: i
 
 def main(argv=None):
     cfg = door.parse_config(BenchConfig, argv, description=__doc__.strip().split("\n\n")[0])
-    prompts = {name: E.load_task(name, cfg.data_dir, cfg.limit) for name in E.parse_tasks(cfg.tasks)}
+    prompts = {name: tasks.load_task(name, E.TASKS[name], cfg.data_dir, cfg.limit)
+               for name in tasks.parse_tasks(cfg.tasks)}
     device = devices.pick_device(cfg.device, "float32")[0]
     models, enc = E.load_models(cfg, device), load_tokenizer(cfg.model)
     report = {}

@@ -25,6 +25,7 @@ import distill
 import dof
 import evaluate as E
 import model as M
+import tasks
 
 from conftest import EVAL, N_POS, ROOT, cli, distill_args, load_script, script_env
 
@@ -419,7 +420,7 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, st
     import door
     bs = load_script("bench/bench_scorer.py")
     torch.manual_seed(0)
-    rows = bs.bench(model, enc, {"arc_easy": E.load_task("arc_easy", EVAL, 4)}, batch_size=4)
+    rows = bs.bench(model, enc, {"arc_easy": tasks.load_task("arc_easy", E.arc, EVAL, 4)}, batch_size=4)
     assert rows["arc_easy"]["harness_tok_per_s"] > 0 and rows["arc_easy"]["plain_forward_tok_per_s"] > 0
     assert rows["all"]["harness_tokens"] == rows["arc_easy"]["harness_tokens"]
     assert "plain fwd tok/s" in capsys.readouterr().out
@@ -432,9 +433,9 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, st
     bs.main(["--model", str(ckpt), "--ckpt", str(student), "--tasks", "piqa", "--data-dir", str(EVAL), "--limit", "2",
              "--device", "cpu"])                                       # the student too (had been an AttributeError)
     assert "student (" in capsys.readouterr().out
-    shutil.copytree(EVAL, tasks := tmp_path / "eval")
+    shutil.copytree(EVAL, eval_dir := tmp_path / "eval")
     with pytest.raises(door.ModelError, match=r"--output \S+piqa.jsonl would replace a file this run reads"):
-        bs.main(["--model", str(ckpt), "--data-dir", str(tasks), "--output", str(tasks / "piqa.jsonl")])
+        bs.main(["--model", str(ckpt), "--data-dir", str(eval_dir), "--output", str(eval_dir / "piqa.jsonl")])
     with pytest.raises(SystemExit) as e:
         door.run_main(lambda: bs.main(["--model", str(ckpt), "--rounds", "0", "--device", "cpu"]))
     assert e.value.code == 2 and capsys.readouterr().err == "error: --rounds must be a number of at least 1, got 0\n"

@@ -1,7 +1,8 @@
 """docs/: figures.py's figures from a model, experiments.py's runner and the tables it makes from the committed
-result files."""
+result files; and the README's numbers and commands, held to the code, the result files and .ci/run."""
 
 from pathlib import Path
+import dataclasses
 import importlib.util
 import json
 import math
@@ -18,10 +19,88 @@ import torch
 
 import door
 import distill
+import dof
+import evaluate
 
 from conftest import DATA, ROOT, WIKITEXT, load_script
 
 from test_dof import hf_llama, save_hf   # the method's test helpers
+
+
+# ==================================================================================================================
+# README.md: what it says of the code, held to the code
+
+README = ROOT / "README.md"
+RESULTS = ROOT / "docs" / "results"
+
+
+def readme():
+    """README.md with every run of whitespace one space: a sentence reads the same across lines."""
+    return " ".join(README.read_text(encoding="utf-8").split())
+
+
+def test_readme_describes_the_cpu_preset_as_distill_defines_it():
+    """The README's words on --preset cpu (budget, steps, window, one window a step, relative λ,
+    centred keys, the 10% held out, its 8 validation windows, its steps beside the results' 240)
+    are distill.PRESETS["cpu"]'s flags."""
+    flags = distill.PRESETS["cpu"].split()
+    value = lambda name: flags[flags.index(name) + 1]
+    text = readme()
+    said = re.search(r"`--preset cpu` prints the flags it stands for \(budget (\d+), relative λ, "
+                     r"key centring, (\d+) steps of one (\d+)-token window\)", text)
+    assert said, "README.md no longer describes --preset cpu's flags"
+    assert said.groups() == (value("--budget"), value("--max-steps"), value("--block-size"))
+    assert value("--batch-size") == "1" and {"--lam-relative", "--center-keys"} <= set(flags)
+    assert "(the last 10% held out as val.bin)" in text and float(value("--val-fraction")) == 0.1
+    assert f"`--eval-iters` (the preset's {value('--eval-iters')})" in text
+    assert re.findall(r"`--preset cpu`'s (\d+)\)", text) == [value("--max-steps")]
+
+
+def test_readme_numbers_of_the_results_runs_are_the_result_files():
+    """The teacher's loss the README quotes from distill.py's summary is the preset run's at seed 0
+    (the quick start's seed), and the Results section's runs (budget 32, 240 steps of one 256-token
+    window) are the allocation grid's."""
+    run = json.loads((RESULTS / "preset" / "layerwise450-s0.json").read_text())
+    assert "--preset cpu" in run["command"] and run["seed"] == 0
+    assert run["args"]["data"]["source"] == "text"
+    assert f"not the {run['val'][-1]['teacher_loss']:.3f} of distill.py's summary" in readme()
+    said = re.search(r"the budget (\d+) features per head \(layerwise softmax loss, centred keys, "
+                     r"(\d+) steps of one (\d+)-token window", readme())
+    assert said, "README.md no longer describes the Results section's runs"
+    runs = sorted((RESULTS / "allocation").glob("b32-*.json"))
+    assert len(runs) >= 12
+    for p in runs:
+        args = json.loads(p.read_text())["args"]["args"]
+        kept = (str(args["budget"]), str(args["max_steps"]), str(args["block_size"]))
+        assert said.groups() == kept, p.name
+        assert args["batch_size"] == 1 and args["loss"] == "softmax" and args["center_keys"], p.name
+
+
+def test_every_flag_the_readme_gives_a_core_script_is_one_of_its_flags():
+    """Each `python distill.py|evaluate.py|dof.py ...` command of the README (continued lines
+    joined) passes only flags its configuration has."""
+    configs = {"distill": distill.DistillConfig, "evaluate": evaluate.EvalConfig,
+               "dof": dof.DofConfig}
+    known = {name: {door.flag(f.name) for f in dataclasses.fields(config)}
+             for name, config in configs.items()}
+    command = r"(?:python|torchrun[^`\n]*?) (distill|evaluate|dof)\.py ((?:[^`\n\\]|\\\n)*)"
+    commands = re.findall(command, README.read_text(encoding="utf-8"))
+    assert {script for script, _ in commands} == set(configs) and len(commands) > 8
+    for script, args in commands:
+        unknown = set(re.findall(r"--[a-z][a-z0-9-]*", args)) - known[script]
+        assert not unknown, (script, args, unknown)
+
+
+def test_readme_test_steps_are_what_ci_runs():
+    """The README's test commands, line for line, are .ci/run's (which adds -q to pip), in order."""
+    text = README.read_text(encoding="utf-8")
+    block = re.search(r"\*\*Tests\.\*\*.*?```bash\n(.*?)```", text, re.S)
+    assert block, "README.md no longer has its Tests paragraph"
+    said = [line.split() for line in block.group(1).splitlines()]
+    ci = [line.split() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    ci = [[w for w in line if w != "-q"] if line[:1] == ["pip"] else line for line in ci]
+    assert said == [line for line in ci if line[:1] in (["pip"], ["ruff"], ["python"])]
+    assert ["ruff", "check", "."] in said and said[-1] == ["python", "-m", "pytest", "-q"]
 
 
 # ==================================================================================================================
@@ -272,13 +351,13 @@ def test_allocation_table_pairs_seeds_and_gives_shares_only_of_a_clear_gain():
     rec = lambda rule, s, loss, kl: {"group": f"32/{rule}", "seed": s, "allocation": rule.lower(),
                                      "val": [{"student_loss": loss, "attn_kl": [kl, kl], "teacher_loss": 3.0}]}
     fix = [rec("Fix", s, 5.0 + s, 0.80 + s / 100) for s in (1, 2, 3)]
-    dof = [rec("DoF", s, 5.1 + s, 0.80 + s / 100 - d) for s, d in ((1, 0.01), (2, 0.02), (3, 0.03))]
-    clear = X.allocation_table(fix + dof + [rec("Measured", s, 5.0 + s, 0.76 + s / 100 + e)
-                                            for s, e in ((1, 0.0), (2, 0.001), (3, -0.001))])
+    by_dof = [rec("DoF", s, 5.1 + s, 0.80 + s / 100 - d) for s, d in ((1, 0.01), (2, 0.02), (3, 0.03))]
+    clear = X.allocation_table(fix + by_dof + [rec("Measured", s, 5.0 + s, 0.76 + s / 100 + e)
+                                               for s, e in ((1, 0.0), (2, 0.001), (3, -0.001))])
     assert "| DoF (`dof`) | 3 | +0.100 ± 0.000 | -0.0200 ± 0.0058 | +50% |" in clear
     assert "| Measured (`measured`) | 3 | +0.000 ± 0.000 | -0.0400 ± 0.0006 | +100% |" in clear
-    noisy = X.allocation_table(fix + dof + [rec("Measured", s, 5.0 + s, 0.80 + s / 100 + e)
-                                            for s, e in ((1, 0.01), (2, -0.02), (3, 0.005))])
+    noisy = X.allocation_table(fix + by_dof + [rec("Measured", s, 5.0 + s, 0.80 + s / 100 + e)
+                                               for s, e in ((1, 0.01), (2, -0.02), (3, 0.005))])
     assert "| -0.0200 ± 0.0058 | – |" in noisy and "is within two standard errors of zero" in noisy
     import allocation as A                                           # the curves' prediction for each run's dims
     curves = ROOT / "docs" / "results" / "curves"

@@ -22,7 +22,9 @@ from model import GPT
 from tokenizer import load_tokenizer
 import checkpoint
 import evaluate as E
+import fast_scorer
 import model as M
+import tasks
 
 from conftest import EVAL, N_POS, ROOT, TOK, WIKITEXT, edit_json, script_env, snapshot, torchrun
 
@@ -45,8 +47,13 @@ def hf_tok():
     return GPT2Tokenizer(vocab=vocab, merges=merges)
 
 
+def load_task(name, *args):
+    """A task's prompts: its documents read by tasks.py, made prompts by evaluate.py's function."""
+    return tasks.load_task(name, E.TASKS[name], *args)
+
+
 def first(task, n=1):
-    return E.load_task(task, EVAL, n)[n - 1]
+    return load_task(task, EVAL, n)[n - 1]
 
 
 def test_prompt_piqa():
@@ -137,8 +144,8 @@ def test_prompt_wsc273():
 
 
 def test_every_document_loads():
-    for task in E.ALL_TASKS:
-        prompts = E.load_task(task, EVAL)
+    for task in tasks.ALL_TASKS:
+        prompts = load_task(task, EVAL)
         assert len(prompts) == 100
         assert all(0 <= p.gold < len(p.requests) for p in prompts)
 
@@ -167,8 +174,8 @@ def hf_encode_pair(hf_tok, context, continuation):
 def test_encode_pair_matches_hf_tokenizer(enc, hf_tok):
     """The harness's _encode_pair with transformers' tokenizer, on every request of the first 10 documents."""
     n = 0
-    for task in E.ALL_TASKS:
-        for p in E.load_task(task, EVAL, 10):
+    for task in tasks.ALL_TASKS:
+        for p in load_task(task, EVAL, 10):
             for c, t in p.requests:
                 assert E.encode_pair(enc, c, t) == hf_encode_pair(hf_tok, c, t), (task, c, t)
                 n += 1
@@ -184,7 +191,7 @@ def test_harness_window():
     inp, targets = E.harness_window([1], [2, 3, 4, 5, 6], 5)          # a continuation as long as the context
     assert inp == [1, 2, 3, 4, 5] and targets == [(0, 2), (1, 3), (2, 4), (3, 5), (4, 6)]
     with pytest.raises(door.ModelError, match=r"^a request with an empty context cannot be scored as the harness"):
-        E.check_requests([[([], [3, 4])]], 5)                     # its first target would be read at position -1
+        tasks.check_requests([[([], [3, 4])]], 5)                     # its first target would be read at position -1
 
 
 def tokenized(enc, prompts):
@@ -209,8 +216,8 @@ def test_every_scorer_equals_a_naive_transformers_computation(model, enc, hf_mod
     log-likelihoods within fp32 noise, the same is_greedy, the same acc and acc_norm, on 4 documents of every task."""
     from fast_scorer import score_windows
     worst, n = 0.0, 0
-    for task in E.ALL_TASKS:
-        prompts = E.load_task(task, EVAL, 4)
+    for task in tasks.ALL_TASKS:
+        prompts = load_task(task, EVAL, 4)
         docs = tokenized(enc, prompts)
         windows = [[E.harness_window(c, t, N_POS) for c, t in doc] for doc in docs]
         scorers = {"plain": E.score_requests(model, docs, plain=True), "fast": E.score_requests(model, docs, 4),
@@ -232,7 +239,7 @@ def test_every_scorer_on_a_linear_student(enc, ckpt):
     fast against the naive sum over the student's own full forward pass."""
     torch.manual_seed(0)
     student = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
-    docs = tokenized(enc, E.load_task("arc_easy", EVAL, 2) + E.load_task("wsc273", EVAL, 2))
+    docs = tokenized(enc, load_task("arc_easy", EVAL, 2) + load_task("wsc273", EVAL, 2))
     naive = [[naive_loglikelihood(lambda x: student(x), c, t)[0] for c, t in doc] for doc in docs]
     for plain in (False, True):
         for ref, res in zip(naive, E.score_requests(student, docs, batch_size=3, plain=plain), strict=True):
@@ -253,6 +260,21 @@ def test_is_greedy_needs_every_continuation_token_to_be_the_argmax(model, hf_mod
     for res in (E.score_requests(model, docs, plain=True), E.score_requests(model, docs, 2),
                 score_windows(model, windows, batch_size=1, share_prefix=False)):
         assert [g for _, g in res[0]] == [False, True]
+
+
+def test_a_continuation_as_long_as_the_context_is_scored_and_one_token_longer_is_refused(model, hf_model):
+    """The boundary of check_requests: a continuation of exactly the model's 128 positions fills the whole window
+    (its first token is predicted at position 0, from the context's last token) and every scorer gives transformers'
+    sum; 129 tokens cannot be scored (the first would have nothing before it) and are refused."""
+    ctx, cont = [464, 2068], [(7919 * i) % 50257 for i in range(1, N_POS + 1)]
+    tasks.check_requests([[(ctx, cont)]], N_POS)                                   # accepted: no error
+    naive = naive_loglikelihood(lambda x: hf_model(x).logits, ctx, cont)
+    for plain in (False, True):
+        [[(ll, greedy)]] = E.score_requests(model, [[(ctx, cont)]], plain=plain)
+        assert ll == pytest.approx(naive[0], rel=1e-5) and greedy == naive[1]
+    with pytest.raises(door.ModelError, match=f"^a continuation of {N_POS + 1} tokens cannot be scored: it needs 1 to "
+                                              f"{N_POS}, the model's context length$"):
+        tasks.check_requests([[(ctx, cont + [13])]], N_POS)
 
 
 def test_a_row_that_is_the_prefix_of_another_keeps_a_token_of_its_own(model):
@@ -303,7 +325,8 @@ def test_stderr_by_hand_and_pooled_stderr_by_the_law_of_total_variance(monkeypat
     accs = [1, 0, 1, 0, 0, 1, 1]                                   # the same, as the scores of two-choice prompts
     monkeypatch.setattr(E, "score_requests", lambda *a: [[(-1.0, False), (-2.0 if x else -0.5, False)] for x in accs])
     enc = types.SimpleNamespace(encode=lambda text, **k: [ord(c) for c in text])
-    result, samples = E.evaluate_task(None, enc, [E.Prompt([("q", " A"), ("q", " B")], 0, None, g) for g in "aaabbbb"])
+    prompts = [E.Prompt([("q", " A"), ("q", " B")], 0, None, g) for g in "aaabbbb"]
+    result, samples = E.evaluate_task(None, enc, prompts, E.EvalConfig(device="cpu"))
     assert [d["acc"] for d in samples] == accs and result["acc_stderr"] == pytest.approx(math.sqrt(1 / 21))
     rng = np.random.default_rng(0)
     xs, groups = rng.integers(0, 2, 300).astype(float), rng.integers(0, 7, 300)
@@ -328,12 +351,12 @@ def test_cli_results_json(ckpt, tmp_path, capsys):
     assert "piqa" in printed and "acc_norm" in printed and "perplexity" in printed and "prefill" in printed
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]  # no .tmp left beside it
     r = json.loads(out.read_text())
-    assert list(r["results"]) == list(E.ALL_TASKS)
-    for task in E.ALL_TASKS:
+    assert list(r["results"]) == list(tasks.ALL_TASKS)
+    for task in tasks.ALL_TASKS:
         res, samples = r["results"][task], r["samples"][task]
         assert res["n"] == 2 and {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} <= set(res)
         assert [s["doc_index"] for s in samples] == [0, 1]
-        prompts = E.load_task(task, EVAL, 2)
+        prompts = load_task(task, EVAL, 2)
         for s, p in zip(samples, prompts):
             assert [tuple(q) for q in s["requests"]] == p.requests
             assert len(s["loglikelihoods"]) == len(p.requests) and s["gold"] == p.gold
@@ -349,11 +372,11 @@ def test_cli_plain_and_default_write_the_naive_log_likelihoods(ckpt, hf_model, h
     fp32 noise, the same is_greedy, and equal acc / acc_norm and results."""
     args = ["--model", ckpt, "--tasks", "all", "--data-dir", EVAL, "--limit", 3, "--batch-size", 4]
     evaluate_cli(*args, "--output", tmp_path / "fast.json")
-    monkeypatch.setattr(E, "score_windows", None)  # --plain must not reach the shared-prefix scorer
+    monkeypatch.setattr(fast_scorer, "score_windows", None)  # --plain must not reach the shared-prefix scorer
     evaluate_cli(*args, "--output", tmp_path / "plain.json", "--plain")
     fast, plain = (json.loads((tmp_path / f).read_text()) for f in ("fast.json", "plain.json"))
     assert plain["config"]["plain"] and not fast["config"]["plain"]
-    for task in E.ALL_TASKS:
+    for task in tasks.ALL_TASKS:
         for key in ("n", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr"):
             assert plain["results"][task][key] == fast["results"][task][key], (task, key)
         for p, f in zip(plain["samples"][task], fast["samples"][task], strict=True):
@@ -410,6 +433,37 @@ def test_ppl_refuses_token_files_of_another_tokenizer(ckpt, enc, tmp_path, capsy
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     evaluate_cli("--model", ckpt, "--ppl", tmp_path / "val.bin")
     assert "ppl teacher: loss" in capsys.readouterr().out
+
+
+def test_ppl_bin_without_meta_json_is_scored_with_one_warning_line(ckpt, enc, tmp_path, capsys):
+    """A .bin without prepare.py's meta.json beside it cannot be checked against the tokenizer: it is scored (other
+    tools write such files; the vocabulary bound still holds) after one warning line that says so; beside its
+    meta.json, no warning."""
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    evaluate_cli("--model", ckpt, "--ppl", tmp_path / "val.bin")
+    out, err = capsys.readouterr()
+    assert "ppl teacher: loss" in out
+    assert [line for line in err.splitlines() if "warning" in line] == [
+        f"warning: {tmp_path / 'val.bin'} has no meta.json beside it: its tokens are read as ids of {ckpt}'s "
+        "tokenizer, unchecked (data/*/prepare.py writes one)"]
+    meta = {"tokenizer": datafiles.data_script("text").tokenizer_meta(enc, ckpt)}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    evaluate_cli("--model", ckpt, "--ppl", tmp_path / "val.bin")
+    out, err = capsys.readouterr()
+    assert "ppl teacher: loss" in out and "warning" not in err
+
+
+def test_a_teacher_whose_perplexity_is_not_finite_ends_the_run_with_one_sentence(ckpt, tmp_path, capsys):
+    """A teacher whose config makes every loss NaN (a negative layer-norm epsilon: the square root of a negative
+    variance) is one sentence and exit code 2, not a NaN perplexity written with exit code 0."""
+    shutil.copytree(ckpt, bad := tmp_path / "nan-teacher")
+    edit_json(bad / "config.json", layer_norm_epsilon=-1e9)
+    (tmp_path / "t.txt").write_text(WIKITEXT.read_text(encoding="utf-8")[:2000])
+    code, err = evaluate_exit(capsys, "--model", bad, "--ppl", tmp_path / "t.txt", "--output", tmp_path / "r.json")
+    assert code == 2 and err.splitlines()[-1] == (
+        f"error: the teacher {bad} has a perplexity of nan on --ppl {tmp_path / 't.txt'} (mean loss nan): its weights "
+        "or config are broken; check them, or pass another --model")
+    assert not (tmp_path / "r.json").exists()
 
 
 def test_ppl_text_keeps_special_tokens(enc, tmp_path):
@@ -471,8 +525,8 @@ def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, student
 def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monkeypatch):
     """Three simulated ranks: each scores only its share (None elsewhere), the shares cover every request once,
     and put together they are the one-process scores exactly, for the fast scorer and for --plain."""
-    docs = tokenized(enc, E.load_task("piqa", EVAL, 4) + E.load_task("mmlu", EVAL, 4) +
-                     E.load_task("winogrande", EVAL, 3))
+    docs = tokenized(enc, load_task("piqa", EVAL, 4) + load_task("mmlu", EVAL, 4) +
+                     load_task("winogrande", EVAL, 3))
     for plain in (False, True):
         one, shares = E.score_requests(model, docs, batch_size=2, plain=plain), []
         monkeypatch.setattr(devices, "all_gather", lambda share: shares.append(share) or [share, one])  # each share
@@ -561,8 +615,9 @@ def test_a_moved_teacher_serves_its_student_and_another_model_at_its_path_is_ref
     monkeypatch.setattr(M.GPT, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
     before, _ = snapshot(tmp_path), capsys.readouterr()
     code, err = evaluate_exit(capsys, "--model", old, "--ckpt", s, *flags, "--output", tmp_path / "other.json")
-    assert code == 2 and err == (f"error: checkpoint {s} was distilled from the teacher {old}, and --model {old} is "
-                                 f"another model (its config or weights differ); pass --model {old} or a copy of it\n")
+    assert code == 2 and err == (f"error: the teacher at {old} has changed since checkpoint {s} was distilled from it "
+                                 "(its config or weights differ); put back the model it was, or distil a student of "
+                                 "this one\n")
     assert snapshot(tmp_path) == before
 
 
@@ -611,7 +666,7 @@ def test_bad_option_is_one_sentence_before_any_work(flags, sentence, ckpt, tmp_p
     (tmp_path / "empty.txt").touch()
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "val.bin")
     before = sorted(tmp_path.rglob("*"))
-    monkeypatch.setattr(E, "load_task", lambda *a: pytest.fail("a task was read"))
+    monkeypatch.setattr(tasks, "load_task", lambda *a: pytest.fail("a task was read"))
     monkeypatch.setattr(E, "load_models", lambda *a: pytest.fail("a model was loaded"))
     flags = [tmp_path / f if str(f).endswith((".bin", ".txt", ".json", "folder")) else f for f in flags]
     code, err = evaluate_exit(capsys, "--model", ckpt, "--data-dir", EVAL, "--tasks", "piqa",
@@ -687,8 +742,8 @@ def test_bad_files_are_one_sentence_and_leave_nothing(ckpt, student, tmp_path, c
         (["--ppl", tmp_path / "odd.bin"], r"\S+odd.bin has an odd number of bytes, so it is not a uint16 token file; prepare it again"),
         (["--ppl", tmp_path / "big.bin"], r"the --ppl file holds token id 65535, beyond the model's vocabulary of "
                                           r"50257: was it prepared with another tokenizer\?"),
-        (["--ppl", tmp_path / "val.bin", "--ppl-context", 1000], r"--ppl-context 1000 exceeds the model's context "
-                                                                 r"length 128"),
+        (["--ppl", tmp_path / "val.bin", "--ppl-context", 1000], r"--ppl-context 1000 is more than the model's "
+                                                                 r"context of 128 tokens; pass at most --ppl-context 128"),
         (["--speed", "--speed-tokens", 129], r"--speed-tokens 129 is more than the model's context of 128 tokens; "
                                              r"pass at most --speed-tokens 128"),        # had been cut to 128
     ]
@@ -714,9 +769,9 @@ def test_tasks_from_an_unreachable_hub_come_from_the_cache_at_once(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     with pytest.raises(door.ModelError, match=r"^could not load piqa from the hub \(ConnectionError in datasets.load_"
                                          r"dataset\('baber/piqa', None, 'validation'\)\); pass --data-dir DIR holding"):
-        E.load_task("piqa")
+        load_task("piqa")
     with pytest.raises(door.ModelError, match=r"^could not load arc_easy from the hub"):
-        E.load_task("arc_easy")
+        load_task("arc_easy")
     assert asked == [True, True] and probes == [1]                    # one connection test, not one per task
 
 
@@ -729,45 +784,45 @@ def test_bad_documents_name_their_file_and_line(tmp_path):
     (bad / "piqa.jsonl").write_text("\n".join([lines[0], json.dumps(doc)]) + "\n")
     with pytest.raises(door.ModelError, match=r"piqa.jsonl line 2: malformed piqa document \(label 2 is not one of its "
                                          r"choices \[0, 1\]\)"):
-        E.load_task("piqa", bad)
+        load_task("piqa", bad)
     doc["label"] = True                                              # JSON true is not the label 1
     (bad / "piqa.jsonl").write_text(json.dumps(doc) + "\n")
     with pytest.raises(door.ModelError, match=r"piqa.jsonl line 1: malformed piqa document \(label True is not one"):
-        E.load_task("piqa", bad)
+        load_task("piqa", bad)
     doc = json.loads((EVAL / "winogrande.jsonl").read_text().splitlines()[0])
     doc["answer"] = "3"
     (bad / "winogrande.jsonl").write_text(json.dumps(doc) + "\n")
     with pytest.raises(door.ModelError, match="winogrande.jsonl line 1: malformed winogrande document .answer '3' is not"):
-        E.load_task("winogrande", bad)
+        load_task("winogrande", bad)
     doc = json.loads((EVAL / "mmlu.jsonl").read_text().splitlines()[0])
     del doc["subject"]
     (bad / "mmlu.jsonl").write_text("\n" + json.dumps(doc) + "\n")
     with pytest.raises(door.ModelError, match="mmlu.jsonl line 2: document has no field 'subject'; see tests/data/eval"):
-        E.load_task("mmlu", bad)
+        load_task("mmlu", bad)
     (bad / "logiqa.jsonl").write_text("{not json\n")
     with pytest.raises(door.ModelError, match=r"logiqa.jsonl line 1 is not valid JSON \(Expecting property name"):
-        E.load_task("logiqa", bad)
+        load_task("logiqa", bad)
     (bad / "arc_easy.jsonl").write_bytes(b"\xff\xfe{}\n")
     with pytest.raises(door.ModelError, match=r"arc_easy.jsonl line 1 is not valid JSON"):
-        E.load_task("arc_easy", bad)
+        load_task("arc_easy", bad)
     (bad / "piqa.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
     with pytest.raises(door.ModelError, match=r"piqa.jsonl line 1 is not valid JSON \(maximum recursion depth"):
-        E.load_task("piqa", bad)                                      # nested past Python's stack
+        load_task("piqa", bad)                                      # nested past Python's stack
     (bad / "arc_challenge.jsonl").write_text("[1, 2]\n")
     with pytest.raises(door.ModelError, match=r"arc_challenge.jsonl line 1: malformed arc_challenge document"):
-        E.load_task("arc_challenge", bad)
+        load_task("arc_challenge", bad)
     (bad / "wsc273.jsonl").write_text("\n\n")
     with pytest.raises(door.ModelError, match=r"wsc273.jsonl holds no documents"):
-        E.load_task("wsc273", bad)
+        load_task("wsc273", bad)
 
 
 def test_bad_input_in_library_raises_model_error():
     with pytest.raises(door.ModelError, match="unknown task"):
-        E.parse_tasks("piqa,nope")
+        tasks.parse_tasks("piqa,nope")
     with pytest.raises(door.ModelError, match="does not exist"):
-        E.load_task("piqa", "/nonexistent-dir")
+        load_task("piqa", "/nonexistent-dir")
     with pytest.raises(door.ModelError, match="a continuation of 0 tokens cannot be scored"):
-        E.check_requests([[([1, 2], [])]], N_POS)
+        tasks.check_requests([[([1, 2], [])]], N_POS)
 
 
 def test_every_process_refuses_a_request_that_another_process_scores():
@@ -776,7 +831,7 @@ def test_every_process_refuses_a_request_that_another_process_scores():
     (only rank 0 prints)."""
     docs = [[([1, 2], [3] * (N_POS + 1))], [([1, 2], [3])]]                  # document 0 is rank 0's
     with pytest.raises(door.ModelError, match=f"a continuation of {N_POS + 1} tokens cannot be scored"):
-        E.check_requests(docs, N_POS)
+        tasks.check_requests(docs, N_POS)
 
 
 # ==================================================================================================================
@@ -818,15 +873,15 @@ def test_task_files_with_crlf_line_ends_and_blank_lines_of_spaces_are_read(tmp_p
     first 3 lines of tests/data/eval/piqa.jsonl, as read from that file."""
     lines = (EVAL / "piqa.jsonl").read_text(encoding="utf-8").splitlines()[:3]
     (tmp_path / "piqa.jsonl").write_bytes(("\r\n".join([lines[0], "", lines[1], "   ", lines[2]]) + "\r\n").encode())
-    assert E.load_task("piqa", tmp_path) == E.load_task("piqa", EVAL, 3)
+    assert load_task("piqa", tmp_path) == load_task("piqa", EVAL, 3)
 
 
 def test_speed_times_the_second_prefill_and_decodes_to_the_context(model, monkeypatch):
     """A clock that the warm-up prefill moves 5 s, the timed prefill 2 s and generation 7 s: prefill_s 2, generate_s
-    7; --speed-tokens at the context (EvalConfig.check refuses more), n tokens in all: the first, then n - 1 decoded (the last is
+    7; --speed-tokens at the context (door.validate refuses more), n tokens in all: the first, then n - 1 decoded (the last is
     not fed back), so the forward passes see n, n, then 1 token n - 1 times."""
     clock, hidden, generate, calls = [0.0], model.hidden, model.generate, []
-    monkeypatch.setattr(E, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(devices, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def timed_hidden(*a, **k):
         calls.append(a[0].size(1))

@@ -66,11 +66,12 @@ def forked(name, replace):
         forks.FORK = was
 
 
-def refusal(what, fork):
-    """common.check_fork's sentence: checkpoint `what` of the fork experiments/<fork>.py in another script."""
+def refusal(what, fork, teacher):
+    """forks.check_fork's sentence: checkpoint `what` (of `teacher`) of the fork experiments/<fork>.py in another
+    script; the command it suggests names the teacher (without it, evaluate.py's default gpt2 needs the hub)."""
     script = f"experiments/{fork}.py"
     return (f"{what} was made by the fork {script}; open it with that script, e.g. `python {script} evaluate "
-            f"--ckpt {what}`, or `python {script} --resume`")
+            f"--model {teacher} --ckpt {what}`, or resume it with that script and the flags it was started with")
 
 
 def test_replaced_sets_a_forks_names_inside_and_the_cores_after():
@@ -418,13 +419,13 @@ def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkp
         student, _ = M.load_student(out)
     assert [c.dims for c in student.cores()] == cfg["dims"]
     assert sum(g.feature_map.z.shape[0] * g.M for c in student.cores() for g in c.groups) == 6 * 4 * 4
-    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
         M.load_student(out)
-    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
         E.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
-    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
         distill.main(distill_args(ckpt, data, tmp_path / "plain", "--init-from", out))
-    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
         distill.main(distill_args(ckpt, data, out, "--budget", 6, "--max-steps", 6, "--decay-steps", 6, "--resume"))
     r = cli("experiments/per_head.py", "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 6,
             "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
@@ -485,7 +486,8 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
     """experiments/direct_finetune.py --direct-steps 2 of --max-steps 5: steps 1-3 train the layerwise loss (one loss
     per layer logged), steps 4-5 the whole student's next-token loss (one loss), also in a run stopped at step 3 of
     its 5-step schedule and resumed (it had trained steps 2-3 direct as well); --resume keeps --direct-steps;
-    distill.py does not resume such a run (common.check_fork), nor the fork a plain run with a direct tail it lacks."""
+    distill.py does not resume such a run (forks.check_fork), nor the fork a plain run (it had named the --direct-steps
+    0 that the run never had)."""
     d, ckpt, data = setup
     run = distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "5",
                        "--log-interval", "1", "--warmup-steps", "0")
@@ -510,11 +512,13 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
         distill.main(distill_args(ckpt, data, tmp_path / "x", "--max-steps", "5", "--direct-steps", "9"))
     with pytest.raises(door.ModelError, match="was started with --direct-steps 2, not 1; resume it with the flags"), fork():
         distill.main(run + ["--direct-steps", "1", "--resume"])
-    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(tmp_path / "run", "direct_finetune")) + "$"):
+    sentence = refusal(tmp_path / "run", "direct_finetune", ckpt)
+    with pytest.raises(door.ModelError, match="^" + re.escape(sentence) + "$"):
         distill.main(run + ["--resume"])                                    # the core would drop its direct tail
     plain = distill_args(ckpt, data, tmp_path / "plain", "--budget", "4", "--alloc", "fix", "--max-steps", "2")
     distill.main(plain)
-    with pytest.raises(door.ModelError, match="was started with --direct-steps 0, not 1; resume it with the flags"), fork():
+    with pytest.raises(door.ModelError, match=f"^{re.escape(str(tmp_path / 'plain'))} was written by distill.py, not "
+                                         "experiments/direct_finetune.py; resume it with distill.py, or pass "), fork():
         distill.main(plain + ["--max-steps", "4", "--direct-steps", "1", "--resume"])   # a tail it never had
 
 
@@ -650,7 +654,7 @@ def test_hedgehog_fork_trains_and_scores_a_student_that_the_core_refuses(setup, 
         t.shape == (4, 16, 2) for k, t in features(out).items() if k.endswith("proj"))
     ppl = ["--ppl", data / "val.bin", "--ppl-max-tokens", 300, "--device", "cpu"]
     r = cli("evaluate.py", "--model", ckpt, "--ckpt", out, *ppl)
-    assert r.returncode == 2 and r.stderr == f"error: {refusal(out, 'hedgehog')}\n", r.stderr[-3000:]
+    assert r.returncode == 2 and r.stderr == f"error: {refusal(out, 'hedgehog', ckpt)}\n", r.stderr[-3000:]
     r = cli("experiments/hedgehog.py", "evaluate", "--model", ckpt, "--ckpt", out, *ppl, "--output",
             tmp_path / "ppl.json")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -10,6 +10,7 @@ import torch
 from model import GPT
 import door
 import evaluate as E
+import tasks
 
 from conftest import DATA, load_script, torchrun
 
@@ -20,8 +21,13 @@ def cfg_for(ckpt):
     return E.EvalConfig(model=str(ckpt), device="cpu", batch_size=6)
 
 
+def fine_tune(ckpt, enc, prompts, epochs, docs_per_step):
+    """One task's fine-tuning settings: trained and scored on the same prompts."""
+    return E.FineTune(cfg_for(ckpt), enc, "cpu", {"train": prompts, "eval": prompts}, epochs, docs_per_step)
+
+
 def arc(n, split="train"):
-    return E.load_task("arc_easy", TRAIN, n, split)
+    return tasks.load_task("arc_easy", E.arc, TRAIN, n, split)
 
 
 def test_batched_loss_and_its_gradient_equal_the_plain_per_document_form(model, enc):
@@ -52,8 +58,8 @@ def test_the_loss_ranks_the_scores_the_scorer_gives(model, enc):
 def test_fine_tuned_on_its_eval_set_a_tiny_model_reaches_accuracy_one(ckpt, model, enc):
     """Trained on 8 documents and scored on the same 8: about chance before, every one right after."""
     prompts = arc(8)
-    zero_shot = E.evaluate_task(model, enc, prompts)[0]["acc"]
-    result = E.finetune(model, enc, {"train": prompts, "eval": prompts}, 3e-2, 5, 4, cfg_for(ckpt), "cpu")
+    zero_shot = E.evaluate_task(model, enc, prompts, cfg_for(ckpt))[0]["acc"]
+    result = E.finetune(fine_tune(ckpt, enc, prompts, 5, 4), model, 3e-2)
     assert zero_shot < 0.5 and result["stopped"] is None
     assert result["epochs"][-1]["eval"]["acc"] == 1.0
     assert result["epochs"][-1]["loss"] < result["epochs"][0]["loss"]
@@ -61,8 +67,7 @@ def test_fine_tuned_on_its_eval_set_a_tiny_model_reaches_accuracy_one(ckpt, mode
 
 def test_fine_tuning_is_seeded(ckpt, model, enc):
     prompts = arc(4)
-    runs = [E.finetune(model, enc, {"train": prompts, "eval": prompts}, 1e-3, 1, 2, cfg_for(ckpt), "cpu")
-            for _ in range(2)]
+    runs = [E.finetune(fine_tune(ckpt, enc, prompts, 1, 2), model, 1e-3) for _ in range(2)]
     for r in runs:
         r["epochs"][0].pop("train_seconds")
         r["epochs"][0]["eval"].pop("seconds")
@@ -71,7 +76,7 @@ def test_fine_tuning_is_seeded(ckpt, model, enc):
 
 def test_a_non_finite_loss_stops_its_grid_point_with_one_sentence(ckpt, model, enc, capsys):
     prompts = arc(4)
-    result = E.finetune(model, enc, {"train": prompts, "eval": prompts}, 1e30, 3, 2, cfg_for(ckpt), "cpu")
+    result = E.finetune(fine_tune(ckpt, enc, prompts, 3, 2), model, 1e30)
     assert re.fullmatch(r"lr 1e\+30: the loss is (nan|inf) in epoch 1; stopped", result["stopped"])
     assert result["stopped"] in capsys.readouterr().out and result["epochs"] == []
 
@@ -96,43 +101,80 @@ def test_the_papers_rule_and_the_validation_rule_on_a_hand_made_history():
     assert E.rules([]) == {}
 
 
-def fake_model(family):
-    """A stand-in for a model: finetune_task reads only its config's family."""
-    return type("Model", (), {"config": type("Config", (), {"family": family})})()
-
-
 def test_the_grid_picks_the_lr_whose_teacher_accuracy_is_best_and_reuses_it_for_the_student(ckpt, monkeypatch):
-    models = {"teacher": fake_model("gpt2"), "student": fake_model("gpt2")}
+    models = {"teacher": object(), "student": object()}        # stand-ins: finetune_task hands them to finetune
     teacher_accs = {1e-5: [0.3, 0.4], 5e-5: [0.6, 0.5], 1e-4: None, 5e-4: [0.2, 0.55]}  # None: diverged
     calls = []
 
-    def fake(model, enc, splits, lr, epochs, B, cfg, device, desc=None):
-        calls.append((lr, epochs, B))
-        accs = teacher_accs[lr] if model is models["teacher"] else [0.45, 0.5]
+    def fake(ft, lm, lr, desc=None):
+        calls.append((lr, ft.epochs, ft.docs_per_step))
+        accs = teacher_accs[lr] if lm is models["teacher"] else [0.45, 0.5]
         if accs is None:
             return {"lr": lr, "epochs": [], "stopped": f"lr {lr:g}: the loss is nan in epoch 1; stopped"}
         return {"lr": lr, "epochs": history(*accs), "stopped": None}
     monkeypatch.setattr(E, "finetune", fake)
     cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=2, finetune_lr="1e-5,5e-5,1e-4,5e-4")
-    out = E.finetune_task(cfg, models, None, "arc_easy", {}, "cpu")
+    lrs, epochs, docs_per_step = tasks.finetune_settings(cfg, "gpt2", "arc_easy")
+    out = E.finetune_task(E.FineTune(cfg, None, "cpu", {}, epochs, docs_per_step), models, "arc_easy", lrs)
     assert out["teacher"]["lr"] == 5e-5 and out["student"]["lr"] == 5e-5
     assert [point["lr"] for point in out["teacher"]["grid"]] == [1e-5, 5e-5, 1e-4, 5e-4]
     assert out["student"]["rules"]["paper"] == {"epoch": 2, "acc": 0.5}
     assert calls[-1] == (5e-5, 2, 64)  # the student: the chosen lr, Table 9's batch size
 
 
-def test_defaults_follow_the_papers_tables_8_and_9(ckpt, monkeypatch):
+def test_a_grid_whose_every_rate_diverges_stops_the_run_with_one_sentence(ckpt, monkeypatch):
+    """Every lr of the grid made the teacher's loss non-finite: a sentence naming the rates tried, not a task left
+    out of the table."""
+    def fake(ft, lm, lr, desc=None):
+        return {"lr": lr, "epochs": [], "stopped": f"lr {lr:g}: the loss is nan in epoch 1; stopped"}
+    monkeypatch.setattr(E, "finetune", fake)
+    cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=2)
+    ft = E.FineTune(cfg, None, "cpu", {}, 2, 4)
+    with pytest.raises(door.ModelError) as e:
+        E.finetune_task(ft, {"teacher": object(), "student": object()}, "arc_easy", [1e-5, 1e-3])
+    assert str(e.value) == ("arc_easy: every learning rate tried (1e-05, 0.001) made the teacher's loss non-finite; "
+                            "pass lower rates with --finetune-lr")
+
+
+def test_a_diverging_grid_ends_the_command_with_exit_2_and_writes_nothing(ckpt, student, tmp_path, capsys):
+    args = ["--device", "cpu", "--model", str(ckpt), "--ckpt", str(student), "--tasks", "arc_easy", "--data-dir",
+            str(DATA / "eval"), "--limit", "2", "--train-dir", str(TRAIN), "--finetune-limit", "4",
+            "--finetune-batch-size", "2", "--finetune-epochs", "1", "--finetune-lr", "1e30,1e31",
+            "--output", str(tmp_path / "r.json")]
+    with pytest.raises(SystemExit) as e:
+        door.run_main(lambda: E.main(args))
+    err = capsys.readouterr().err                                       # after the progress bars, one sentence
+    assert e.value.code == 2 and err.count("error") == 1 and err.splitlines()[-1] == (
+        "error: arc_easy: every learning rate tried (1e+30, 1e+31) made the teacher's loss non-finite; pass lower "
+        "rates with --finetune-lr")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_defaults_follow_the_papers_tables_8_and_9_and_the_flags_win(ckpt):
+    cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=3)
+    assert tasks.finetune_settings(cfg, "gpt2", "arc_easy") == ([1e-4], 3, 64)
+    assert tasks.finetune_settings(cfg, "neox", "mmlu") == ([5e-6], 1, 32)            # MMLU: one epoch
+    assert tasks.finetune_settings(cfg, "llama", "piqa") == ([1e-5], 3, 32)           # llama: ours
+    cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=2, finetune_lr="1e-3,1e-4", finetune_batch_size=5)
+    assert tasks.finetune_settings(cfg, "gpt2", "mmlu") == ([1e-3, 1e-4], 1, 5)
+
+
+def test_each_epoch_draws_a_new_order_of_the_training_documents(ckpt, enc, monkeypatch):
+    """Every epoch takes each document once, in an order of its own (seeded by --seed and the epoch): an order drawn
+    once and reused had shown the model the same batches every epoch."""
+    prompts = arc(8)
+    tokenized = E.tokenize(enc, prompts)
     seen = []
 
-    def fake(model, enc, splits, lr, epochs, B, cfg, device, desc=None):
-        seen.append((lr, epochs, B))
-        return {"lr": lr, "epochs": history(0.5), "stopped": None}
-    monkeypatch.setattr(E, "finetune", fake)
-    cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=3)
-    E.finetune_task(cfg, {"teacher": fake_model("gpt2")}, None, "arc_easy", {}, "cpu")
-    E.finetune_task(cfg, {"teacher": fake_model("neox")}, None, "mmlu", {}, "cpu")
-    E.finetune_task(cfg, {"teacher": fake_model("llama")}, None, "piqa", {}, "cpu")
-    assert seen == [(1e-4, 3, 64), (5e-6, 1, 32), (1e-5, 3, 32)]   # MMLU: one epoch; llama: ours
+    def step(ft, lm, optim, docs, golds):
+        seen.extend(tokenized.index(doc) for doc in docs)
+        return 1.0
+    monkeypatch.setattr(E, "train_step", step)
+    monkeypatch.setattr(E, "score_epoch", lambda ft, lm, epoch, *a: {"epoch": epoch, "eval": {"acc": 0.5}})
+    E.finetune(fine_tune(ckpt, enc, prompts, 3, 3), torch.nn.Linear(1, 1), 1e-3)
+    orders = [tuple(seen[i:i + 8]) for i in (0, 8, 16)]
+    assert len(seen) == 24 and all(sorted(o) == list(range(8)) for o in orders)
+    assert len(set(orders)) == 3, orders
 
 
 def test_the_students_fine_tune_leaves_the_teacher_bit_identical(ckpt, enc):
@@ -143,7 +185,7 @@ def test_the_students_fine_tune_leaves_the_teacher_bit_identical(ckpt, enc):
     before = {k: t.clone() for k, t in teacher.state_dict().items()}
     student_before = {k: t.clone() for k, t in student.state_dict().items()}
     prompts = arc(4)
-    result = E.finetune(student, enc, {"train": prompts, "eval": prompts}, 1e-2, 1, 2, cfg_for(ckpt), "cpu")
+    result = E.finetune(fine_tune(ckpt, enc, prompts, 1, 2), student, 1e-2)
     assert result["stopped"] is None
     for k, t in teacher.state_dict().items():
         assert torch.equal(t, before[k]), k
@@ -220,10 +262,16 @@ BAD = [  # flags after --model --tasks arc_easy --data-dir --output, and the sen
     (["--finetune-epochs", "-1"], r"--finetune-epochs must be a number of at least 0, got -1"),
     (["--finetune-epochs", "1", "--finetune-lr", "0"], r"--finetune-lr must be positive numbers separated by "
                                                        r"commas, got '0'"),
-    (["--finetune-lr", "1e-4,-5e-5"], r"--finetune-lr must be positive numbers separated by commas, got "
-                                      r"'1e-4,-5e-5'"),
-    (["--finetune-lr", "1e-4,x"], r"--finetune-lr must be positive numbers separated by commas, got '1e-4,x'"),
-    (["--finetune-lr", "nan"], r"--finetune-lr must be positive numbers separated by commas, got 'nan'"),
+    (["--finetune-epochs", "1", "--finetune-lr", "1e-4,-5e-5"], r"--finetune-lr must be positive numbers separated "
+                                                                r"by commas, got '1e-4,-5e-5'"),
+    (["--finetune-epochs", "1", "--finetune-lr", "-1e-5"], r"--finetune-lr must be positive numbers separated by "
+                                                           r"commas, got '-1e-5'"),   # argparse's: expected one argument
+    (["--finetune-epochs", "1", "--finetune-lr", "1e-4,x"], r"--finetune-lr must be positive numbers separated by "
+                                                            r"commas, got '1e-4,x'"),
+    (["--finetune-epochs", "1", "--finetune-lr", "nan"], r"--finetune-lr must be positive numbers separated by "
+                                                         r"commas, got 'nan'"),
+    (["--finetune-epochs", "1", "--finetune-lr", "1e-4,1e-3,0.0001"], r"--finetune-lr names a rate twice, got "
+                                                                      r"'1e-4,1e-3,0.0001'; pass each rate once"),
     (["--finetune-batch-size", "0"], r"--finetune-batch-size must be a number of at least 1, got 0"),
     (["--finetune-limit", "0"], r"--finetune-limit must be a number of at least 1, got 0"),
     (["--finetune-epochs", "1", "--dtype", "bfloat16"], r"fine-tuning trains float32 weights \(under bf16 "
@@ -235,6 +283,14 @@ BAD = [  # flags after --model --tasks arc_easy --data-dir --output, and the sen
     (["--finetune-epochs", "1", "--train-dir", "bad"], r"\S+bad/arc_easy_train.jsonl line 2: document has no field "
                                                        r"'answerKey'; see tests/data/eval/arc_easy.jsonl"),
     (["--finetune-epochs", "1", "--tasks", "arc_easy,hellaswag"], r"unknown task 'hellaswag'; known tasks: .+"),
+    # fine-tuning flags without --finetune-epochs: refused, not ignored
+    (["--finetune-lr", "1e-4"], r"--finetune-lr needs --finetune-epochs; pass --finetune-epochs too, or drop "
+                                r"--finetune-lr"),
+    (["--finetune-batch-size", "8"], r"--finetune-batch-size needs --finetune-epochs; pass --finetune-epochs too, "
+                                     r"or drop --finetune-batch-size"),
+    (["--train-dir", "bad"], r"--train-dir needs --finetune-epochs; pass --finetune-epochs too, or drop --train-dir"),
+    (["--finetune-limit", "5"], r"--finetune-limit needs --finetune-epochs; pass --finetune-epochs too, or drop "
+                                r"--finetune-limit"),
 ]
 
 
@@ -261,12 +317,13 @@ def test_without_a_train_dir_the_hubs_training_and_validation_splits_are_read(mo
 
     def hub(name, split=None):
         asked.append((name, split))
-        return "the hub", E.read_jsonl(TRAIN / "arc_easy_train.jsonl", name)
-    monkeypatch.setattr(E, "hub_documents", hub)
+        return "the hub", tasks.read_jsonl(TRAIN / "arc_easy_train.jsonl", name)
+    monkeypatch.setattr(tasks, "hub_documents", hub)
     scored = arc(2)
-    splits = E.load_training(E.EvalConfig(finetune_epochs=1, limit=3), {"arc_easy": scored, "wsc273": []})
+    splits = tasks.load_training(E.EvalConfig(finetune_epochs=1, limit=3), {"arc_easy": scored, "wsc273": []},
+                                 E.TASKS)
     assert asked == [("arc_easy", "train"), ("arc_easy", "validation")]
     assert list(splits) == ["arc_easy"] and splits["arc_easy"]["eval"] is scored
     assert len(splits["arc_easy"]["train"]) == 40 and len(splits["arc_easy"]["validation"]) == 3
     assert capsys.readouterr().out == "wsc273 has no training split: it is scored zero-shot\n"
-    assert E.load_training(E.EvalConfig(), {"arc_easy": scored}) == {}      # zero-shot: nothing read
+    assert tasks.load_training(E.EvalConfig(), {"arc_easy": scored}, E.TASKS) == {}      # zero-shot: nothing read

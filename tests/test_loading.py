@@ -2,6 +2,7 @@
 tokenizers against the Hugging Face references, and GGUF files against transformers' GGUF loader."""
 
 from pathlib import Path
+import dataclasses
 import importlib.util
 import json
 import pickle
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import check_teacher, fingerprint, locate, read_gguf
+from checkpoint import check_features, check_settings, check_teacher, fingerprint, locate, read_gguf
 import door
 from tokenizer import load_tokenizer
 import model as M
@@ -210,9 +211,11 @@ def test_fingerprint_is_what_a_teacher_is_not_where_it_lies(teachers, tmp_path, 
 def teacher_check(teachers, tmp_path, recorded, model):
     """check_teacher of a checkpoint of teachers/gpt2 as config.json records it (`recorded`: the teacher's path
     "old", with or without its fingerprint, or a hub id) against --model `model` ("old", "moved", "other" or a hub
-    id): "old" and "moved" are copies of the teacher, "other" is it with one value changed."""
+    id): "moved" is a copy of the teacher, "other" and "old" (as --model) are it with one value changed."""
     shutil.copytree(teachers / "gpt2", tmp_path / "moved")
     nudge(shutil.copytree(teachers / "gpt2", tmp_path / "other") / "model.safetensors")
+    if model == "old":                                                 # the teacher changed where it lies
+        nudge(shutil.copytree(teachers / "gpt2", tmp_path / "old", dirs_exist_ok=True) / "model.safetensors")
     prev = {"teacher": str(tmp_path / "old")}
     if recorded == "fingerprint":
         prev["teacher_fingerprint"] = fingerprint(teachers / "gpt2")
@@ -225,6 +228,8 @@ TEACHER_CHECKS = [   # config.json's teacher, --model, the sentence (None: accep
     ("fingerprint", "moved", None),
     ("fingerprint", "other", r"^checkpoint S was distilled from the teacher \S+old, and --model \S+other is another "
                              r"model \(its config or weights differ\); pass --model \S+old or a copy of it$"),
+    ("fingerprint", "old", r"^the teacher at \S+old has changed since checkpoint S was distilled from it \(its "
+                           r"config or weights differ\); put back the model it was, or distil a student of this one$"),
     ("path", "moved", r"^checkpoint S was distilled from teacher '\S+old' but --model is '\S+moved'; pass --model "
                       r"\S+old$"),                                     # an older checkpoint: by path, as before
     ("path", "other", r"^checkpoint S was distilled from teacher '\S+old' but --model is '\S+other'"),
@@ -246,6 +251,69 @@ def test_a_checkpoint_s_teacher_is_checked_by_fingerprint_where_it_has_one(teach
     else:
         with pytest.raises(door.ModelError, match=sentence):
             teacher_check(teachers, tmp_path, recorded, model)
+
+
+CHECKPOINT_TENSORS = [   # the dtype a features file's tensor is written in, the sentence (None: accepted)
+    (torch.float32, None),
+    (torch.float64, r"^h\.0\.attn\.core\.\S+ in S holds torch\.float64, not the student's torch\.float32: the "
+                    r"checkpoint was not written by distill\.py; pass one that was, or train it again$"),
+    (torch.int64, r"holds torch\.int64, not the student's torch\.float32"),
+    (torch.bool, r"holds torch\.bool, not the student's torch\.float32"),
+    (torch.bfloat16, r"holds torch\.bfloat16, not the student's torch\.float32"),
+]
+
+
+@pytest.mark.parametrize("dtype, sentence", CHECKPOINT_TENSORS, ids=[str(d) for d, _ in CHECKPOINT_TENSORS])
+def test_checkpoint_tensors_of_another_dtype_are_refused(dtype, sentence):
+    """check_features: a tensor of the features file that is not the student's own float32 is refused (integer or
+    bool ones had loaded, cast, and changed the loss; float64 ones had loaded as though written by distill.py)."""
+    from test_dof import small_pair
+    _, student = small_pair()
+    mine = M.feature_state(student)
+    k = next(iter(mine))
+    sd = dict(mine, **{k: mine[k].to(dtype)})
+    if sentence is None:
+        check_features(mine, sd, "S")
+    else:
+        with pytest.raises(door.ModelError, match=sentence):
+            check_features(mine, sd, "S")
+
+
+@dataclasses.dataclass
+class Settings:
+    """A config of each kind of field that check_settings checks."""
+    center_keys: bool = False
+    J: int = 2048
+    lam: float = 0.0625
+    alloc: str = "dof"
+    init_from: str | None = None
+    names: list[str] = dataclasses.field(default_factory=list)
+
+
+SETTINGS = [   # config.json's values, the sentence (None: accepted)
+    ({"center_keys": True, "J": 8, "lam": 1, "alloc": "fix", "init_from": None, "names": [1], "other": "x"}, None),
+    ({"init_from": "here"}, None),
+    ({"center_keys": "no"}, r'^C records center_keys as "no", not true or false: it was edited; put back the value '
+                            r"the run wrote$"),
+    ({"center_keys": 1}, r"records center_keys as 1, not true or false"),
+    ({"J": True}, r"records J as true, not a whole number"),
+    ({"J": 8.5}, r"records J as 8.5, not a whole number"),
+    ({"lam": "0.1"}, r'records lam as "0.1", not a number'),
+    ({"lam": False}, r"records lam as false, not a number"),
+    ({"alloc": ["fix"]}, r'records alloc as \["fix"\], not a string'),
+    ({"init_from": 3}, r"records init_from as 3, not a string or null"),
+]
+
+
+@pytest.mark.parametrize("values, sentence", SETTINGS, ids=[json.dumps(v) for v, _ in SETTINGS])
+def test_checkpoint_settings_of_another_type_are_refused(values, sentence):
+    """check_settings: config.json's settings of the types the config's fields declare (a float's may be a whole
+    number, as JSON writes 1.0 by hand); "center_keys": "no" had been copied into the next run as a true value."""
+    if sentence is None:
+        check_settings(values, Settings, "C")
+    else:
+        with pytest.raises(door.ModelError, match=sentence):
+            check_settings(values, Settings, "C")
 
 
 def test_llama_config_with_biases_is_refused():
@@ -583,10 +651,12 @@ def test_missing_path():
         load_tokenizer("/no/such/dir")
 
 
-def test_folder_without_tokenizer_files(tmp_path):
+def test_a_teacher_folder_without_tokenizer_files_is_refused_saying_what_to_copy_there(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(door.ModelError, match=r"holds no tokenizer\.json, vocab\.json \+ merges\.txt or "
-                                         r"encoder\.json \+ vocab\.bpe"):
+    with pytest.raises(door.ModelError, match=r"^\S+ holds no tokenizer\.json, vocab\.json \+ merges\.txt or "
+                                         r"encoder\.json \+ vocab\.bpe, nor is a file; copy the tokenizer files of "
+                                         r"the model's hub checkpoint \(tokenizer\.json, or vocab\.json and "
+                                         r"merges\.txt\) beside its config\.json$"):
         load_tokenizer(tmp_path)
 
 

@@ -12,6 +12,7 @@ import devices
 import door
 import evaluate
 import passkey
+import tasks
 from tokenizer import load_tokenizer
 
 from conftest import DATA, N_POS, needs_smollm2, snapshot
@@ -168,7 +169,7 @@ def passkey_cli(*args):
 def test_cli_json_layout_teacher_and_student(ckpt, student, tmp_path, capsys, monkeypatch):
     """--passkey with --ckpt: no task is read; a table a model; report["passkey"][label][str(length)] with accuracy,
     stderr, n, by_depth and each trial, and the settings; the student decodes from its state."""
-    monkeypatch.setattr(evaluate, "load_task", lambda *a: pytest.fail("a task was read"))
+    monkeypatch.setattr(tasks, "load_task", lambda *a: pytest.fail("a task was read"))
     out = tmp_path / "r.json"
     passkey_cli("--model", ckpt, "--ckpt", student, "--passkey", "80,120", "--passkey-trials", 5, "--seed", 3,
                 "--output", out)

@@ -170,7 +170,7 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
         again = distill.student_losses(cfg, M.GPT.from_pretrained(ckpt),
                                        student, x, torch.autocast("cpu", enabled=False), "softmax")
     assert all(map(math.isfinite, kl)) and again.min() > 0
-    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "window")) + "$"):
+    with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "window", ckpt)) + "$"):
         E.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
     r = cli("experiments/window.py", "--window", 4, "--model", ckpt, "--data", data, "--budget", 6,
             "--max-steps", 6, "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)

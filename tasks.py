@@ -1,0 +1,345 @@
+"""The tasks' documents and evaluate.py's door, which a learner may skip: where each task's
+documents are (the hub's datasets as lm-eval 0.4 loads them, or .jsonl files), reading and checking
+them, each task's training splits and the paper's fine-tuning settings, the checks of evaluate.py's
+flags and files, and the tables it prints. The prompt functions that make a document its requests
+are evaluate.py's: the functions here take them as a parameter (evaluate imports tasks, not the
+reverse)."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import checkpoint
+import datafiles
+import devices
+import door
+import files
+
+
+# each task's documents: datasets.load_dataset(path, name, split) as lm-eval 0.4 loads them
+HUB = {
+    "piqa": ("baber/piqa", None, "validation"),
+    "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
+    "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
+    "logiqa": ("EleutherAI/logiqa", "logiqa", "test"),
+    # the harness loads the 57 subjects one by one
+    "mmlu": ("cais/mmlu", "all", "test"),
+    "winogrande": ("allenai/winogrande", "winogrande_xl", "validation"),
+    "wsc273": ("lighteval/winograd_wsc", "wsc273", "test"),
+}
+ALL_TASKS = tuple(HUB)
+
+# the hub's (training, validation) splits; validation None where it is the scored split or absent
+TRAIN_SPLITS = {
+    "piqa": ("train", None),
+    "arc_easy": ("train", "validation"),
+    "arc_challenge": ("train", "validation"),
+    "logiqa": ("train", "validation"),
+    "mmlu": ("auxiliary_train", "validation"),
+    "winogrande": ("train", None),
+    # WSC273 has only its test split: scored zero-shot
+    "wsc273": None,
+}
+
+# the paper's Tables 8 and 9: each task's fine-tuning learning rate and batch size (documents a
+# step), for GPT-2 and Pythia-1B
+PAPER_FINETUNE = {
+    "gpt2": {"piqa": (1e-4, 128), "logiqa": (5e-5, 64), "arc_easy": (1e-4, 64),
+             "arc_challenge": (1e-5, 64), "winogrande": (5e-4, 128), "mmlu": (1e-6, 64),
+             "wsc273": (1e-6, 128)},
+    "neox": {"piqa": (1e-5, 64), "logiqa": (5e-5, 32), "arc_easy": (5e-5, 32),
+             "arc_challenge": (5e-5, 32), "winogrande": (5e-5, 64), "mmlu": (5e-6, 32),
+             "wsc273": (5e-5, 64)},
+}
+# other families: the paper is silent
+OUR_FINETUNE = (1e-5, 32)
+
+# the field that holds a document's answer, and the values it may take (the choices' order)
+ANSWERS = {
+    "piqa": ("label", lambda doc: [0, 1]),
+    "arc_easy": ("answerKey", lambda doc: list(doc["choices"]["label"])),
+    "arc_challenge": ("answerKey", lambda doc: list(doc["choices"]["label"])),
+    "logiqa": ("label", lambda doc: ["a", "b", "c", "d"][:len(doc["options"])]),
+    "mmlu": ("answer", lambda doc: [0, 1, 2, 3]),
+    "winogrande": ("answer", lambda doc: ["1", "2"]),
+    "wsc273": ("label", lambda doc: [0, 1]),
+}
+
+
+def check_document(name: str, doc):
+    """What task `name`'s prompt function takes for granted, checked as its file is read: a
+    KeyError names a missing field, a ValueError what else is wrong (load_task adds the file and
+    line)."""
+    if name.startswith("arc") and len(doc["choices"]["text"]) != len(doc["choices"]["label"]):
+        raise ValueError(f"choices has {len(doc['choices']['text'])} texts but "
+                         f"{len(doc['choices']['label'])} labels")
+    if name == "mmlu" and len(doc["choices"]) != 4:
+        raise ValueError(f"choices has {len(doc['choices'])} entries, MMLU's prompt needs 4")
+    if name == "winogrande" and "_" not in doc["sentence"]:
+        raise ValueError("sentence has no '_' blank")
+    if name == "wsc273" and len(doc["options"]) != 2:
+        raise ValueError(f"options has {len(doc['options'])} entries, WSC273 needs 2")
+    field, options = ANSWERS[name]
+    value = doc[field]
+    if name == "logiqa":
+        # as the harness reads it
+        value = value.strip()
+    if isinstance(value, bool) or value not in options(doc):
+        raise ValueError(f"{field} {value!r} is not one of its choices {options(doc)}")
+
+
+def parse_tasks(spec: str | None) -> list[str]:
+    """--tasks's names; every task for None or "all"."""
+    known = f"known tasks: {', '.join(ALL_TASKS)} (or 'all')"
+    if spec is None or spec.strip() == "all":
+        return list(ALL_TASKS)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:
+        raise door.ModelError(f"--tasks is empty; {known}")
+    for name in names:
+        if name not in HUB:
+            raise door.ModelError(f"unknown task {name!r}; {known}")
+    return names
+
+
+def hub_documents(name: str, split: str | None = None) -> tuple[str, list]:
+    """The harness's dataset of a task (or its `split`), from the hub or its cache, as (where,
+    document) pairs."""
+    path, config, harness_split = HUB[name]
+    split = split or harness_split
+    try:
+        import datasets
+        # offline: the cache at once, not a minute of retries; not probed again once it fails
+        if not datasets.config.HF_HUB_OFFLINE and not checkpoint.hub_reachable():
+            datasets.config.HF_HUB_OFFLINE = True
+        rows = datasets.load_dataset(path, config, split=split)
+    # offline, or the hub changed
+    except Exception as e:
+        todo = f"pass --data-dir DIR holding {name}.jsonl"
+        if split != harness_split:
+            todo = f"pass --train-dir DIR holding {name}_{split}.jsonl"
+        raise door.ModelError(f"could not load {name} from the hub ({type(e).__name__} in "
+                              f"datasets.load_dataset{path, config, split}); {todo}") from None
+    return f"{path} ({config}, {split})", [(f"row {i}", dict(d)) for i, d in enumerate(rows)]
+
+
+def read_jsonl(source: Path, name: str) -> list:
+    """The documents of a task file, one JSON object a line, as (where, document) pairs."""
+    if not source.is_file():
+        raise door.ModelError(f"{source} does not exist: --data-dir must hold a {name}.jsonl "
+                              "(tests/data/eval has one)")
+    docs = []
+    for i, line in enumerate(source.read_bytes().split(b"\n"), 1):
+        try:
+            if line.strip():
+                docs.append((f"line {i}", json.loads(line)))
+        # not JSON or UTF-8, or nested too deep
+        except (ValueError, RecursionError) as e:
+            why = getattr(e, "msg", e)
+            raise door.ModelError(f"{source} line {i} is not valid JSON ({why}); fix it") from None
+    return docs
+
+
+def load_task(name: str, prompt, data_dir=None, limit=None, split=None) -> list:
+    """A task's documents (<data_dir>/<name>.jsonl, else the harness's dataset from the hub; with a
+    split, <data_dir>/<name>_<split>.jsonl or that split), each checked and made its prompt by
+    the function `prompt` (bad data fails at once, naming its file and line); the first `limit`."""
+    if data_dir is None:
+        source, docs = hub_documents(name, split)
+    elif split:
+        source = Path(data_dir) / f"{name}_{split}.jsonl"
+        docs = read_jsonl(source, name)
+    else:
+        source = Path(data_dir) / f"{name}.jsonl"
+        docs = read_jsonl(source, name)
+    if not docs:
+        raise door.ModelError(f"{source} holds no documents")
+    prompts = []
+    for where, doc in docs:
+        try:
+            check_document(name, doc)
+            prompts.append(prompt(doc))
+        except KeyError as e:
+            raise door.ModelError(f"{source} {where}: document has no field {e}; "
+                                  f"see tests/data/eval/{name}.jsonl") from None
+        # TypeError: a list where an object belongs, ...
+        except (ValueError, TypeError, AttributeError, IndexError) as e:
+            raise door.ModelError(f"{source} {where}: malformed {name} document ({e})") from None
+    return prompts[:limit]
+
+
+def load_training(cfg, prompts: dict, prompt_of: dict) -> dict:
+    """{task: {"train": prompts, "validation": prompts (where there is a validation split), "eval":
+    the scored prompts}} of every task that has a training split, checked as the scored ones are;
+    prompt_of: each task's prompt function."""
+    splits = {}
+    for name in prompts if cfg.finetune_epochs else []:
+        if TRAIN_SPLITS[name] is None:
+            print(f"{name} has no training split: it is scored zero-shot")
+            continue
+        train, validation = TRAIN_SPLITS[name]
+        if cfg.train_dir:
+            if not (Path(cfg.train_dir) / f"{name}_train.jsonl").is_file():
+                raise door.ModelError(f"--train-dir {cfg.train_dir} holds no {name}_train.jsonl, "
+                                      f"the training split of {name}; add it or drop {name}")
+            train = "train"
+            has = (Path(cfg.train_dir) / f"{name}_validation.jsonl").is_file()
+            validation = "validation" if has else None
+        prompt, folder = prompt_of[name], cfg.train_dir
+        splits[name] = {"train": load_task(name, prompt, folder, cfg.finetune_limit, train),
+                        "eval": prompts[name]}
+        if validation:
+            splits[name]["validation"] = load_task(name, prompt, folder, cfg.limit, validation)
+    return splits
+
+
+def finetune_settings(cfg, family: str, name: str) -> tuple[list[float], int, int]:
+    """A task's learning rates, epochs and documents a step: the flags', else the paper's Tables 8
+    and 9's (MMLU: one epoch, the paper's)."""
+    lr, docs_per_step = PAPER_FINETUNE.get(family, {}).get(name, OUR_FINETUNE)
+    epochs = 1 if name == "mmlu" else cfg.finetune_epochs
+    return parse_lrs(cfg.finetune_lr) or [lr], epochs, cfg.finetune_batch_size or docs_per_step
+
+
+def check_requests(tokenized, max_len: int):
+    """The door to harness_window: every request has a context and 1 to max_len continuation
+    tokens (checked by every process under torchrun, before any request is scored)."""
+    for doc in tokenized:
+        for context, continuation in doc:
+            if not 0 < len(continuation) <= max_len:
+                raise door.ModelError(f"a continuation of {len(continuation)} tokens cannot be "
+                                      f"scored: it needs 1 to {max_len}, the model's context "
+                                      "length")
+            # the harness puts its prefix token there
+            if not context:
+                raise door.ModelError("a request with an empty context cannot be scored as the "
+                                      "harness scores it; fix its document")
+
+
+# --------------------------------------------------------------------------------------------------
+# evaluate.py's flags and files, checked before any work.
+
+def check_ppl_file(ppl: str) -> str | None:
+    """What is wrong with the --ppl path, or None."""
+    p = Path(ppl)
+    if p.is_dir():
+        why = "is a directory"
+    elif not p.exists():
+        why = "does not exist"
+    elif p.stat().st_size == 0:
+        why = "is empty"
+    else:
+        return None
+    return f"--ppl {p} {why}; pass a uint16 token file (data/*/prepare.py) or a text file"
+
+
+def read_ppl(cfg, enc, vocab_size: int):
+    """The --ppl file's tokens (text encoded as the tasks' text is), checked against the model; a
+    .bin without prepare.py's meta.json beside it is read unchecked, with one warning line."""
+    todo = "pass a file made with this model's tokenizer (data/*/prepare.py)"
+    meta = datafiles.check_tokenizer(cfg.ppl, enc, cfg.model, todo)
+    tokens = datafiles.read_tokens(cfg.ppl, enc, cfg.ppl_max_tokens, special=True)
+    if len(tokens) < 2:
+        raise door.ModelError("the --ppl file holds fewer than 2 tokens; give it more text")
+    if int(tokens.max()) >= int(vocab_size):
+        raise door.ModelError(f"the --ppl file holds token id {int(tokens.max())}, beyond the "
+                              f"model's vocabulary of {vocab_size}: was it prepared with another "
+                              "tokenizer?")
+    if meta is None and Path(cfg.ppl).suffix == ".bin" and devices.is_main():
+        print(f"warning: {cfg.ppl} has no meta.json beside it: its tokens are read as ids of "
+              f"{cfg.model}'s tokenizer, unchecked (data/*/prepare.py writes one)",
+              file=sys.stderr)
+    return tokens
+
+
+def check_lrs(cfg) -> str | None:
+    """What is wrong with --finetune-lr (a rate not a positive number, or named twice), or None."""
+    spec = cfg.finetune_lr
+    try:
+        lrs = parse_lrs(spec)
+    except ValueError:
+        lrs = [math.nan]
+    if not all(math.isfinite(lr) and lr > 0 for lr in lrs):
+        return f"--finetune-lr must be positive numbers separated by commas, got {spec!r}"
+    if len(set(lrs)) < len(lrs):
+        return f"--finetune-lr names a rate twice, got {spec!r}; pass each rate once"
+    return None
+
+
+def parse_lrs(spec: str) -> list[float]:
+    """--finetune-lr's values (check_lrs checks them first); [] where it is empty (each task's
+    default)."""
+    return [float(x) for x in spec.split(",") if x.strip()]
+
+
+def check_finetune(cfg) -> str | None:
+    """What is wrong with the flags given with --finetune-epochs, or None."""
+    if cfg.finetune_epochs and cfg.dtype != "float32":
+        return "fine-tuning trains float32 weights (under bf16 autocast on CUDA); drop --dtype"
+    return None
+
+
+def check_train_dir(cfg) -> str | None:
+    """What is wrong with --train-dir, or None."""
+    if Path(cfg.train_dir).is_dir():
+        return None
+    return (f"--train-dir {cfg.train_dir} is not a folder; pass the folder of <task>_train.jsonl "
+            "files")
+
+
+def check_output(output, teacher, ckpt, data_dir, ppl=None, flag="--output"):
+    """A ModelError, before any work, where `output` cannot be written or would replace a file
+    that the run reads (the teacher's, the checkpoint's, the tasks' or the --ppl file)."""
+    files.check_out(output, flag=flag, file=True)
+    out = Path(output).resolve()
+    reads = {Path(p).resolve() for p in (ppl, teacher) if p}
+    if ckpt:
+        reads |= {Path(ckpt, f).resolve() for f in ("config.json", "features.safetensors")}
+    folders = {Path(d).resolve() for d in (teacher, data_dir) if d}
+    if out.is_file() and (out in reads or out.parent in folders):
+        raise door.ModelError(f"{flag} {output} would replace a file this run reads (the "
+                              "checkpoint's, the teacher's, its data or tasks); pass another path")
+
+
+def check_student(ckpt, teacher):
+    """--ckpt's config.json read, and the teacher it names checked against --model
+    (checkpoint.check_teacher), before any model is loaded."""
+    if ckpt is None:
+        return
+    todo = "pass a complete distill.py checkpoint as --ckpt"
+    prev = files.read_json(Path(ckpt) / "config.json", todo)
+    if prev.get("teacher") is not None:
+        checkpoint.check_teacher(prev, teacher, f"checkpoint {ckpt}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables of evaluate.py's results.
+
+def print_results(report: dict, labels: list):
+    """Each task's n and, for each model (the teacher's in report, another's in report[label]),
+    its acc, acc_norm and acc's stderr."""
+    fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
+    parts = {label: report if label == "teacher" else report[label] for label in labels}
+    head = [f" | {label + ' acc':>14} {'acc_norm':>8} {'stderr':>7}" for label in parts]
+    print(f"{'task':<14} {'n':>5}" + "".join(head))
+    for name in report["results"]:
+        rs = [part["results"][name] for part in parts.values()]
+        cells = [f" | {fmt(r['acc']):>14} {fmt(r['acc_norm']):>8} {fmt(r['acc_stderr']):>7}"
+                 for r in rs]
+        print(f"{name:<14} {rs[0]['n']:>5}" + "".join(cells))
+
+
+def print_finetune(results: dict):
+    """Each task and model: zero-shot acc, the lr, acc after each epoch, both rules' acc."""
+    fmt = lambda r: "-" if r is None else f"{r['acc']:.4f}"  # noqa: E731
+    head = f"{'task':<14} {'model':<8} {'zero-shot':>9} {'lr':>8}"
+    print(head + "  acc after each epoch -> paper's rule | validation's rule")
+    for name, task in results.items():
+        for label, r in task.items():
+            if label == "seconds":
+                continue
+            accs = " ".join(fmt(e["eval"]) for e in r["epochs"])
+            paper, honest = r["rules"].get("paper"), r["rules"].get("validation")
+            print(f"{name:<14} {label:<8} {fmt(r['zero_shot']):>9} {r['lr']:>8.1e}  {accs} -> "
+                  f"{fmt(paper)} | {fmt(honest)}")
