@@ -53,7 +53,7 @@ class LongConfig(door.Config):
     offsets: str = door.opt("", "position offsets of 256-token windows ('': none)")
     seed: int = door.opt(0, "seed of the passkey trials")
     batch_size: int = door.opt(1, "passkey prompts of one length decoded at once", min=1)
-    out: str = door.opt(door.REQUIRED, "the JSON to write")
+    out: str = door.opt("long.json", "the JSON to write")
 
 
 def load(cfg):
@@ -114,6 +114,89 @@ def main(argv=None):
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     files.write_text_atomic(cfg.out, json.dumps(out, indent=1) + "\n")
     print(f"wrote {cfg.out}")
+
+
+def label(r):
+    """A row's name: the teacher, the untrained window or a student's configuration."""
+    if r["kind"] == "teacher":
+        return "teacher"
+    band = f"W={r['window']}, S={r['sinks']}"
+    if r["kind"] == "untrained":
+        return f"untrained window, {band}"
+    return "student (core), W=0" if r["window"] == 0 else f"trained hybrid, {band}"
+
+
+def mean_sd(xs, fmt):
+    """'m ± sd (n)' over seeds, or the one value."""
+    if len(xs) == 1:
+        return fmt.format(xs[0])
+    return f"{fmt.format(np.mean(xs))} ± {fmt.format(np.std(xs, ddof=1))}"
+
+
+def groups(records):
+    """label -> its records (seeds), teacher first, then by cache bytes."""
+    out = {}
+    for r in sorted(records, key=lambda r: (r["kind"] != "teacher", r["cache_bytes"] or 0)):
+        out.setdefault(label(r), []).append(r)
+    return out
+
+
+def tables(records):
+    """{"gap": the gap to the teacher's loss at each window length, "recall": passkey accuracy},
+    each a markdown table with a row per model (mean ± sd over seeds)."""
+    teacher = next(r for r in records if r["kind"] == "teacher")
+    contexts = list(teacher["loss"])
+    lengths = list(teacher.get("passkey", {}))
+    head = "| model | seeds | cache KiB a sequence |"
+    gap = [head + "".join(f" {T} tokens |" for T in contexts),
+           "|---|---:|---:|" + "---:|" * len(contexts)]
+    recall = [head + "".join(f" {n} tokens |" for n in lengths),
+              "|---|---:|---:|" + "---:|" * len(lengths)]
+    for name, rs in groups(records).items():
+        kib = "grows" if rs[0]["cache_bytes"] is None else f"{rs[0]['cache_bytes'] / 1024:,.0f}"
+        seeds = ", ".join(str(r.get("seed", "-")) for r in rs)
+        if name == "teacher":
+            cells = [f"{teacher['loss'][T]:.3f} (loss)" for T in contexts]
+        else:
+            cells = [mean_sd([r["loss"][T] - teacher["loss"][T] for r in rs], "{:+.3f}")
+                     for T in contexts]
+        gap.append(f"| {name} | {seeds} | {kib} | " + " | ".join(cells) + " |")
+        if all("passkey" in r for r in rs) and lengths:
+            cells = [mean_sd([r["passkey"][n]["accuracy"] for r in rs], "{:.2f}") for n in lengths]
+            recall.append(f"| {name} | {seeds} | {kib} | " + " | ".join(cells) + " |")
+    n = teacher["tokens"]
+    gap.append(f"\nNext-token loss minus the teacher's, on the first {n:,} held-out tokens cut into "
+               "windows of each length; mean ± sd (n − 1) over seeds.")
+    k = teacher["passkey"][lengths[0]]["n"] if lengths else 0
+    recall.append(f"\nPasskey accuracy, {k} trials a length (5-digit keys at depths spread evenly); "
+                  "mean ± sd over seeds.")
+    return {"gap": "\n".join(gap), "recall": "\n".join(recall)}
+
+
+def figure(records, path):
+    """The gap to the teacher against window length, and recall against prompt length."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    teacher = next(r for r in records if r["kind"] == "teacher")
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, rs in groups(records).items():
+        T = [int(t) for t in teacher["loss"]]
+        if name != "teacher":
+            gaps = [np.mean([r["loss"][str(t)] - teacher["loss"][str(t)] for r in rs]) for t in T]
+            a.plot(T, gaps, marker="o", label=name)
+        if all("passkey" in r for r in rs):
+            n = [int(x) for x in rs[0]["passkey"]]
+            acc = [np.mean([r["passkey"][str(x)]["accuracy"] for r in rs]) for x in n]
+            b.plot(n, acc, marker="o", label=name)
+    a.set(xscale="log", xlabel="window length (tokens)", ylabel="loss − teacher's (nats)",
+          title="gap to the teacher")
+    b.set(xscale="log", xlabel="prompt length (tokens)", ylabel="passkey accuracy",
+          title="recall", ylim=(-0.05, 1.05))
+    a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

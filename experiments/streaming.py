@@ -6,22 +6,36 @@ attends by its own exact softmax to each query's first S tokens (the sinks) and 
     y_i = sum_{j in E_i} softmax_j(q_i.k_j / sqrt d) v_j,   E_i = {j <= i: j > i - W or j < S}.
 
 Decoding keeps the S sink keys and a ring buffer of the last W keys and values: S + W tokens of KV
-cache a layer, whatever the context. experiments/window.py scores it beside the teacher when its
-evaluate command is given --window (and --sinks) without a checkpoint:
+cache a layer, whatever the context. This fork's evaluate command (and experiments/window.py's)
+scores it beside the teacher, and beside a --ckpt's student if given, on every evaluate.py flag:
 
-    python experiments/window.py evaluate --model smollm2-135m --window 64 --sinks 4 \\
-        --ppl data/wikitext2/val.bin --ppl-context 256
+    python experiments/streaming.py evaluate --model smollm2-135m --window 64 --sinks 4 \\
+        --ppl data/wikitext2/val.bin --ppl-context 256 --passkey 256,1024,2048
+
+How it forks the core: REPLACE sets evaluate.EvalConfig to one with --window and --sinks, and
+evaluate.load_models to the core's with the untrained window added as the model "window".
 """
 
 import copy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import door  # noqa: E402
+import evaluate  # noqa: E402
+import forks  # noqa: E402
+
+core_load_models = evaluate.load_models
+
 
 def exact_keys(i, j, W, S):
-    """Query positions i (n, 1) against key positions j (m,) -> (n, m): j <= i in the window or a sink."""
+    """Query positions i (n, 1) against key positions j (m,) -> (n, m): j <= i in the window or a
+    sink."""
     return (j <= i) & ((j > i - W) | (j < S))
 
 
@@ -92,3 +106,37 @@ def cache_bytes(config, window, sinks, dtype=torch.float32):
     """Bytes of the decoding cache of one sequence: keys and values of S + W tokens a layer."""
     per_token = 2 * config.n_kv_head * config.head_dim * torch.finfo(dtype).bits // 8
     return config.n_layer * (window + sinks) * per_token
+
+
+@dataclass
+class StreamingEvalConfig(evaluate.EvalConfig):
+    """evaluate.py with the teacher's untrained window of exact softmax beside it."""
+    window: int = door.opt(0, "also score the teacher restricted to each query's last W keys and "
+                           "--sinks first tokens, untrained (StreamingLLM; 0: not)", min=0)
+    sinks: int = door.opt(0, "sink tokens of the untrained window", min=0, needs="window")
+
+
+def load_models(cfg, device):
+    """The core's models, and with --window the untrained window "window" on the teacher."""
+    models = core_load_models(cfg, device)
+    if cfg.window:
+        W, S, teacher = cfg.window, cfg.sinks, models["teacher"]
+        models["window"] = sink_window(teacher, W, S)
+        kib = cache_bytes(teacher.config, W, S, getattr(torch, cfg.dtype)) / 1024
+        print(f"window: the teacher's exact softmax on the first {S} and last {W} keys of each "
+              f"query, untrained; its decoding cache holds {S + W} tokens a layer, {kib:,.0f} KiB "
+              f"a sequence")
+    core = models["student"].cores()[0] if "student" in models else None
+    band = getattr(core, "window", 0) + getattr(core, "sinks", 0)
+    T = cfg.ppl_context or models["teacher"].config.block_size
+    if cfg.ppl and band >= T:
+        print(f"note: the student's {band} exact keys (window and sinks) hold every key of a "
+              f"--ppl-context {T} window: its perplexity is its teacher's")
+    return models
+
+
+REPLACE = {(evaluate, "EvalConfig"): StreamingEvalConfig,
+           (evaluate, "load_models"): load_models}
+
+if __name__ == "__main__":
+    forks.fork(__file__, REPLACE)

@@ -36,6 +36,7 @@ import forks  # noqa: E402
 import distill  # noqa: E402
 import evaluate  # noqa: E402
 import model  # noqa: E402
+import streaming  # noqa: E402
 
 # the core's, which this fork's wrap
 CoreLinearAttention = model.LinearAttention
@@ -329,7 +330,8 @@ REPLACE = {(model, "LinearAttention"): WindowAttention,
            (distill, "layer_losses"): layer_losses,
            (distill, "make_student"): make_student,
            (distill, "DistillConfig"): WindowConfig,
-           (evaluate, "load_student"): load_student}
+           (evaluate, "load_student"): load_student,
+           **streaming.REPLACE}  # evaluate --window W --sinks S: the untrained window beside
 
 if __name__ == "__main__":
     forks.fork(__file__, REPLACE)

@@ -1,13 +1,17 @@
 """experiments/streaming.py, the untrained window with sinks: against a plain masked softmax on the teacher's scores,
 decoding against the full forward, and a window that holds every key against the teacher."""
 
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
+import evaluate
 import model
 import streaming
+from conftest import cli
 from test_dof import qkv, rel
 
 
@@ -57,3 +61,29 @@ def test_the_baseline_shares_the_teachers_weights_and_generates_as_its_forward(c
     assert torch.equal(out, greedy)
     c = teacher.config
     assert streaming.cache_bytes(c, 6, 2) == c.n_layer * 8 * 2 * c.n_kv_head * c.head_dim * 4
+
+
+def test_the_fork_scores_the_untrained_window_beside_the_teacher_and_refuses_sinks_without_a_window(setup, tmp_path):
+    """`streaming.py evaluate --window 8 --sinks 2`: perplexity and passkey of the model "window" beside the teacher,
+    the perplexity the in-process baseline gives; a window holding every key scores as the teacher; --sinks alone
+    is one sentence."""
+    d, ckpt, data = setup
+    out = tmp_path / "r.json"
+    r = cli("experiments/streaming.py", "evaluate", "--model", ckpt, "--window", 8, "--sinks", 2, "--ppl",
+            data / "val.bin", "--ppl-max-tokens", 300, "--ppl-context", 64, "--passkey", 80, "--passkey-trials", 2,
+            "--device", "cpu", "--output", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "its decoding cache holds 10 tokens a layer" in r.stdout
+    report = json.loads(out.read_text())
+    tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
+    baseline = streaming.sink_window(model.GPT.from_pretrained(ckpt), 8, 2)
+    assert report["ppl"]["window"]["loss"] == pytest.approx(evaluate.perplexity(baseline, tokens, 64)["loss"], rel=1e-6)
+    assert report["ppl"]["window"]["loss"] != pytest.approx(report["ppl"]["teacher"]["loss"], rel=1e-4)
+    assert set(report["passkey"]) == {"settings", "teacher", "window"}
+    r = cli("experiments/streaming.py", "evaluate", "--model", ckpt, "--window", 64, "--ppl", data / "val.bin",
+            "--ppl-max-tokens", 300, "--ppl-context", 64, "--device", "cpu", "--output", out)
+    ppl = json.loads(out.read_text())["ppl"]
+    assert r.returncode == 0 and ppl["window"]["loss"] == pytest.approx(ppl["teacher"]["loss"], rel=1e-6)
+    r = cli("experiments/streaming.py", "evaluate", "--model", ckpt, "--sinks", 4, "--ppl", data / "val.bin",
+            "--device", "cpu")
+    assert r.returncode == 2 and r.stderr == "error: --sinks needs --window; pass --window too, or drop --sinks\n"
