@@ -662,6 +662,13 @@ def grid_blocks(grid, results, figures):
             for name, table in window_cost.tables(read(p)).items():
                 made[f"window-cost:{name}"] = table
         return made
+    if grid == "long":                           # bench/long_context.py: loss by window length, recall, cache
+        import long_context
+        records = [read(p) for p in sorted((Path(results) / grid).glob("*.json"))]
+        for name, table in long_context.tables(records).items():
+            made[f"long:{name}"] = table
+        long_context.figure(records, Path(figures) / "fig-long-context.png")
+        return made
     if grid == "finetune":                       # evaluate.py's results.json with --finetune-epochs
         for p in sorted((Path(results) / grid).glob("*.json")):
             made[f"finetune:{p.stem}"] = finetune_table(read(p))

@@ -57,12 +57,21 @@ class SinkWindowAttention(nn.Module):
               for t in range(q.size(2))]
         return torch.cat(ys, 2)
 
-    def attend(self, q, k, v, pos):
-        """Queries at positions pos (T,) against keys 0..n-1, masked to each query's exact keys."""
-        j = torch.arange(k.size(2), device=q.device)
-        mask = exact_keys(pos[:, None], j, self.window, self.sinks)  # (T, n)
+    def attend(self, q, k, v, pos, block=128):
+        """Queries at positions pos (T,) against keys 0..n-1, masked to each query's exact keys: a
+        block of queries at a time over the sinks before its first window and the keys from there
+        (O(T (block + W + S)) work, not O(T^2))."""
         gqa = k.size(1) != q.size(1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        ys = []
+        for s in range(0, q.size(2), block):
+            e = min(q.size(2), s + block)
+            lo = max(0, int(pos[s]) - self.window + 1)
+            hi = int(pos[e - 1]) + 1
+            j = torch.cat((torch.arange(min(self.sinks, lo)), torch.arange(lo, hi))).to(q.device)
+            mask = exact_keys(pos[s:e, None], j, self.window, self.sinks)  # (b, n)
+            ys.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, j], v[:, :, j],
+                                                     attn_mask=mask, enable_gqa=gqa))
+        return torch.cat(ys, 2)
 
     def prefill(self, q, k, v, cache):
         """The first tokens, then the cache of their sinks and last W tokens."""

@@ -28,8 +28,10 @@ def masked_softmax(q, k, v, W, S):
 @pytest.mark.parametrize("W,S", [(1, 0), (5, 0), (5, 3), (1, 4), (16, 2), (60, 0), (3, 60)])
 def test_sink_window_is_masked_softmax_on_the_teachers_scores(W, S):
     q, k, v = [x.double() for x in qkv(2, 4, 2, 37, 16, scale=1.5, seed=W + S)]
-    y = streaming.SinkWindowAttention(W, S)(q, k, v)
-    assert rel(y, masked_softmax(q, k, v, W, S)) < 1e-12
+    core = streaming.SinkWindowAttention(W, S)
+    want = masked_softmax(q, k, v, W, S)
+    assert rel(core(q, k, v), want) < 1e-12
+    assert rel(core.attend(q, k, v, torch.arange(37), block=7), want) < 1e-12     # blocks of queries
 
 
 def test_a_window_that_holds_every_key_is_the_teacher():
