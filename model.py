@@ -130,6 +130,15 @@ class PRF(nn.Module):
         dt = torch.promote_types(x.dtype, torch.float32)
         return overflow_safe_prf(x.to(dt), self.z.to(dt), self.log_alpha.to(dt), is_query)
 
+    @staticmethod
+    def stacked(maps, q, k, log=False):
+        """Features (log: log Phi) of maps of one M as one, for heads side by side in fp32 q, k
+        (B, G H, T, D): z, alpha concatenated. A map with `stacked` stacks in layer_losses."""
+        z, la = (torch.cat([getattr(f, n) for f in maps]) for n in ("z", "log_alpha"))
+        if log:
+            return prf_log_features(q, z, la), prf_log_features(k, z, la)
+        return overflow_safe_prf(q, z, la, True), overflow_safe_prf(k, z, la, False)
+
 
 def prf_log_features(x, z, log_alpha):
     """The plain formula in log: log Phi(x)_m = log sqrt(alpha_m / M) + z_m.x~ - |x~|^2 / 2.
@@ -185,10 +194,10 @@ class DiJiang(nn.Module):
         # C[k, n], the orthonormal DCT-II (scipy's 'ortho')
         C = torch.cos(math.pi * n[:, None] * (2 * n + 1) / (2 * head_dim)) * math.sqrt(2 / head_dim)
         C[0] /= math.sqrt(2)
-        seed = int(torch.randint(2 ** 31, ()))
+        seed = int(torch.randint(2 ** 31, ()))  # Sobol's scramble, from torch's seeded generator
         sobol = torch.quasirandom.SobolEngine(1, scramble=True, seed=seed)
         u = sobol.draw(nb * head_dim, dtype=torch.float64).view(nb, 1, head_dim)
-        w = torch.special.ndtri(u.clamp(1e-7, 1 - 1e-7))  # (nb, 1, d)
+        w = torch.special.ndtri(u.clamp(1e-7, 1 - 1e-7))  # (nb, 1, d); off 0 and 1: finite
         P = (C * w).transpose(0, 1).reshape(head_dim, nb * head_dim)  # [C diag(w_1) | ...]
         self.register_buffer("proj", P[:, :M].float().contiguous())  # (d, M)
 
@@ -307,9 +316,9 @@ class LinearAttention(nn.Module):
             v = repeat_kv(v, self.n_head)  # (B, H, T, D)
             if cache is None:
                 return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
-            # decoding: the recurrent step for one token, the scan from the state for more
-            state = (cache["S"], cache["s"]) if cache else None
-            if state and v.size(2) == 1:
+            # decoding: the recurrent step for one token, the scan for more (from no state: {})
+            state = (cache["S"], cache["s"]) if "S" in cache else None
+            if state is not None and v.size(2) == 1:
                 y, S, s = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], *state)
                 y = y[:, :, None]
             else:
@@ -454,12 +463,12 @@ class GPT(nn.Module):
         hf_config, sd = checkpoint.read_checkpoint(name)
         cfg = GPTConfig(**checkpoint.config_from_hf(hf_config, name))
         with torch.device("meta"):
-            model = cls(cfg)  # no memory until the weights are assigned
-        shapes = {k: t.shape for k, t in model.state_dict().items()}
-        model.load_state_dict(checkpoint.convert_state_dict(cfg, sd, name, shapes), assign=True)
+            gpt = cls(cfg)  # no memory until the weights are assigned
+        shapes = {k: t.shape for k, t in gpt.state_dict().items()}
+        gpt.load_state_dict(checkpoint.convert_state_dict(cfg, sd, name, shapes), assign=True)
         if cfg.tie_embeddings:
-            model.lm_head.weight = model.wte.weight  # assign=True replaced the shared parameter
-        return model.to(device=device, dtype=dtype).eval()
+            gpt.lm_head.weight = gpt.wte.weight  # assign=True replaced the shared parameter
+        return gpt.to(device=device, dtype=dtype).eval()
 
 
 def feature_state(student):
@@ -477,9 +486,10 @@ def load_feature_state(student, sd, where):
 
 
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
-    """A distill.py checkpoint directory -> (the teacher in `dtype` with its trained fp32 cores,
-    config.json's dict). teacher: the GPT to linearise (its weights shared), or the name or path
-    to load it from; by default config.json's. Whoever names it has checked it
+    """A distill.py checkpoint directory -> (the student, config.json's dict): the teacher
+    linearised with its dims, its trained fp32 features loaded once checked. teacher: a GPT, used
+    as it is (its device and dtype; its weights shared), or the name or path to load in `dtype` on
+    `device`; by default config.json's. That it is the checkpoint's teacher is the caller's check
     (checkpoint.check_teacher)."""
     cfg, sd = checkpoint.read_student(ckpt_dir)
     if not isinstance(teacher, GPT):

@@ -794,7 +794,7 @@ def test_init_from_takes_the_student_settings_of_the_checkpoint(tmp_path):
     save_file({"x": torch.zeros(1)}, str(src / "features.safetensors"))
     (src / "config.json").write_text(json.dumps({"teacher": "gpt2", "dims": [6, 6], "feature_map": "performer",
                                                  "chunk_size": 32, "center_keys": True, "budget": 6}))
-    cfg = distill.parse_args(["--data", "d", "--init-from", src, "--out-dir", tmp_path / "out"])
+    cfg = door.parse_config(distill.DistillConfig, ["--data", "d", "--init-from", src, "--out-dir", tmp_path / "out"])
     cfg = resume.with_checkpoint_settings(cfg, resume.from_checkpoint(cfg))
     assert (cfg.feature_map, cfg.chunk_size, cfg.center_keys, cfg.budget) == ("performer", 32, True, 6)
 
@@ -918,12 +918,26 @@ def test_summary_says_when_the_prompt_was_cut_to_the_context(setup, capsys):
 
 
 def test_preset_prints_its_flags_and_flags_given_win(capsys, monkeypatch):
-    cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
+    cfg = door.parse_config(distill.DistillConfig, ["--preset", "cpu", "--max-steps", "7"])
     assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)
-    assert f"--preset cpu: {distill.PRESETS['cpu']} (flags given win)\n" == capsys.readouterr().out   # --max-steps 7
+    preset = distill.DistillConfig.PRESETS["cpu"]
+    assert f"--preset cpu: {preset} (flags given win)\n" == capsys.readouterr().out   # --max-steps 7
     for k, v in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(k, v)                                      # torchrun's other processes: not again
-    assert distill.parse_args(["--preset", "cpu"]).budget == 32 and capsys.readouterr().out == ""
+    assert door.parse_config(distill.DistillConfig, ["--preset", "cpu"]).budget == 32
+    assert capsys.readouterr().out == ""
+
+
+def test_dims_and_the_calibration_sample_are_checked_at_the_door():
+    """--dims: one positive whole number per layer, or one sentence; dof.py's J: at most the queries+keys a head
+    that its calibration windows hold (2 per token)."""
+    for bad in ("0,8", "8", "8,8,8", "8,x"):
+        with pytest.raises(door.ModelError, match=r"--dims needs 2 comma-separated positive integers, one per layer"):
+            datafiles.parse_dims(bad, 2)
+    assert datafiles.parse_dims("1,30", 2) == [1, 30]
+    with pytest.raises(door.ModelError, match="J=100 is more than the 40 queries"):
+        datafiles.check_sample(100, 1, 20)
+    assert datafiles.check_sample(40, 1, 20) is None
 
 
 def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, tmp_path, monkeypatch):
@@ -1015,7 +1029,7 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, x, "--data", ""), r"^--data is empty; pass a value, or drop the flag"),
         (distill_args(ckpt, data, x, "--block-size", "1"), r"^--block-size must be at least 2: in a window of one "
          r"token each query would see only itself, and nothing would train$"),                # had trained nothing
-        (distill_args(ckpt, data, x, "--block-size", "129"), r"^--block-size 129 is more than the teacher's context "
+        (distill_args(ckpt, data, x, "--block-size", "129"), r"^--block-size 129 is more than the model's context "
          r"of 128 tokens; pass at most --block-size 128$"),                                    # had been cut to 128
         (distill_args(ckpt, data, copy(base, "metrics.json", "set", (base / "metrics.json").read_bytes()), *again,
                       "--preset", "cpu"), r"was started without --preset cpu, so its --warmup-steps was 100, not 45; "
@@ -1476,7 +1490,9 @@ def test_train_step_weighs_each_of_grad_accum_micro_batches_by_one_over_grad_acc
         for accum in (1, 3):
             cfg = distill.DistillConfig(loss=kind, grad_accum=accum, query_block=8, out_dir="x")
             optim = RecordingOptim([p for p in student.parameters() if p.requires_grad])
-            losses = distill.train_step(cfg, teacher, student, optim, lambda: (x, y), contextlib.nullcontext(), 0)
+            trainer = distill.Trainer(cfg, teacher, student, optim, None, None, "cpu")
+            trainer.next_batch = lambda: (x, y)
+            losses = distill.train_step(trainer, 0)
             out[accum] = losses, optim.grads
         assert out[1][0].shape == ((1,) if kind == "direct" else (2,))
         assert torch.allclose(out[1][0], out[3][0], rtol=1e-6), (kind, out[1][0], out[3][0])

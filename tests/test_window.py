@@ -163,7 +163,7 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
         student, _ = E.load_student(out)
         assert [c.window for c in student.cores()] == [8] * 4
         x = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16)[:64].astype(np.int64))[None]
-        cfg = distill.parse_args(distill_args(ckpt, data, out, "--window", 8))
+        cfg = door.parse_config(distill.DistillConfig, distill_args(ckpt, data, out, "--window", 8))
         again = distill.student_losses(cfg, M.GPT.from_pretrained(ckpt),
                                        student, x, torch.autocast("cpu", enabled=False), "softmax")
     assert all(map(math.isfinite, kl)) and again.min() > 0
