@@ -74,15 +74,14 @@ def check_memory(cfg, mc, device, dims=None, direct=False):
     """Refuse a step that cannot fit, before anything large is allocated (floats, roughly);
     direct: the next-token loss, whose backward pass runs through the whole student. --dims is
     parsed here, the first use of it (parse_dims)."""
-    import distill   # the blocks of its layerwise losses (it imports this module)
     B, T, H, L, C = cfg.batch_size, cfg.block_size, mc.n_head, mc.n_layer, mc.n_embd
     if dims is None and cfg.dims:
         dims = parse_dims(cfg.dims, L)
     M = int(np.max(dims or 4 * cfg.budget))                               # DoF dims reach 4 C
     # the attention rows of a layer_losses block
-    rows = H * min(cfg.query_block or distill.QUERY_BLOCK, T)
+    rows = H * min(cfg.query_block or cfg.QUERY_BLOCK, T)
     if device.startswith("cuda") and cfg.stack != "no":
-        rows = min(L * H * T, distill.STACK_FLOATS // (B * T))
+        rows = min(L * H * T, cfg.STACK_FLOATS // (B * T))
     # every layer's q and k, the rows, the features, the activations
     floats = B * T * (L * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * H * M + 8 * C)
     if direct:

@@ -32,8 +32,6 @@ import resume
 import tokenizer
 from model import GPT, feature_state, load_feature_state
 
-QUERY_BLOCK = 128         # queries per block of one layer's loss: its rows take 128 T floats a head
-STACK_FLOATS = 2 ** 26    # floats (256 MiB) a block of stacked layers' rows: few, large GPU kernels
 VAL_SEED_OFFSET = 1       # validation windows from --seed + 1, training windows from --seed
 
 # Configuration: the paper's knobs first, then ours
@@ -113,6 +111,11 @@ class DistillConfig(door.Config):
     dtype: str = door.opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",
                           ("auto", "float32", "bfloat16"))
 
+    # the layerwise losses' blocks (--query-block 0), which the memory check counts too: queries
+    # per block of one layer (its rows: 128 T floats a head), and floats (256 MiB) per block of
+    # stacked layers (few, large kernels on a GPU)
+    QUERY_BLOCK = 128
+    STACK_FLOATS = 2 ** 26
     # --resume refuses other values of these (the data, batches, losses, schedule)
     RESUMED = ("loss", "lr_z", "lr_alpha", "block_size", "data", "init_from", "batch_size",
                "grad_accum", "warmup_steps", "min_lr_frac", "eval_iters", "seed")
@@ -237,8 +240,8 @@ def l2_loss_blockwise(q, k, lq, lk, block, grad_scale=None):
 def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
     """(L,) float64: each layer's mean softmax or l2 loss on its teacher (q, k), keys centred; with
     scale, scale * each loss backpropagated into its core. stack (default: on a GPU): layers of one
-    map type and M, whose map has a stacked form, run as one, in blocks of up to STACK_FLOATS;
-    else each layer alone in blocks of QUERY_BLOCK queries."""
+    map type and M, whose map has a stacked form, run as one, in blocks of up to
+    DistillConfig.STACK_FLOATS; else each layer alone in blocks of QUERY_BLOCK queries."""
     dev = qk[0][0].device
     stack = qk[0][0].is_cuda if stack is None else stack
     groups = {}
@@ -264,9 +267,9 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
             pq, pk = fq.detach().requires_grad_(grad), fk.detach().requires_grad_(grad)
             if grad:
                 pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
-            block = QUERY_BLOCK
+            block = DistillConfig.QUERY_BLOCK
             if stack:
-                block = max(1, min(T, STACK_FLOATS // (B * q.size(1) * T)))
+                block = max(1, min(T, DistillConfig.STACK_FLOATS // (B * q.size(1) * T)))
             row_scale = scale / (B * H * T) if grad else None
             sums = blockwise(q * D ** -0.5, kc, pq, pk, query_block or block, row_scale)  # (G H,)
             out[ls] = sums.view(len(ls), H).sum(1) / (B * H * T)
@@ -353,13 +356,13 @@ def lr_factor(step, cfg):
     return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def student_losses(cfg, teacher, student, x, amp, kind, scale=None):
+def student_losses(t, x, kind, scale=None):
     """One teacher pass over x, then every layer's loss on its own queries and keys -> (L,)
     float64 (layer_losses)."""
-    with amp:
-        qk = dof.teacher_qk(teacher, x)
-    stack = {"auto": None, "yes": True, "no": False}[cfg.stack]
-    return layer_losses(student.cores(), qk, kind, cfg.query_block, scale, stack)
+    with t.amp:
+        qk = dof.teacher_qk(t.teacher, x)
+    stack = {"auto": None, "yes": True, "no": False}[t.cfg.stack]
+    return layer_losses(t.student.cores(), qk, kind, t.cfg.query_block, scale, stack)
 
 
 def step_loss(cfg, step):
@@ -385,7 +388,7 @@ def train_step(t, step):
             loss = loss.detach().double()[None]
         else:
             # the layerwise losses run their backward pass themselves
-            loss = student_losses(cfg, t.teacher, t.student, x, t.amp, kind, 1 / cfg.grad_accum)
+            loss = student_losses(t, x, kind, 1 / cfg.grad_accum)
         losses = losses + loss / cfg.grad_accum
     # under torchrun, every process's mean gradient
     grads = [p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None]
@@ -408,7 +411,7 @@ def validate(t, step):
     """The held-out numbers at `step`: the student's next-token loss and each layer's attention
     KL (every process's mean), checked to be finite."""
     with torch.no_grad():
-        kl = sum(student_losses(t.cfg, t.teacher, t.student, x, t.amp, "softmax") for x, _ in t.val)
+        kl = sum(student_losses(t, x, "softmax") for x, _ in t.val)
     devices.all_mean([kl])
     v = {"step": step, "teacher_loss": t.metrics["teacher_loss"],
          "student_loss": lm_loss(t.student, t.val, t.amp), "attn_kl": (kl / len(t.val)).tolist()}
@@ -503,9 +506,10 @@ def print_start(cfg, teacher, data, dims, device):
           f"{cfg.feature_map} features, loss {cfg.loss}, {batch}, device {device}")
 
 
-def print_summary(cfg, teacher, student, metrics, step, enc, device):
+def print_summary(t, step, enc):
     """Held-out attention KL and next-token loss, first and last, and greedy continuations of
     --prompt (its last tokens, so that prompt and continuation fit the teacher's context)."""
+    cfg, teacher, metrics = t.cfg, t.teacher, t.metrics
     v0, v1 = metrics["val"][0], metrics["val"][-1]
     start = f"from {cfg.init_from}" if cfg.init_from else "untrained"
     print(f"\nsummary: {cfg.out_dir} at step {step}\n"
@@ -518,8 +522,8 @@ def print_summary(cfg, teacher, student, metrics, step, enc, device):
     ids, keep = enc.encode_ordinary(cfg.prompt), teacher.config.block_size - new
     cut = f" (its last {keep} tokens)" if len(ids) > keep else ""
     print(f"\ngreedy continuations of {cfg.prompt!r}{cut}:")
-    x = torch.tensor([ids[-keep:]], device=device)
-    for name, m in (("teacher", teacher), ("student", student)):
+    x = torch.tensor([ids[-keep:]], device=t.device)
+    for name, m in (("teacher", teacher), ("student", t.student)):
         print(f"  {name}: {enc.decode(m.generate(x, new)[0, x.size(1):].tolist())!r}")
 
 
@@ -570,7 +574,7 @@ def distil(cfg):
     record = resume.run_record(cfg, dims, layer_dof, meta, step)
     t = Trainer(cfg, teacher, student, optim, gen, data["train"], device, amp, val, metrics, record)
     step = train(t, step)
-    print_summary(cfg, teacher, student, metrics, step, enc, device)
+    print_summary(t, step, enc)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,8 @@ class SoftmaxAttention(nn.Module):
 
 # beta of overflow_safe_prf: key features are at most e^32 ~ 8e13, far below fp32's 3e38
 KEY_SHIFT = 32.0
+# y's denominator's floor: below it (no key reaches the query) y shrinks to 0, its gradient finite
+DEN_EPS = 1e-30
 
 
 class PRF(nn.Module):
@@ -222,18 +224,16 @@ def linear_attention_reference(phi_q, phi_k, v):
     return (A @ v.to(dt)) / A.sum(-1, keepdim=True)  # (B, H, T, D)
 
 
-def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_state=False,
-                            eps=1e-30):
+def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_state=False):
     """The reference's y in O(T) memory, in fp32: causal_linear_sums's numerator over its
-    denominator. That is held at eps: below it (no key's features reach the query) y shrinks
-    toward 0, which keeps the gradient y / den finite. state = (S, s) continues earlier tokens;
-    return_state=True returns (y, S, s)."""
+    denominator, held at DEN_EPS. state = (S, s) continues earlier tokens; return_state=True
+    returns (y, S, s)."""
     B, H, T, D = v.shape
     v1 = torch.cat((v, v.new_ones(B, H, T, 1)), -1)  # [v | 1] (B, H, T, D+1)
     if state is not None:
         state = torch.cat((state[0], state[1][..., None]), -1)  # (B, H, M, D+1)
     out, last = causal_linear_sums(phi_q, phi_k, v1, chunk_size, state)
-    y = out[..., :D] / out[..., D:].clamp_min(eps)  # (B, H, T, D)
+    y = out[..., :D] / out[..., D:].clamp_min(DEN_EPS)  # (B, H, T, D)
     if not return_state:
         return y
     return y, last[..., :D], last[..., D]
@@ -265,7 +265,7 @@ def causal_linear_sums(phi_q, phi_k, v1, chunk_size=64, state=None):
     return out, P[:, :, -1] + U[:, :, -1]
 
 
-def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
+def linear_attention_step(phi_q, phi_k, v, S, s):
     """One token of decoding, the recurrent form:
         S <- S + phi_k v^T,   s <- s + phi_k,   y = phi_q S / phi_q.s
     phi_q, phi_k (B, H, M), v (B, H, D), S (B, H, M, D), s (B, H, M) -> (y (B, H, D), S, s)."""
@@ -273,7 +273,7 @@ def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
     s = s + phi_k  # (B, H, M)
     # a tiny product: elementwise beats a threaded bmm on the CPU
     num = (phi_q[..., :, None] * S).sum(-2)
-    return num / (phi_q * s).sum(-1, keepdim=True).clamp_min(eps), S, s
+    return num / (phi_q * s).sum(-1, keepdim=True).clamp_min(DEN_EPS), S, s
 
 
 def repeat_kv(x, H):

@@ -953,10 +953,11 @@ def plain_l2(core, q, k):
 @pytest.mark.parametrize("query_block", [0, 16, 50])
 @pytest.mark.parametrize("stack", [True, False])
 def test_layers_stacked_in_one_loss_equal_each_layer_alone(kind, query_block, stack):
-    """layer_losses, with layers of one PRF-type map and M run as one over their stacked heads (a GPU's layout: two
-    learned PRF layers of M = 8, one of M = 12, a Performer and a DiJiang layer of M = 8 alone) or one by one (a
-    CPU's): each layer's value and the gradients of every feature parameter equal that layer's plain T x T form
-    (softmax_loss, the l2 loss written out) by autograd; T = 50 with blocks of 16 (not a divisor), 50 and auto."""
+    """layer_losses, with layers of one map type and M run as one over their stacked heads where the map has a
+    stacked form (PRF.stacked; a GPU's layout: two learned PRF layers of M = 8, one of M = 12, a Performer and a
+    DiJiang layer of M = 8 alone) or one by one (a CPU's): each layer's value and the gradients of every feature
+    parameter equal that layer's plain T x T form (softmax_loss, the l2 loss written out) by autograd; T = 50 with
+    blocks of 16 (not a divisor), 50 and auto."""
     torch.manual_seed(21)
     cores = [LinearAttention(4, 2, 16, m, f) for m, f in ((8, "prf"), (12, "prf"), (8, "prf"), (8, "performer"),
                                                           (8, "dijiang"))]

@@ -93,6 +93,19 @@ def test_command_on_token_files(tmp_path, capsys):
         "per_head_dof"]
 
 
+def test_table_warns_where_the_dof_nears_j_or_is_0_everywhere(capsys):
+    """dof.py's warnings: DoF/J above 0.9 names J as a cause as well as lambda; a DoF of 0 in every layer (lambda that
+    large) says that the rules fall back to the budget everywhere, as fix; neither warns otherwise."""
+    cfg = types.SimpleNamespace(model="m", J=100, lam=1.0, lam_relative=False, center_keys=False, budget=4)
+    for per_head, warning in ((np.full((2, 2), 95.0), "DoF/J > 0.9: the estimate saturates at J; raise --J, or "),
+                              (np.zeros((2, 2)), "every DoF is 0 (lambda is that large), so dof, clip and reverse "),
+                              (np.full((2, 2), 50.0), None)):
+        dims = {rule: dof.allocate(per_head.max(1), 4, rule, 16) for rule in dof.RULES}
+        dof.print_table(cfg, per_head, dims)
+        err = capsys.readouterr().err
+        assert (warning in err and err.count("warning") == 1) if warning else err == "", err
+
+
 def test_command_bad_input(tmp_path):
     ckpt = tmp_path / "ckpt"
     tiny_gpt2(ckpt)
@@ -913,7 +926,9 @@ def test_summary_says_when_the_prompt_was_cut_to_the_context(setup, capsys):
     d, ckpt, _ = setup
     teacher, v = GPT.from_pretrained(ckpt), {"attn_kl": [0.1] * 4, "student_loss": 1.0}
     cfg = distill.DistillConfig(prompt="word " * 500, out_dir="x")
-    distill.print_summary(cfg, teacher, teacher, {"val": [v], "teacher_loss": 1.0}, 0, load_tokenizer(ckpt), "cpu")
+    trainer = distill.Trainer(cfg, teacher, teacher, None, None, None, "cpu",
+                              metrics={"val": [v], "teacher_loss": 1.0})
+    distill.print_summary(trainer, 0, load_tokenizer(ckpt))
     assert f"(its last {teacher.config.block_size - 30} tokens):" in capsys.readouterr().out
 
 
