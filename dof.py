@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import datafiles
 import devices
@@ -183,8 +182,7 @@ def choose_dims(teacher, batches, cfg, key_means=None):
     if cfg.alloc == "fix":
         return [int(cfg.budget)] * teacher.config.n_layer, None, None
     x = collect_qk(teacher, batches, cfg.J, cfg.seed, key_means)              # (L, H, J, D)
-    layers = tqdm(x, desc="DoF", unit="layer")
-    head = torch.stack([degrees_of_freedom(xl, cfg.lam, cfg.lam_relative).cpu() for xl in layers])
+    head = degrees_of_freedom(x, cfg.lam, cfg.lam_relative).cpu()            # (L, H)
     layer = head.amax(-1)                                                    # (L,)
     dims = allocate(layer, cfg.budget, cfg.alloc, teacher.config.head_dim)
     return dims, layer.tolist(), head
