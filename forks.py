@@ -8,12 +8,15 @@ import os
 import shlex
 import sys
 from contextlib import contextmanager
+from dataclasses import fields
 from pathlib import Path
 
 import door
 
 # the running fork's script, relative to the core (None: a core script)
 FORK = None
+# the scripts a fork runs
+CORE_SCRIPTS = ("distill", "evaluate", "dof")
 
 
 def fork(script, replace, argv=None):
@@ -52,3 +55,11 @@ def check_fork(made_by, what, teacher):
     raise door.ModelError(f"{what} was made by the fork {made_by}; open it with that script, e.g. "
                           f"`{command}`, or resume it with that script and the flags it was "
                           "started with")
+
+
+def own_flags(cfg):
+    """The flags a fork's config adds to the core script's config, with their values."""
+    core = next((c for c in type(cfg).__mro__ if c.__module__ in CORE_SCRIPTS), type(cfg))
+    base = {f.name for f in fields(core)}
+    own = [f"{door.flag(f.name)} {getattr(cfg, f.name)}" for f in fields(cfg) if f.name not in base]
+    return " ".join(own) or "the core's flags"

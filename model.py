@@ -102,6 +102,8 @@ class SoftmaxAttention(nn.Module):
 
 # beta of overflow_safe_prf: key features are at most e^32 ~ 8e13, far below fp32's 3e38
 KEY_SHIFT = 32.0
+# y's denominator's floor: below it (no key reaches the query) y shrinks to 0, its gradient finite
+DEN_EPS = 1e-30
 
 
 class PRF(nn.Module):
@@ -129,6 +131,15 @@ class PRF(nn.Module):
         """Phi(x) times factors that cancel in attention (overflow_safe_prf)."""
         dt = torch.promote_types(x.dtype, torch.float32)
         return overflow_safe_prf(x.to(dt), self.z.to(dt), self.log_alpha.to(dt), is_query)
+
+    @staticmethod
+    def stacked(maps, q, k, log=False):
+        """Features (log: log Phi) of maps of one M as one, for heads side by side in fp32 q, k
+        (B, G H, T, D): z, alpha concatenated. A map with `stacked` stacks in layer_losses."""
+        z, la = (torch.cat([getattr(f, n) for f in maps]) for n in ("z", "log_alpha"))
+        if log:
+            return prf_log_features(q, z, la), prf_log_features(k, z, la)
+        return overflow_safe_prf(q, z, la, True), overflow_safe_prf(k, z, la, False)
 
 
 def prf_log_features(x, z, log_alpha):
@@ -185,10 +196,10 @@ class DiJiang(nn.Module):
         # C[k, n], the orthonormal DCT-II (scipy's 'ortho')
         C = torch.cos(math.pi * n[:, None] * (2 * n + 1) / (2 * head_dim)) * math.sqrt(2 / head_dim)
         C[0] /= math.sqrt(2)
-        seed = int(torch.randint(2 ** 31, ()))
+        seed = int(torch.randint(2 ** 31, ()))  # Sobol's scramble, from torch's seeded generator
         sobol = torch.quasirandom.SobolEngine(1, scramble=True, seed=seed)
         u = sobol.draw(nb * head_dim, dtype=torch.float64).view(nb, 1, head_dim)
-        w = torch.special.ndtri(u.clamp(1e-7, 1 - 1e-7))  # (nb, 1, d)
+        w = torch.special.ndtri(u.clamp(1e-7, 1 - 1e-7))  # (nb, 1, d); off 0 and 1: finite
         P = (C * w).transpose(0, 1).reshape(head_dim, nb * head_dim)  # [C diag(w_1) | ...]
         self.register_buffer("proj", P[:, :M].float().contiguous())  # (d, M)
 
@@ -213,18 +224,16 @@ def linear_attention_reference(phi_q, phi_k, v):
     return (A @ v.to(dt)) / A.sum(-1, keepdim=True)  # (B, H, T, D)
 
 
-def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_state=False,
-                            eps=1e-30):
+def causal_linear_attention(phi_q, phi_k, v, chunk_size=64, state=None, return_state=False):
     """The reference's y in O(T) memory, in fp32: causal_linear_sums's numerator over its
-    denominator. That is held at eps: below it (no key's features reach the query) y shrinks
-    toward 0, which keeps the gradient y / den finite. state = (S, s) continues earlier tokens;
-    return_state=True returns (y, S, s)."""
+    denominator, held at DEN_EPS. state = (S, s) continues earlier tokens; return_state=True
+    returns (y, S, s)."""
     B, H, T, D = v.shape
     v1 = torch.cat((v, v.new_ones(B, H, T, 1)), -1)  # [v | 1] (B, H, T, D+1)
     if state is not None:
         state = torch.cat((state[0], state[1][..., None]), -1)  # (B, H, M, D+1)
     out, last = causal_linear_sums(phi_q, phi_k, v1, chunk_size, state)
-    y = out[..., :D] / out[..., D:].clamp_min(eps)  # (B, H, T, D)
+    y = out[..., :D] / out[..., D:].clamp_min(DEN_EPS)  # (B, H, T, D)
     if not return_state:
         return y
     return y, last[..., :D], last[..., D]
@@ -256,7 +265,7 @@ def causal_linear_sums(phi_q, phi_k, v1, chunk_size=64, state=None):
     return out, P[:, :, -1] + U[:, :, -1]
 
 
-def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
+def linear_attention_step(phi_q, phi_k, v, S, s):
     """One token of decoding, the recurrent form:
         S <- S + phi_k v^T,   s <- s + phi_k,   y = phi_q S / phi_q.s
     phi_q, phi_k (B, H, M), v (B, H, D), S (B, H, M, D), s (B, H, M) -> (y (B, H, D), S, s)."""
@@ -264,7 +273,7 @@ def linear_attention_step(phi_q, phi_k, v, S, s, eps=1e-30):
     s = s + phi_k  # (B, H, M)
     # a tiny product: elementwise beats a threaded bmm on the CPU
     num = (phi_q[..., :, None] * S).sum(-2)
-    return num / (phi_q * s).sum(-1, keepdim=True).clamp_min(eps), S, s
+    return num / (phi_q * s).sum(-1, keepdim=True).clamp_min(DEN_EPS), S, s
 
 
 def repeat_kv(x, H):
@@ -307,9 +316,9 @@ class LinearAttention(nn.Module):
             v = repeat_kv(v, self.n_head)  # (B, H, T, D)
             if cache is None:
                 return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
-            # decoding: the recurrent step for one token, the scan from the state for more
-            state = (cache["S"], cache["s"]) if cache else None
-            if state and v.size(2) == 1:
+            # decoding: the recurrent step for one token, the scan for more (from no state: {})
+            state = (cache["S"], cache["s"]) if "S" in cache else None
+            if state is not None and v.size(2) == 1:
                 y, S, s = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], *state)
                 y = y[:, :, None]
             else:
@@ -454,12 +463,12 @@ class GPT(nn.Module):
         hf_config, sd = checkpoint.read_checkpoint(name)
         cfg = GPTConfig(**checkpoint.config_from_hf(hf_config, name))
         with torch.device("meta"):
-            model = cls(cfg)  # no memory until the weights are assigned
-        shapes = {k: t.shape for k, t in model.state_dict().items()}
-        model.load_state_dict(checkpoint.convert_state_dict(cfg, sd, name, shapes), assign=True)
+            gpt = cls(cfg)  # no memory until the weights are assigned
+        shapes = {k: t.shape for k, t in gpt.state_dict().items()}
+        gpt.load_state_dict(checkpoint.convert_state_dict(cfg, sd, name, shapes), assign=True)
         if cfg.tie_embeddings:
-            model.lm_head.weight = model.wte.weight  # assign=True replaced the shared parameter
-        return model.to(device=device, dtype=dtype).eval()
+            gpt.lm_head.weight = gpt.wte.weight  # assign=True replaced the shared parameter
+        return gpt.to(device=device, dtype=dtype).eval()
 
 
 def feature_state(student):
@@ -477,9 +486,10 @@ def load_feature_state(student, sd, where):
 
 
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
-    """A distill.py checkpoint directory -> (the teacher in `dtype` with its trained fp32 cores,
-    config.json's dict). teacher: the GPT to linearise (its weights shared), or the name or path
-    to load it from; by default config.json's. Whoever names it has checked it
+    """A distill.py checkpoint directory -> (the student, config.json's dict): the teacher
+    linearised with its dims, its trained fp32 features loaded once checked. teacher: a GPT, used
+    as it is (its device and dtype; its weights shared), or the name or path to load in `dtype` on
+    `device`; by default config.json's. That it is the checkpoint's teacher is the caller's check
     (checkpoint.check_teacher)."""
     cfg, sd = checkpoint.read_student(ckpt_dir)
     if not isinstance(teacher, GPT):

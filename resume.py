@@ -9,18 +9,17 @@ from collections import namedtuple
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 import safetensors.torch
+import torch
 from safetensors import SafetensorError
 
 import checkpoint
+import datafiles
 import devices
 import door
 import files
 import forks
-import dof
 from model import feature_state
-
 
 FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size",
                    "center_keys")
@@ -41,7 +40,7 @@ def from_checkpoint(cfg):
     checkpoint.check_teacher(prev, cfg.model, f"{flag} {path}")
     if cfg.resume:
         check_resume(cfg, path, prev)
-    if cfg.dims and dof.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
+    if cfg.dims and datafiles.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
         raise door.ModelError(f"{path} was trained with dims {prev['dims']}, "
                                 f"not --dims {cfg.dims}; drop --dims")
     print(f"note: {', '.join(FROM_CHECKPOINT)} and the features come from {path}")

@@ -168,7 +168,7 @@ def rule_dims(cfg, teacher, calib):
                              f"{teacher.config.n_layer}; pass --curves of runs on this model")
         return measured_dims(Ms, KL, cfg.budget), None
     values = predictors(cfg, teacher, calib) if cfg.rule != "dof-raw" else {"dof-raw-max": dof.choose_dims(
-        teacher, calib, cfg.budget, "dof", cfg.lam, cfg.lam_relative, cfg.J, cfg.seed)[1]}
+        teacher, calib, cfg.updated(alloc="dof"))[1]}
     name = "dof-raw-max" if cfg.rule == "dof-raw" else cfg.rule
     if name not in values:
         raise door.ModelError(f"--rule {cfg.rule} is none of dof-raw, measured, {', '.join(sorted(values))}")
@@ -198,11 +198,11 @@ REPLACE = {(distill, "DistillConfig"): AllocationConfig, (distill, "make_student
 
 def main(argv=None):
     """distill.py's command line with this file's names set; --predict writes the predictors alone: --out-dir is
-    neither checked nor locked (distill.run, not distill.main)."""
+    neither checked nor locked (distill.distil, not distill.main)."""
     with forks.replaced(REPLACE):
-        cfg = distill.parse_args(argv)
+        cfg = door.parse_config(distill.DistillConfig, argv)
         if cfg.predict:
-            distill.run(cfg)
+            distill.distil(cfg)
         else:
             distill.main(cfg)
 

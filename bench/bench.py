@@ -56,7 +56,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its forks (per_head)
 import devices  # noqa: E402
 import door  # noqa: E402
-import datafiles  # noqa: E402
 import files  # noqa: E402
 import forks  # noqa: E402
 from graphed_decode import GraphedDecoder  # noqa: E402
@@ -447,8 +446,8 @@ def measure_step(distill, loss, T, budget, repeats, device, config, per_head, st
                                 **layout)
     optim, gen = distill.make_optimizer(student, cfg), torch.Generator().manual_seed(0)
     data = np.random.default_rng(0).integers(0, teacher.config.vocab_size, 50_000).astype(np.uint16)
-    step = lambda: distill.train_step(cfg, teacher, student, optim, lambda: datafiles.get_batch(data, 1, T, gen, device),
-                                      contextlib.nullcontext(), 10)
+    trainer = distill.Trainer(cfg, teacher, student, optim, gen, data, device)
+    step = lambda: distill.train_step(trainer, 10)
     step()
     with OpCount() as count:
         step()

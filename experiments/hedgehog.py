@@ -12,8 +12,8 @@ head, with a learned projection W (d x M/2):
 
 How it forks the core: REPLACE adds Hedgehog to model.FEATURE_MAPS, so --feature-map accepts it, and
 forks.fork runs distill.py (or evaluate.py, after `evaluate`) with it. Its parameter `proj` trains at
---lr-z (only parameters whose names end in "alpha" take --lr-alpha); it is not a PRF, so the GPU's
-stacked loss runs each layer alone.
+--lr-z (only parameters whose names end in "alpha" take --lr-alpha); it has no stacked form (as
+PRF.stacked), so the GPU's stacked loss runs each layer alone.
 """
 
 import sys

@@ -595,7 +595,8 @@ def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core
     A.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "2"))
     teacher = GPT.from_pretrained(ckpt)
     calib = dof.calibration_batches(datafiles.read_tokens(data / "train.bin"), 2, 4, 64, 0, "cpu")
-    want, raw = dof.choose_dims(teacher, calib, 8, "dof", J=256)                     # no key means: uncentred
+    settings = distill.DistillConfig(budget=8, J=256, out_dir="x")
+    want, raw, _ = dof.choose_dims(teacher, calib, settings)                        # no key means: uncentred
     cfg = json.loads((tmp_path / "raw" / "config.json").read_text())
     assert cfg["dims"] == want and cfg["alloc"] == "dof-raw" and cfg["dof"] == pytest.approx(raw)
     assert cfg["fork"] is None and distill.DistillConfig is not A.AllocationConfig      # the core's student; no leak
@@ -603,7 +604,7 @@ def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core
                                          r"with the script that started it"):
         distill.main(distill_args(ckpt, data, tmp_path / "raw", "--center-keys", "--budget", "8", "--decay-steps",
                                   "4", "--max-steps", "4", "--resume"))                # distill.py lacks --rule
-    assert want != dof.choose_dims(teacher, calib, 8, "dof", J=256, key_means=dof.key_means(teacher, calib))[0]
+    assert want != dof.choose_dims(teacher, calib, settings, dof.key_means(teacher, calib))[0]
     with pytest.raises(door.ModelError, match=r"raw was started with --rule 'dof-raw', not 'entropy'; resume it with"):
         A.main(distill_args(ckpt, data, tmp_path / "raw", *flags[2:], "--rule", "entropy", "--max-steps", "4",
                             "--resume"))
@@ -673,7 +674,7 @@ def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untraine
     L, H = teacher.config.n_layer, teacher.config.n_head
     calib = dof.calibration_batches(datafiles.read_tokens(data / "train.bin"), 2, 2, 64, 0, "cpu")
     with forks.replaced(A.REPLACE):
-        cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"])
+        cfg = door.parse_config(distill.DistillConfig, ["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"])
     assert type(cfg) is A.AllocationConfig and distill.DistillConfig is not A.AllocationConfig
     P = A.predictors(cfg, teacher, calib)
     mask, mu = torch.ones(64, 64, dtype=torch.bool).tril(), dof.key_means(teacher, calib)

@@ -93,6 +93,19 @@ def test_command_on_token_files(tmp_path, capsys):
         "per_head_dof"]
 
 
+def test_table_warns_where_the_dof_nears_j_or_is_0_everywhere(capsys):
+    """dof.py's warnings: DoF/J above 0.9 names J as a cause as well as lambda; a DoF of 0 in every layer (lambda that
+    large) says that the rules fall back to the budget everywhere, as fix; neither warns otherwise."""
+    cfg = types.SimpleNamespace(model="m", J=100, lam=1.0, lam_relative=False, center_keys=False, budget=4)
+    for per_head, warning in ((np.full((2, 2), 95.0), "DoF/J > 0.9: the estimate saturates at J; raise --J, or "),
+                              (np.zeros((2, 2)), "every DoF is 0 (lambda is that large), so dof, clip and reverse "),
+                              (np.full((2, 2), 50.0), None)):
+        dims = {rule: dof.allocate(per_head.max(1), 4, rule, 16) for rule in dof.RULES}
+        dof.print_table(cfg, per_head, dims)
+        err = capsys.readouterr().err
+        assert (warning in err and err.count("warning") == 1) if warning else err == "", err
+
+
 def test_command_bad_input(tmp_path):
     ckpt = tmp_path / "ckpt"
     tiny_gpt2(ckpt)
@@ -797,7 +810,7 @@ def test_init_from_takes_the_student_settings_of_the_checkpoint(tmp_path):
     save_file({"x": torch.zeros(1)}, str(src / "features.safetensors"))
     (src / "config.json").write_text(json.dumps({"teacher": "gpt2", "dims": [6, 6], "feature_map": "performer",
                                                  "chunk_size": 32, "center_keys": True, "budget": 6}))
-    cfg = distill.parse_args(["--data", "d", "--init-from", src, "--out-dir", tmp_path / "out"])
+    cfg = door.parse_config(distill.DistillConfig, ["--data", "d", "--init-from", src, "--out-dir", tmp_path / "out"])
     cfg = resume.with_checkpoint_settings(cfg, resume.from_checkpoint(cfg))
     assert (cfg.feature_map, cfg.chunk_size, cfg.center_keys, cfg.budget) == ("performer", 32, True, 6)
 
@@ -916,17 +929,33 @@ def test_summary_says_when_the_prompt_was_cut_to_the_context(setup, capsys):
     d, ckpt, _ = setup
     teacher, v = GPT.from_pretrained(ckpt), {"attn_kl": [0.1] * 4, "student_loss": 1.0}
     cfg = distill.DistillConfig(prompt="word " * 500, out_dir="x")
-    distill.print_summary(cfg, teacher, teacher, {"val": [v], "teacher_loss": 1.0}, 0, load_tokenizer(ckpt), "cpu")
+    trainer = distill.Trainer(cfg, teacher, teacher, None, None, None, "cpu",
+                              metrics={"val": [v], "teacher_loss": 1.0})
+    distill.print_summary(trainer, 0, load_tokenizer(ckpt))
     assert f"(its last {teacher.config.block_size - 30} tokens):" in capsys.readouterr().out
 
 
 def test_preset_prints_its_flags_and_flags_given_win(capsys, monkeypatch):
-    cfg = distill.parse_args(["--preset", "cpu", "--max-steps", "7"])
+    cfg = door.parse_config(distill.DistillConfig, ["--preset", "cpu", "--max-steps", "7"])
     assert (cfg.block_size, cfg.batch_size, cfg.budget, cfg.max_steps, cfg.center_keys) == (256, 1, 32, 7, True)
-    assert f"--preset cpu: {distill.PRESETS['cpu']} (flags given win)\n" == capsys.readouterr().out   # --max-steps 7
+    preset = distill.DistillConfig.PRESETS["cpu"]
+    assert f"--preset cpu: {preset} (flags given win)\n" == capsys.readouterr().out   # --max-steps 7
     for k, v in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(k, v)                                      # torchrun's other processes: not again
-    assert distill.parse_args(["--preset", "cpu"]).budget == 32 and capsys.readouterr().out == ""
+    assert door.parse_config(distill.DistillConfig, ["--preset", "cpu"]).budget == 32
+    assert capsys.readouterr().out == ""
+
+
+def test_dims_and_the_calibration_sample_are_checked_at_the_door():
+    """--dims: one positive whole number per layer, or one sentence; dof.py's J: at most the queries+keys a head
+    that its calibration windows hold (2 per token)."""
+    for bad in ("0,8", "8", "8,8,8", "8,x"):
+        with pytest.raises(door.ModelError, match=r"--dims needs 2 comma-separated positive integers, one per layer"):
+            datafiles.parse_dims(bad, 2)
+    assert datafiles.parse_dims("1,30", 2) == [1, 30]
+    with pytest.raises(door.ModelError, match="J=100 is more than the 40 queries"):
+        datafiles.check_sample(100, 1, 20)
+    assert datafiles.check_sample(40, 1, 20) is None
 
 
 def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, tmp_path, monkeypatch):
@@ -1017,7 +1046,7 @@ def test_distill_bad_input_is_one_sentence_and_leaves_the_disk_as_it_was(setup, 
         (distill_args(ckpt, data, x, "--data", ""), r"^--data is empty; pass a value, or drop the flag"),
         (distill_args(ckpt, data, x, "--block-size", "1"), r"^--block-size must be at least 2: in a window of one "
          r"token each query would see only itself, and nothing would train$"),                # had trained nothing
-        (distill_args(ckpt, data, x, "--block-size", "129"), r"^--block-size 129 is more than the teacher's context "
+        (distill_args(ckpt, data, x, "--block-size", "129"), r"^--block-size 129 is more than the model's context "
          r"of 128 tokens; pass at most --block-size 128$"),                                    # had been cut to 128
         (distill_args(ckpt, data, copy(base, "metrics.json", "set", (base / "metrics.json").read_bytes()), *again,
                       "--preset", "cpu"), r"was started without --preset cpu, so its --warmup-steps was 100, not 45; "
@@ -1470,7 +1499,9 @@ def test_train_step_weighs_each_of_grad_accum_micro_batches_by_one_over_grad_acc
         for accum in (1, 3):
             cfg = distill.DistillConfig(loss=kind, grad_accum=accum, query_block=8, out_dir="x")
             optim = RecordingOptim([p for p in student.parameters() if p.requires_grad])
-            losses = distill.train_step(cfg, teacher, student, optim, lambda: (x, y), contextlib.nullcontext(), 0)
+            trainer = distill.Trainer(cfg, teacher, student, optim, None, None, "cpu")
+            trainer.next_batch = lambda: (x, y)
+            losses = distill.train_step(trainer, 0)
             out[accum] = losses, optim.grads
         assert out[1][0].shape == ((1,) if kind == "direct" else (2,))
         assert torch.allclose(out[1][0], out[3][0], rtol=1e-6), (kind, out[1][0], out[3][0])
@@ -1543,7 +1574,7 @@ def test_seed_draws_the_training_windows_and_seed_plus_one_the_held_out_ones(set
     distill.main([str(a) for a in ["--model", ckpt, "--data", data, "--budget", 4, "--alloc", "fix", "--seed", 7,
                                    "--max-steps", 2, "--prompt", "", "--out-dir", tmp_path / "run", *FAST]])
     n_train, n_val = (len(datafiles.read_tokens(data / f"{s}.bin")) for s in ("train", "val"))
-    assert drawn == [(n_val, 8), (n_train, 7), (n_train, 7)]
+    assert drawn == [(n_train, 9)] * 2 + [(n_val, 8), (n_train, 7), (n_train, 7)]      # --calib-batches 2 first
 
 
 def test_restore_brings_back_the_torch_rng_and_the_data_position(tmp_path):

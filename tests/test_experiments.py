@@ -37,6 +37,12 @@ from conftest import FAST, cli, distill_args, edit_json, features
 
 from test_dof import qkv, rel   # the method's test helpers
 
+
+def distill_config(argv):
+    """distill.py's config from argv, of the DistillConfig set now (a fork's, inside forked)."""
+    return door.parse_config(distill.DistillConfig, argv)
+
+
 # every name a fork may set (common.FORK apart)
 CORE_NAMES = [(M, "FEATURE_MAPS"), (M, "LinearAttention"), (M, "causal_linear_attention"),
               (distill, "DistillConfig"), (distill, "make_student"), (distill, "layer_losses"),
@@ -395,7 +401,7 @@ def test_core_and_forks_start_every_process_from_rank_0s_dims_and_features(setup
             return rank0 if obj is None else obj
         monkeypatch.setattr(devices, "broadcast", other_rank)
         with forks.replaced(replace):
-            cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", alloc, "--J", "64"])
+            cfg = distill_config(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", alloc, "--J", "64"])
             student, dims, N = distill.make_student(cfg, teacher, calib)
         assert {t.data_ptr() for t in M.feature_state(student).values()} <= set(filled)
         assert (dims, N) == rank0
@@ -478,7 +484,7 @@ def test_leverage_fork_starts_from_leverage_features_and_checks_its_flags(setup,
     for flags, sentence in ((["--pool", 0], "--pool must be a number of at least 1, got 0"),   # each names its flag
                             (["--init-from", tmp_path / "lev"], "drop --init-from, whose checkpoint sets the")):
         with pytest.raises(door.ModelError, match=sentence), forks.replaced(leverage.REPLACE):
-            distill.parse_args(["--model", ckpt, *flags])
+            distill_config(["--model", ckpt, *flags])
     assert not (tmp_path / "x").exists()
 
 
@@ -564,14 +570,14 @@ def test_fork_students_centre_each_head_by_its_own_key_mean_and_draw_leverage_fe
     mu = dof.key_means(teacher, calib)                                                    # (L, H, D)
     monkeypatch.setattr(per_head, "per_head_dims", lambda *a: ([[5, 3, 5, 3]] * 4, [[1.0] * 4] * 4))   # heads 1, 3
     with forks.replaced(per_head.REPLACE):
-        cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--center-keys", "--J", "64"])
+        cfg = distill_config(["--model", ckpt, "--data", data, "--budget", "4", "--center-keys", "--J", "64"])
         student, _, _ = distill.make_student(cfg, teacher, calib)
     assert [core.heads for core in student.cores()] == [[[1, 3], [0, 2]]] * 4
     for core, m in zip(student.cores(), mu):
         for c, hs in zip(core.groups, core.heads):
             assert torch.equal(c.key_mean, m[hs])
     with forks.replaced(leverage.REPLACE):
-        cfg = distill.parse_args(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", "fix", "--center-keys",
+        cfg = distill_config(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", "fix", "--center-keys",
                                   "--J", "64", "--seed", "3", "--pool", "4"])
         student, _, _ = distill.make_student(cfg, teacher, calib)
     x, gen = dof.collect_qk(teacher, calib, 64, 3, mu), torch.Generator().manual_seed(3)          # (L, H, J, D)
@@ -591,9 +597,9 @@ def test_per_head_refuses_dims_and_direct_finetune_takes_a_schedule_all_direct(s
         distill.main(distill_args(ckpt, data, tmp_path / "x", "--dims", "4,4,4,4", "--max-steps", "0"))
     assert not (tmp_path / "x").exists()
     with forks.replaced(direct_finetune.REPLACE):
-        cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "5", "--direct-steps", "5"))
+        cfg = distill_config(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "5", "--direct-steps", "5"))
         assert [distill.step_loss(cfg, s) for s in range(5)] == ["direct"] * 5
-        cfg = distill.parse_args(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "6", "--decay-steps", "4",
+        cfg = distill_config(distill_args(ckpt, data, tmp_path / "y", "--max-steps", "6", "--decay-steps", "4",
                                               "--direct-steps", "1"))
     assert [direct_finetune.step_loss(cfg, s) for s in range(6)] == ["softmax"] * 3 + ["direct"] * 3   # and past it
     assert [distill.step_loss(cfg, s) for s in range(6)] == ["softmax"] * 6                # the core's: --loss

@@ -166,9 +166,10 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
         student, _ = E.load_student(out)
         assert [c.window for c in student.cores()] == [8] * 4
         x = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16)[:64].astype(np.int64))[None]
-        cfg = distill.parse_args(distill_args(ckpt, data, out, "--window", 8))
-        again = distill.student_losses(cfg, M.GPT.from_pretrained(ckpt),
-                                       student, x, torch.autocast("cpu", enabled=False), "softmax")
+        cfg = door.parse_config(distill.DistillConfig, distill_args(ckpt, data, out, "--window", 8))
+        trainer = distill.Trainer(cfg, M.GPT.from_pretrained(ckpt), student, None, None, None, "cpu",
+                                  torch.autocast("cpu", enabled=False))
+        again = distill.student_losses(trainer, x, "softmax")
     assert all(map(math.isfinite, kl)) and again.min() > 0
     with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "window", ckpt)) + "$"):
         E.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
