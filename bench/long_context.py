@@ -165,11 +165,11 @@ def tables(records):
             cells = [mean_sd([r["passkey"][n]["accuracy"] for r in rs], "{:.2f}") for n in lengths]
             recall.append(f"| {name} | {seeds} | {kib} | " + " | ".join(cells) + " |")
     n = teacher["tokens"]
-    gap.append(f"\nNext-token loss minus the teacher's, on the first {n:,} held-out tokens cut into "
-               "windows of each length; mean ± sd (n − 1) over seeds.")
+    gap.append(f"\nNext-token loss minus the teacher's, on the first {n:,} held-out tokens cut "
+               "into windows of each length; mean ± sd (n − 1) over seeds.")
     k = teacher["passkey"][lengths[0]]["n"] if lengths else 0
-    recall.append(f"\nPasskey accuracy, {k} trials a length (5-digit keys at depths spread evenly); "
-                  "mean ± sd over seeds.")
+    recall.append(f"\nPasskey accuracy, {k} trials a length (5-digit keys at depths spread "
+                  "evenly); mean ± sd over seeds.")
     return {"gap": "\n".join(gap), "recall": "\n".join(recall)}
 
 

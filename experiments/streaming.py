@@ -1,6 +1,6 @@
 """
-The baseline a user would pick instead of a trained student: StreamingLLM's window (Xiao et al. 2023,
-"Efficient Streaming Language Models with Attention Sinks"). The teacher, untouched and untrained,
+The baseline a user would pick instead of a trained student: StreamingLLM's window (Xiao et al.
+2023, "Efficient Streaming Language Models with Attention Sinks"). The teacher, untrained,
 attends by its own exact softmax to each query's first S tokens (the sinks) and last W keys only:
 
     y_i = sum_{j in E_i} softmax_j(q_i.k_j / sqrt d) v_j,   E_i = {j <= i: j > i - W or j < S}.
@@ -40,9 +40,9 @@ def exact_keys(i, j, W, S):
 
 
 class SinkWindowAttention(nn.Module):
-    """The teacher's core restricted to the sinks and the window: q (B, H, T, D), k, v (B, Hkv, T, D)
-    -> y (B, H, T, D). Decoding: cache["sk"], cache["sv"] (B, Hkv, <= S, D) the sinks,
-    cache["k"], cache["v"] (B, Hkv, W, D) the ring (token n in slot n % W), cache["n"] the tokens."""
+    """The teacher's core restricted to the sinks and the window: q (B, H, T, D), k, v
+    (B, Hkv, T, D) -> y (B, H, T, D). Decoding: cache["sk"], cache["sv"] (B, Hkv, <= S, D) the
+    sinks, cache["k"], cache["v"] (B, Hkv, W, D) the ring (token n in slot n % W), cache["n"]."""
 
     def __init__(self, window, sinks):
         super().__init__()
@@ -86,8 +86,8 @@ class SinkWindowAttention(nn.Module):
         return y
 
     def step(self, q, k, v, cache):
-        """One token (B, H or Hkv, 1, D): into its slot (and the sinks, while there are fewer than S),
-        then attention over the sinks before the window and the window."""
+        """One token (B, H or Hkv, 1, D): into its slot (and the sinks, while fewer than S), then
+        attention over the sinks before the window and the window."""
         n, W, S = cache["n"], self.window, self.sinks
         cache["k"][:, :, n % W] = k[:, :, 0]
         cache["v"][:, :, n % W] = v[:, :, 0]

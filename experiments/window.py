@@ -13,13 +13,12 @@ scale and need no mixing weight. W = 0 (and S = 0) is the core's linear attentio
 
     python experiments/window.py --window 64 --sinks 4 --model smollm2-135m --data data/wikitext2 \
         --preset cpu --out-dir out-window
-    python experiments/window.py evaluate --model smollm2-135m --ckpt out-window \
-        --ppl data/wikitext2/val.bin
+    python experiments/window.py evaluate --model smollm2-135m --ckpt out-window --ppl FILE
 
-How it forks the core: REPLACE sets model.LinearAttention to WindowAttention, the core's with a
-window (make_student sets it from --window, load_student from config.json); distill.layer_losses
-to the softmax loss on the hybrid's rows (each layer alone, in blocks of 128 queries; the l2
-loss fits the kernel itself and stays the core's); distill.DistillConfig to one with --window.
+How it forks the core: REPLACE sets model.LinearAttention to WindowAttention (its window set by
+make_student from the flags, by load_student from config.json), distill.layer_losses to the softmax
+loss on the hybrid's rows (each layer alone; the l2 loss stays the core's), DistillConfig to one
+with --window and --sinks, and evaluate's names to experiments/streaming.py's.
 """
 
 import math
@@ -38,16 +37,14 @@ import evaluate  # noqa: E402
 import model  # noqa: E402
 import streaming  # noqa: E402
 
-# the core's, which this fork's wrap
 CoreLinearAttention = model.LinearAttention
 core_layer_losses = distill.layer_losses
 core_make_student = distill.make_student
 core_load_student = model.load_student
 
 
-# The scale: the features run times a factor of the query (model.overflow_safe_prf), so the exact
-# part is given the same factor. Then, per query, m_i = max(0, max_j l_ij) over its window scales
-# both parts by e^(-m_i): the exact part's largest term is 1, the features' part only shrinks.
+# The scale: the features run times a factor of the query (model.overflow_safe_prf), the exact part
+# takes the same; then m_i = max(0, max_j l_ij) over its exact keys scales both parts by e^(-m_i).
 
 @torch.no_grad()
 def query_log_factor(feature_map, q):
@@ -100,7 +97,7 @@ def hybrid_reference(q, k, v, phi_q, phi_k, log_f, W, S=0):
 
 
 def with_ones(v):
-    """[v | 1] (B, H, T, D+1): a column of ones gives the denominator beside the numerator."""
+    """[v | 1] (B, H, T, D+1): the denominator beside the numerator."""
     return torch.cat((v, torch.ones_like(v[..., :1])), -1)
 
 
@@ -110,11 +107,10 @@ def delay(x, W):
 
 
 def hybrid_attention(q, k, v, phi_q, phi_k, log_f, W, chunk_size=64, eps=1e-30, S=0):
-    """The reference's y in O(T (C + W + S)) memory -> (y, the state after the last token). The
-    features' sums are the core's scan on keys and values delayed by W tokens, the sinks' features
-    zeroed (query i's state then holds keys S <= j <= i - W); the exact part runs a block of C
-    queries at a time over their last W keys and the sinks before them. The state (B, H, M, D+1)
-    sums phi(k_j) [v_j | 1] over the keys S <= j <= T - 1 - W."""
+    """The reference's y in O(T (C + W + S)) memory -> (y, the state (B, H, M, D+1) after the last
+    token). The features' sums are the core's scan on keys and values delayed by W tokens, the
+    sinks' features zeroed (query i's state holds keys S <= j <= i - W); the exact part runs a block
+    of C queries at a time over their last W keys and the sinks before them."""
     B, H, T, D = v.shape
     dt = torch.promote_types(v.dtype, torch.float32)
     v1 = with_ones(v).to(dt)  # (B, H, T, D+1)
@@ -126,8 +122,7 @@ def hybrid_attention(q, k, v, phi_q, phi_k, log_f, W, chunk_size=64, eps=1e-30, 
         e = min(T, s + chunk_size)
         lo = max(0, s - W + 1)  # the block's first key in a window
         near = window_masks(s, e, e, W, q.device, S)[0]  # (b, e)
-        # the block's keys: the sinks before its first window, then keys lo..e-1
-        sink = min(S, lo)
+        sink = min(S, lo)  # the block's keys: the sinks before its first window, then lo..e-1
         kb, vb = k[:, :, lo:e], v1[:, :, lo:e]
         if sink:
             kb, vb = torch.cat((k[:, :, :sink], kb), 2), torch.cat((v1[:, :, :sink], vb), 2)
@@ -141,12 +136,10 @@ def hybrid_attention(q, k, v, phi_q, phi_k, log_f, W, chunk_size=64, eps=1e-30, 
 
 class WindowAttention(CoreLinearAttention):
     """The core's LinearAttention with exact softmax on each query's last `window` keys and first
-    `sinks` tokens (0 and 0: the core's). Decoding keeps the state P (B, H, M, D+1) of the keys that
-    left the window, a ring buffer of the last W keys and values (B, Hkv, W, D) and the S sink keys
-    and values (B, Hkv, S, D): token n goes to slot n % W, and the key it replaces, n - W, enters
-    the state unless it is a sink."""
-    window = 0
-    sinks = 0
+    `sinks` tokens (0, 0: the core's). Decoding keeps the state P (B, H, M, D+1), a ring of the last
+    W keys and values (B, Hkv, W, D) and the S sinks' (B, Hkv, S, D): token n goes to slot n % W,
+    and the key it replaces, n - W, enters the state unless it is a sink."""
+    window = sinks = 0
 
     def forward(self, q, k, v, cache=None):
         if self.window == 0 and self.sinks == 0:
@@ -156,7 +149,6 @@ class WindowAttention(CoreLinearAttention):
                 return self.hybrid(q, k, v)[0].to(q.dtype)
             if not cache:
                 return self.prefill(q, k, v, cache).to(q.dtype)
-            # token by token from the cache
             ys = [self.step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache)
                   for t in range(q.size(2))]
             return torch.cat(ys, 2).to(q.dtype)
@@ -212,8 +204,7 @@ class WindowAttention(CoreLinearAttention):
 
 
 def set_window(student, W, S=0):
-    """The student with a window of W keys and S sinks in every layer (0, 0: the core's linear
-    attention)."""
+    """The student with a window of W keys and S sinks in every layer (0, 0: the core's)."""
     for core in student.cores():
         core.window, core.sinks = W, S
     return student
@@ -236,11 +227,10 @@ def softmax_loss(q, k, phi_q, phi_k, log_f, W, S=0):
 
 @torch.no_grad()
 def softmax_loss_blockwise(q, k, pq, pk, log_f, W, block, grad_scale=None, S=0):
-    """softmax_loss summed over each head's rows, `block` at a time -> (H,) float64, as the core's
-    distill.softmax_loss_blockwise (q over sqrt d). The window's a_ij are constants (the teacher's
-    q, k); the features' are c_i pq_i.pk_j, c_i = e^(-m_i). So grad_scale adds
+    """softmax_loss summed over each head's rows, `block` at a time -> (H,) float64 (q over sqrt d).
+    The exact a_ij are constants; the features' are c_i pq_i.pk_j, c_i = e^(-m_i). grad_scale adds
         dKL/dpq_i = sum_j g_ij c_i pk_j,  dKL/dpk_j = sum_i g_ij c_i pq_i
-    into pq.grad, pk.grad, g_ij = dKL/da_ij (distill.row_kl's) over the keys before the window."""
+    into pq.grad, pk.grad, g_ij = dKL/da_ij (distill.row_kl's) over the features' keys."""
     total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
     for s, e, logits, _ in distill.causal_blocks(q, k, block):
         p = torch.log_softmax(logits, -1).exp_()  # teacher (B, H, b, e)
@@ -289,8 +279,7 @@ def make_student(cfg, teacher, calib, prev=None):
 
 
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
-    """The core's load_student, with the window and sinks its run was given (a core checkpoint's:
-    0 and 0)."""
+    """The core's load_student, with the window and sinks its run was given (a core run's: 0)."""
     student, cfg = core_load_student(ckpt_dir, device, dtype, teacher)
     args = cfg.get("args", {})
     return set_window(student, args.get("window", 0), args.get("sinks", 0)), cfg
@@ -298,11 +287,10 @@ def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
 
 def band_fits(cfg):
     """The exact keys leave some for the features to train on in a --block-size window."""
+    held = f"--window {cfg.window}" + (f" and --sinks {cfg.sinks} hold" if cfg.sinks else " holds")
     if cfg.window + cfg.sinks >= cfg.block_size:
-        held = f"--window {cfg.window} and --sinks {cfg.sinks} hold" if cfg.sinks else \
-            f"--window {cfg.window} holds"
-        return (f"{held} every key of a --block-size {cfg.block_size} window, so the features would "
-                f"never train; pass a --window below {cfg.block_size - cfg.sinks}")
+        return (f"{held} every key of a --block-size {cfg.block_size} window, so the features "
+                f"would never train; pass a --window below {cfg.block_size - cfg.sinks}")
     if cfg.sinks and not cfg.window:
         return "--sinks needs a window of at least one key; pass --window 1 or more"
     if cfg.window and not issubclass(model.FEATURE_MAPS[cfg.feature_map], model.PRF):
@@ -314,16 +302,11 @@ def band_fits(cfg):
 @dataclass
 class WindowConfig(distill.DistillConfig):
     """distill.py with a window of exact softmax beside the features, and sinks."""
-    window: int = door.opt(64, "exact softmax on each query's last W keys, the features on the keys "
-                           "before them (0: the core's linear attention)", min=0)
-    sinks: int = door.opt(0, "exact softmax on the first S tokens too (StreamingLLM's sinks)", min=0,
-                          check=band_fits)
-
+    window: int = door.opt(64, "exact softmax on each query's last W keys, the features on the "
+                           "keys before them (0: the core's linear attention)", min=0)
+    sinks: int = door.opt(0, "exact softmax on the first S tokens too (StreamingLLM's sinks)",
+                          min=0, check=band_fits)
     RESUMED = distill.DistillConfig.RESUMED + ("window", "sinks")
-
-    def __post_init__(self):
-        super().__post_init__()
-        door.validate(self)
 
 
 REPLACE = {(model, "LinearAttention"): WindowAttention,
