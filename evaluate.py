@@ -15,13 +15,10 @@ fast_scorer.py computes the same numbers in batches that share each document's p
 tasks.py finds, reads and checks the tasks' documents and this script's flags.
 """
 import copy
-import json
 import math
-import shlex
-import sys
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,7 +28,6 @@ from tqdm import tqdm
 import devices
 import door
 import fast_scorer
-import files
 import model
 import passkey
 import tasks
@@ -244,29 +240,22 @@ def stderr(xs, groups=None) -> float | None:
 # --------------------------------------------------------------------------------------------------
 # A task's documents: one request at a time (--plain), or batched with shared prefixes.
 
-def score_plain(lm, tokenized, device="cpu", desc=None) -> list:
-    """loglikelihood() of every request of this process's share of the documents, None elsewhere."""
-    mine = set(devices.shard(range(len(tokenized))))
-    bar = tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False)
-    return [[loglikelihood(lm, c, t, device) if d in mine else None for c, t in doc]
-            for d, doc in enumerate(bar)]
-
-
 def score_requests(lm, tokenized, batch_size=16, device="cpu", desc=None, plain=False):
     """(log-likelihood, is_greedy) of every request of every document (lists of (context,
     continuation) tokens), by loglikelihood() or by fast_scorer.py; under torchrun each process
     scores a share and all get every score."""
     if plain:
-        scored = score_plain(lm, tokenized, device, desc)
+        mine = set(devices.shard(range(len(tokenized))))
+        bar = tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False)
+        scored = [[loglikelihood(lm, c, t, device) if d in mine else None for c, t in doc]
+                  for d, doc in enumerate(bar)]
     else:
         L = lm.config.block_size
         windows = [[harness_window(c, t, L) for c, t in doc] for doc in tokenized]
         scored = fast_scorer.score_windows(lm, windows, batch_size, device, desc,
                                            rank=devices.get_rank(),
                                            world_size=devices.get_world_size())
-    shares = devices.all_gather(scored)
-    # each request's score from the process that scored it
-    return [[next(r for r in rs if r is not None) for rs in zip(*docs)] for docs in zip(*shares)]
+    return fast_scorer.gather(scored)
 
 
 def evaluate_task(lm, enc, prompts, cfg: EvalConfig, device="cpu", desc=None):
@@ -367,21 +356,6 @@ class FineTune:
     docs_per_step: int   # Table 9's batch size (tasks.PAPER_FINETUNE)
 
 
-def request_tensors(docs, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every request of `docs` (tokenized) as its harness window, right-padded: inputs (N, T) and
-    targets (N, T), -1 where nothing is scored. Padding on the right changes no score: the model
-    is causal."""
-    windows = [harness_window(c, t, max_len) for doc in docs for c, t in doc]
-    T = max(len(inp) for inp, _ in windows)
-    x = torch.zeros(len(windows), T, dtype=torch.long)
-    y = torch.full((len(windows), T), -1, dtype=torch.long)
-    for i, (inp, targets) in enumerate(windows):
-        x[i, :len(inp)] = torch.tensor(inp)
-        for pos, token in targets:
-            y[i, pos] = token
-    return x, y
-
-
 def document_loss(lm, doc, gold: int, device="cpu") -> torch.Tensor:
     """One document's loss: the cross-entropy of its choices' scores against the gold choice, each
     score the summed continuation log-likelihood that acc ranks, as loglikelihood() computes it."""
@@ -390,23 +364,14 @@ def document_loss(lm, doc, gold: int, device="cpu") -> torch.Tensor:
 
 
 def batch_loss(lm, docs, golds, device="cpu") -> torch.Tensor:
-    """The summed document_loss of `docs`, all their requests in one forward pass (GPT.nll: a
-    sequence's logits at a time, not a batch's)."""
-    x, y = request_tensors(docs, lm.config.block_size)
+    """The summed document_loss of `docs`, all their requests in one forward pass, right-padded
+    (GPT.nll: a sequence's logits at a time, not a batch's)."""
+    windows = [harness_window(c, t, lm.config.block_size) for doc in docs for c, t in doc]
+    x, y = fast_scorer.padded(windows)                                          # (N, T), (N, T)
     scores = -lm.nll(x.to(device), y.to(device))                                # (N,)
     per_doc = scores.split([len(doc) for doc in docs])
     losses = [F.cross_entropy(s, torch.tensor(g, device=device)) for s, g in zip(per_doc, golds)]
     return torch.stack(losses).sum()
-
-
-def chunks(docs: list, max_requests: int) -> list[list[int]]:
-    """Indices of docs in runs of at most max_requests requests (at least one document each)."""
-    runs = [[]]
-    for i, doc in enumerate(docs):
-        if runs[-1] and sum(len(docs[j]) for j in runs[-1]) + len(doc) > max_requests:
-            runs.append([])
-        runs[-1].append(i)
-    return [r for r in runs if r]
 
 
 def train_step(ft: FineTune, lm, optim, docs, golds) -> float:
@@ -417,11 +382,11 @@ def train_step(ft: FineTune, lm, optim, docs, golds) -> float:
     # all_mean divides the processes' summed gradients by their number: scale up to the batch mean
     scale = devices.get_world_size() / len(docs)
     total = torch.zeros((), device=ft.device)
-    cuda = torch.device(ft.device).type == "cuda"
+    kind = torch.device(ft.device).type
     optim.zero_grad(set_to_none=False)
-    for part in chunks([docs[i] for i in mine], ft.cfg.batch_size):
-        ids = [mine[i] for i in part]
-        with torch.autocast(torch.device(ft.device).type, torch.bfloat16, enabled=cuda):
+    for run in fast_scorer.runs([docs[i] for i in mine], ft.cfg.batch_size):
+        ids = [mine[i] for i in run]
+        with torch.autocast(kind, torch.bfloat16, enabled=kind == "cuda"):
             loss = batch_loss(lm, [docs[i] for i in ids], [golds[i] for i in ids], ft.device)
         (loss * scale).backward()
         total += loss.detach() * scale
@@ -535,14 +500,8 @@ def finetune_tasks(cfg: EvalConfig, models: dict, enc, training: dict, device, z
 # The command line.
 
 def load_models(cfg: EvalConfig, device) -> dict:
-    """{"teacher": --model, "student": load_student(--ckpt) on it}; --ckpt's teacher checked
-    first (checkpoint.check_teacher, by tasks.check_student)."""
-    dtype = getattr(torch, cfg.dtype)
-    tasks.check_student(cfg.ckpt, cfg.model)
-    models = {"teacher": model.GPT.from_pretrained(cfg.model, device=device, dtype=dtype)}
-    if cfg.ckpt is not None:
-        models["student"] = load_student(cfg.ckpt, device, dtype, teacher=models["teacher"])[0]
-    return models
+    """{"teacher": --model, "student": load_student(--ckpt) on it} (tasks.load_models)."""
+    return tasks.load_models(cfg, device, load_student)
 
 
 def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict:
@@ -584,20 +543,15 @@ def main(argv=None):
     if prompts:
         report.update(run_tasks(cfg, models, enc, prompts, device))
     if training:
-        command = shlex.join(["python", "evaluate.py", *(sys.argv[1:] if argv is None else argv)])
+        command = tasks.command_line(argv)
         tuned = finetune_tasks(cfg, models, enc, training, device, report)
         report["finetune"] = {"command": command, "tasks": tuned}
     if devices.is_main() and cfg.speed:  # timings: rank 0 alone
         report["speed"] = {k: speed(lm, cfg.speed_tokens, device) for k, lm in models.items()}
-        for k, r in report["speed"].items():
-            print(f"speed {k}: {r['tokens']} tokens: prefill {r['prefill_s']:.3f} s, "
-                  f"decoding {r['generate_s']:.3f} s")
+        tasks.print_speed(report["speed"])
     if trials:
         report["passkey"] = passkey.run(models, enc, trials, cfg, device)
-    if devices.is_main() and cfg.output:  # the other processes' shares are in rank 0's report
-        everything = {**report, "config": asdict(cfg), "world_size": devices.get_world_size()}
-        files.write_text_atomic(cfg.output, json.dumps(everything, indent=1, ensure_ascii=False))
-        print(f"wrote {cfg.output}")
+    tasks.write_report(cfg, report)
 
 
 if __name__ == "__main__":

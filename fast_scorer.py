@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import devices
 import model
 
 
@@ -223,3 +224,38 @@ def score_windows(lm, windows, batch_size: int = 16, device="cpu", desc: str | N
                     else None for j in range(len(doc))])
         k += len(doc)
     return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Torchrun's shares put together, and the padded batches of fine-tuning.
+
+def gather(scored: list) -> list:
+    """Every process's scores (None where another process scored a request) put together: each
+    request's score from the process that scored it."""
+    shares = devices.all_gather(scored)
+    return [[next(r for r in rs if r is not None) for rs in zip(*docs)] for docs in zip(*shares)]
+
+
+def runs(docs: list, max_requests: int) -> list[list[int]]:
+    """Indices of docs (lists of requests) in runs of at most max_requests requests (at least one
+    document each)."""
+    out = [[]]
+    for i, doc in enumerate(docs):
+        if out[-1] and sum(len(docs[j]) for j in out[-1]) + len(doc) > max_requests:
+            out.append([])
+        out[-1].append(i)
+    return [r for r in out if r]
+
+
+def padded(windows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Harness windows (input tokens, [(position, next token)]) right-padded: inputs (N, T) and
+    targets (N, T), -1 where nothing is scored. Padding on the right changes no score: the model
+    is causal."""
+    T = max(len(inp) for inp, _ in windows)
+    x = torch.zeros(len(windows), T, dtype=torch.long)
+    y = torch.full((len(windows), T), -1, dtype=torch.long)
+    for i, (inp, targets) in enumerate(windows):
+        x[i, :len(inp)] = torch.tensor(inp)
+        for pos, token in targets:
+            y[i, pos] = token
+    return x, y

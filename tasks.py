@@ -7,14 +7,19 @@ reverse)."""
 
 import json
 import math
+import shlex
 import sys
+from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 import checkpoint
 import datafiles
 import devices
 import door
 import files
+import model
 
 
 # each task's documents: datasets.load_dataset(path, name, split) as lm-eval 0.4 loads them
@@ -313,8 +318,40 @@ def check_student(ckpt, teacher):
         checkpoint.check_teacher(prev, teacher, f"checkpoint {ckpt}")
 
 
+def load_models(cfg, device, load_student) -> dict:
+    """{"teacher": --model, "student": load_student(--ckpt) on it}; --ckpt's teacher checked
+    first (checkpoint.check_teacher, by check_student)."""
+    dtype = getattr(torch, cfg.dtype)
+    check_student(cfg.ckpt, cfg.model)
+    models = {"teacher": model.GPT.from_pretrained(cfg.model, device=device, dtype=dtype)}
+    if cfg.ckpt is not None:
+        models["student"] = load_student(cfg.ckpt, device, dtype, teacher=models["teacher"])[0]
+    return models
+
+
 # --------------------------------------------------------------------------------------------------
-# Tables of evaluate.py's results.
+# evaluate.py's report: its tables, and the JSON file of --output.
+
+def command_line(argv=None) -> str:
+    """The command that ran, as the report records it."""
+    return shlex.join(["python", "evaluate.py", *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_report(cfg, report: dict):
+    """--output: the report, the config and the number of processes, written by rank 0 (whose
+    report holds the other processes' shares)."""
+    if devices.is_main() and cfg.output:
+        everything = {**report, "config": asdict(cfg), "world_size": devices.get_world_size()}
+        files.write_text_atomic(cfg.output, json.dumps(everything, indent=1, ensure_ascii=False))
+        print(f"wrote {cfg.output}")
+
+
+def print_speed(speeds: dict):
+    """Each model's prefill and decoding seconds."""
+    for label, r in speeds.items():
+        print(f"speed {label}: {r['tokens']} tokens: prefill {r['prefill_s']:.3f} s, "
+              f"decoding {r['generate_s']:.3f} s")
+
 
 def print_results(report: dict, labels: list):
     """Each task's n and, for each model (the teacher's in report, another's in report[label]),
