@@ -108,6 +108,15 @@ def parse_tasks(spec: str | None) -> list[str]:
     return names
 
 
+def load_tasks(cfg, prompt_of: dict) -> dict:
+    """{task: prompts} of --tasks (none where --tasks is not given with --ppl, --speed or
+    --passkey); prompt_of: each task's prompt function."""
+    if cfg.tasks is None and (cfg.ppl or cfg.speed or cfg.passkey):
+        return {}
+    names = parse_tasks(cfg.tasks)
+    return {name: load_task(name, prompt_of[name], cfg.data_dir, cfg.limit) for name in names}
+
+
 def hub_documents(name: str, split: str | None = None) -> tuple[str, list]:
     """The harness's dataset of a task (or its `split`), from the hub or its cache, as (where,
     document) pairs."""
@@ -205,6 +214,15 @@ def finetune_settings(cfg, family: str, name: str) -> tuple[list[float], int, in
     lr, docs_per_step = PAPER_FINETUNE.get(family, {}).get(name, OUR_FINETUNE)
     epochs = 1 if name == "mmlu" else cfg.finetune_epochs
     return parse_lrs(cfg.finetune_lr) or [lr], epochs, cfg.finetune_batch_size or docs_per_step
+
+
+def check_grid(name: str, lrs: list[float], done: list):
+    """A ModelError where no learning rate of the grid on the teacher finished (done: those
+    that did): each made its loss non-finite."""
+    if not done:
+        tried = ", ".join(f"{lr:g}" for lr in lrs)
+        raise door.ModelError(f"{name}: every learning rate tried ({tried}) made the teacher's "
+                              "loss non-finite; pass lower rates with --finetune-lr")
 
 
 def check_requests(tokenized, max_len: int):
@@ -344,6 +362,33 @@ def write_report(cfg, report: dict):
         everything = {**report, "config": asdict(cfg), "world_size": devices.get_world_size()}
         files.write_text_atomic(cfg.output, json.dumps(everything, indent=1, ensure_ascii=False))
         print(f"wrote {cfg.output}")
+
+
+def sample(i: int, prompt, scores: list, acc: float, acc_norm: float | None) -> dict:
+    """Document i's record in the report: its requests, their (log-likelihood, is_greedy) scores,
+    the gold choice, acc and acc_norm."""
+    return {"doc_index": i, "requests": [list(r) for r in prompt.requests],
+            "loglikelihoods": [ll for ll, _ in scores], "is_greedy": [g for _, g in scores],
+            "gold": prompt.gold, "acc": acc, "acc_norm": acc_norm}
+
+
+def add_zero_shot(task: dict, zero_shot: dict, name: str):
+    """Each model's zero-shot result on task `name` (the teacher's in zero_shot, another's in
+    zero_shot[label]) beside its fine-tuned ones."""
+    for label, result in task.items():
+        part = zero_shot if label == "teacher" else zero_shot[label]
+        result["zero_shot"] = part["results"][name]
+
+
+def print_ppl(cfg, label: str, r: dict):
+    """A model's next-token loss and perplexity; a teacher's that is not finite is a ModelError
+    (its weights or config are broken)."""
+    if label == "teacher" and not math.isfinite(r["ppl"]):
+        raise door.ModelError(f"the teacher {cfg.model} has a perplexity of {r['ppl']} on "
+                              f"--ppl {cfg.ppl} (mean loss {r['loss']}): its weights or "
+                              "config are broken; check them, or pass another --model")
+    print(f"ppl {label}: loss {r['loss']:.4f}, perplexity {r['ppl']:.3f} "
+          f"({r['tokens']} tokens, T {r['context']})")
 
 
 def print_speed(speeds: dict):
