@@ -1,8 +1,7 @@
 """
 evaluate.py: multiple-choice accuracy scored exactly as lm-evaluation-harness 0.4 scores it,
-zero-shot and after fine-tuning the model on each task (the paper's protocol, its Table 3),
-next-token loss / perplexity on a token or text file, and prefill / decoding speed; for teachers
-and distilled students alike.
+zero-shot and after fine-tuning on each task (the paper's Table 3), next-token loss on a token or
+text file, speed and passkey recall, for teachers and distilled students alike.
 
     python evaluate.py --model gpt2 --ckpt out/gpt2 --data-dir tests/data/eval  # teacher | student
     python evaluate.py --model gpt2 --ckpt out/gpt2 --ppl data/wikitext2/wiki.test.raw --speed
@@ -37,12 +36,11 @@ load_student = model.load_student
 
 @dataclass
 class EvalConfig(door.Config):
-    # (checks call tasks.* in a lambda: in this class body `tasks` is the --tasks field)
-    # what to evaluate
+    # what to evaluate (checks call tasks.* in a lambda: in this class body `tasks` is --tasks)
     model: str = door.opt("gpt2", "teacher: hub id, checkpoint folder, .gguf file or smollm2-135m")
     ckpt: str | None = door.opt(None, "distill.py checkpoint folder; its student is evaluated too")
-    tasks: str | None = door.opt(None, "comma-separated tasks, or all (the default without --ppl "
-                                       "or --speed)")
+    tasks: str | None = door.opt(None, "comma-separated tasks, or all (the default without --ppl, "
+                                       "--speed or --passkey)")
     limit: int | None = door.opt(None, "score the first N documents of each task (MMLU: of the "
                                        "file)", min=1)
     data_dir: str | None = door.opt(None, "folder of <task>.jsonl (tests/data/eval); default: "
@@ -236,9 +234,8 @@ def stderr(xs, groups=None) -> float | None:
 # A task's documents: one request at a time (--plain), or batched with shared prefixes.
 
 def score_requests(lm, tokenized, batch_size=16, device="cpu", desc=None, plain=False):
-    """(log-likelihood, is_greedy) of every request of every document (lists of (context,
-    continuation) tokens), by fast_scorer.py or (plain) by loglikelihood(); under torchrun each
-    process scores a share and all get every score."""
+    """(log-likelihood, is_greedy) of every request of every document, by fast_scorer.py or (plain)
+    by loglikelihood(); under torchrun each process scores a share and all get every score."""
     if not plain:
         L = lm.config.block_size
         windows = [[harness_window(c, t, L) for c, t in doc] for doc in tokenized]
@@ -262,9 +259,8 @@ def evaluate_task(lm, enc, prompts, cfg: EvalConfig, device="cpu", desc=None):
     accs = [s["acc"] for s in samples]
     result = {"n": len(samples), "acc": sum(accs) / len(accs), "acc_stderr": stderr(accs, groups)}
     norms = [s["acc_norm"] for s in samples]
-    has_norm = prompts[0].choices is not None
-    result["acc_norm"] = sum(norms) / len(norms) if has_norm else None
-    result["acc_norm_stderr"] = stderr(norms) if has_norm else None
+    result["acc_norm"] = None if norms[0] is None else sum(norms) / len(norms)
+    result["acc_norm_stderr"] = None if norms[0] is None else stderr(norms)
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return result, samples
 
@@ -295,19 +291,9 @@ def perplexity(lm, tokens: np.ndarray, context=None, device="cpu", batch_size=8)
             "ppl": float(np.exp(total / n_pred))}
 
 
-def ppl_of_models(cfg: EvalConfig, models: dict, enc, device) -> dict:
-    """perplexity() of every model on the --ppl file's tokens, printed (a teacher's checked)."""
-    tokens, report = tasks.read_ppl(cfg, enc, models["teacher"].config.vocab_size), {}
-    for label, lm in models.items():
-        report[label] = perplexity(lm, tokens, cfg.ppl_context, device, cfg.batch_size)
-        tasks.print_ppl(cfg, label, report[label])
-    return report
-
-
 @torch.inference_mode()
 def speed(lm, n_tokens: int = 1000, device="cpu") -> dict:
-    """Seconds for one n-token sequence: prefill (after a warm-up), and greedy decoding of all but
-    its first token."""
+    """Seconds to prefill n tokens (after a warm-up) and to decode all but the first greedily."""
     x = torch.randint(0, int(lm.config.vocab_size), (1, n_tokens), device=device)
     prefill = lambda: lm.lm_head(lm.hidden(x)[:, -1])  # noqa: E731
     devices.timed(device, prefill)  # a warm-up
@@ -332,15 +318,13 @@ class FineTune:
 
 
 def document_loss(lm, doc, gold: int, device="cpu") -> torch.Tensor:
-    """One document's loss: the cross-entropy of its choices' scores against the gold choice, each
-    score the summed continuation log-likelihood that acc ranks, as loglikelihood() computes it."""
+    """A document's cross-entropy of its choices' scores (log-likelihoods, as acc ranks) vs gold."""
     scores = [continuation_logprobs(lm, c, t, device)[0].sum() for c, t in doc]
     return F.cross_entropy(torch.stack(scores), torch.tensor(gold, device=device))
 
 
 def batch_loss(lm, docs, golds, device="cpu") -> torch.Tensor:
-    """The summed document_loss of `docs`, all their requests in one forward pass, right-padded
-    (GPT.nll: a sequence's logits at a time, not a batch's)."""
+    """The summed document_loss of `docs`, all their requests right-padded in one forward pass."""
     windows = [harness_window(c, t, lm.config.block_size) for doc in docs for c, t in doc]
     x, y = fast_scorer.padded(windows)                                          # (N, T), (N, T)
     scores = -lm.nll(x.to(device), y.to(device))                                # (N,)
@@ -420,8 +404,7 @@ def rules(epochs: list[dict]) -> dict:
     out = {}
     for rule, split in (("paper", "eval"), ("validation", "validation")):
         if epochs and split in epochs[0]:
-            # max: the first of ties
-            best = max(epochs, key=lambda e: e[split]["acc"])
+            best = max(epochs, key=lambda e: e[split]["acc"])  # max: the first of ties
             out[rule] = {"epoch": best["epoch"], **best["eval"]}
     return out
 
@@ -471,12 +454,10 @@ def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict
     """Every task for every model: its results and samples (the student's apart), and a table."""
     report = {}
     for label, lm in models.items():
-        part = report if label == "teacher" else report.setdefault(label, {})
         for name, ps in prompts.items():
             desc = f"{label} {name}" if devices.is_main() else None
             result, samples = evaluate_task(lm, enc, ps, cfg, device, desc)
-            part.setdefault("results", {})[name] = result
-            part.setdefault("samples", {})[name] = samples
+            tasks.add_result(report, label, name, result, samples)
     tasks.print_results(report, list(models))
     return report
 
@@ -497,7 +478,10 @@ def main(argv=None):
         tasks.check_requests(tokenize(enc, ps), config.block_size)
     report = {}
     if cfg.ppl:
-        report["ppl"] = ppl_of_models(cfg, models, enc, device)
+        tokens = tasks.read_ppl(cfg, enc, config.vocab_size)
+        report["ppl"] = {label: perplexity(lm, tokens, cfg.ppl_context, device, cfg.batch_size)
+                         for label, lm in models.items()}
+        tasks.print_ppl(cfg, report["ppl"])
     if prompts:
         report.update(run_tasks(cfg, models, enc, prompts, device))
     if training:

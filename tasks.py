@@ -1,9 +1,9 @@
 """The tasks' documents and evaluate.py's door, which a learner may skip: where each task's
 documents are (the hub's datasets as lm-eval 0.4 loads them, or .jsonl files), reading and checking
 them, each task's training splits and the paper's fine-tuning settings, the checks of evaluate.py's
-flags and files, and the tables it prints. The prompt functions that make a document its requests
-are evaluate.py's: the functions here take them as a parameter (evaluate imports tasks, not the
-reverse)."""
+flags, files and models, the models loaded, and its report: the tables it prints and the file it
+writes. The prompt functions that make a document its requests, and load_student, are evaluate.py's:
+the functions here take them as a parameter (evaluate imports tasks, not the reverse)."""
 
 import json
 import math
@@ -20,7 +20,6 @@ import devices
 import door
 import files
 import model
-
 
 # each task's documents: datasets.load_dataset(path, name, split) as lm-eval 0.4 loads them
 HUB = {
@@ -372,6 +371,14 @@ def sample(i: int, prompt, scores: list, acc: float, acc_norm: float | None) -> 
             "gold": prompt.gold, "acc": acc, "acc_norm": acc_norm}
 
 
+def add_result(report: dict, label: str, name: str, result: dict, samples: list):
+    """A model's result and samples on task `name` in the report: the teacher's at its top, another
+    model's in report[label]."""
+    part = report if label == "teacher" else report.setdefault(label, {})
+    part.setdefault("results", {})[name] = result
+    part.setdefault("samples", {})[name] = samples
+
+
 def add_zero_shot(task: dict, zero_shot: dict, name: str):
     """Each model's zero-shot result on task `name` (the teacher's in zero_shot, another's in
     zero_shot[label]) beside its fine-tuned ones."""
@@ -380,15 +387,17 @@ def add_zero_shot(task: dict, zero_shot: dict, name: str):
         result["zero_shot"] = part["results"][name]
 
 
-def print_ppl(cfg, label: str, r: dict):
-    """A model's next-token loss and perplexity; a teacher's that is not finite is a ModelError
+def print_ppl(cfg, results: dict):
+    """Each model's next-token loss and perplexity; a teacher's that is not finite is a ModelError
     (its weights or config are broken)."""
-    if label == "teacher" and not math.isfinite(r["ppl"]):
+    r = results["teacher"]
+    if not math.isfinite(r["ppl"]):
         raise door.ModelError(f"the teacher {cfg.model} has a perplexity of {r['ppl']} on "
                               f"--ppl {cfg.ppl} (mean loss {r['loss']}): its weights or "
                               "config are broken; check them, or pass another --model")
-    print(f"ppl {label}: loss {r['loss']:.4f}, perplexity {r['ppl']:.3f} "
-          f"({r['tokens']} tokens, T {r['context']})")
+    for label, r in results.items():
+        print(f"ppl {label}: loss {r['loss']:.4f}, perplexity {r['ppl']:.3f} "
+              f"({r['tokens']} tokens, T {r['context']})")
 
 
 def print_speed(speeds: dict):
