@@ -1,6 +1,5 @@
-"""
-Distil a pretrained transformer's softmax attention into linear attention (the paper's GPT-2 setting
-by default):
+"""Distil a pretrained transformer's softmax attention into linear attention (the paper's GPT-2
+setting by default):
 
     python distill.py --budget 64 --loss softmax
     python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu   # offline, on a CPU
@@ -13,7 +12,6 @@ each layer's gradient alone is that of their sum).
 """
 
 import contextlib
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -22,25 +20,23 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import checkpoint
 import datafiles
 import devices
 import door
 import files
 import dof
 import model
+import report
 import resume
 import tokenizer
-from model import GPT, feature_state, load_feature_state
-
-VAL_SEED_OFFSET = 1       # validation windows from --seed + 1, training windows from --seed
 
 # Configuration: the paper's knobs first, then ours
 
 @dataclass
 class DistillConfig(door.Config):
-    """Distil softmax attention into linear attention with DoF-chosen feature dimensions. Defaults:
-    the paper's GPT-2 setting; ours are J, calib_batches, batch_size, max_steps, the schedule and
-    key centring."""
+    """Distil softmax attention into linear attention with DoF-chosen feature dimensions (defaults:
+    the paper's GPT-2 setting)."""
     # the paper's knobs
     model: str = door.opt("gpt2", "teacher: hub id (gpt2, EleutherAI/pythia-160m), directory, "
                           ".gguf file or smollm2-135m", absolute="existing")
@@ -111,24 +107,17 @@ class DistillConfig(door.Config):
     dtype: str = door.opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",
                           ("auto", "float32", "bfloat16"))
 
-    # the layerwise losses' blocks (--query-block 0), which the memory check counts too: queries
-    # per block of one layer (its rows: 128 T floats a head), and floats (256 MiB) per block of
-    # stacked layers (few, large kernels on a GPU)
+    # the layerwise losses' blocks (--query-block 0): queries per block of one layer, and floats
+    # (256 MiB) per block of stacked layers (few, large kernels on a GPU)
     QUERY_BLOCK = 128
     STACK_FLOATS = 2 ** 26
-    # --resume refuses other values of these (the data, batches, losses, schedule)
+    # --resume refuses other values of these
     RESUMED = ("loss", "lr_z", "lr_alpha", "block_size", "data", "init_from", "batch_size",
                "grad_accum", "warmup_steps", "min_lr_frac", "eval_iters", "seed")
     # --preset cpu: SmolLM2-135M on WikiText-2 in minutes on one CPU thread (docs/results.md's)
     PRESETS = {"cpu": "--block-size 256 --batch-size 1 --max-steps 450 --warmup-steps 45 "
                       "--eval-interval 150 --eval-iters 8 --budget 32 --lam 1e-3 --lam-relative "
                       "--J 1024 --center-keys --val-fraction 0.1"}
-
-    def updated(self, **values):
-        """A copy with these values, computed from the flags (whose checks are not run again)."""
-        new = copy.copy(self)
-        vars(new).update(values)
-        return new
 
 
 # Layerwise losses: the plain T x T form, then the blockwise forms that training runs
@@ -139,8 +128,7 @@ def attention_rows(q, k, phi_q, phi_k):
     a = phi_q phi_k^T; q, k (B, H, T, D), phi_q, phi_k (B, H, T, M)."""
     T = q.size(2)
     mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()     # (T, T): key j <= query i
-    # logs of underflow stay finite
-    tiny = torch.finfo(phi_q.dtype).tiny
+    tiny = torch.finfo(phi_q.dtype).tiny                                   # logs of underflow: finite
     logits = (q @ k.mT / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))
     logp = torch.log_softmax(logits, -1)
     a = (phi_q @ phi_k.mT).masked_fill(~mask, 0.0)                         # (B, H, T, T)
@@ -255,8 +243,7 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
         B, H, T, D = qk[ls[0]][0].shape
         with torch.autocast(dev.type, enabled=False), torch.set_grad_enabled(grad):
             seen = [cores[l].inputs(*qk[l]) for l in ls]                  # fp32, keys centred
-            # (B, G H, T, D)
-            q, kc = (torch.cat(x, 1) if len(ls) > 1 else x[0] for x in zip(*seen))
+            q, kc = (torch.cat(x, 1) if len(ls) > 1 else x[0] for x in zip(*seen))  # (B, G H, T, D)
             maps = [cores[l].feature_map for l in ls]
             if len(ls) == 1:
                 fq, fk = cores[ls[0]].features(q, kc, log=kind == "l2")
@@ -286,7 +273,7 @@ def make_student(cfg, teacher, calib, prev=None):
     from Checkpoint prev."""
     if prev:
         student = teacher.linearize(prev.config["dims"], cfg.feature_map, cfg.chunk_size)
-        load_feature_state(student, prev.features, prev.path)
+        checkpoint.load_features(student, prev.features, prev.path)
         return student, prev.config["dims"], prev.config.get("dof")
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None          # (L, H, D)
     if cfg.dims:
@@ -302,7 +289,7 @@ def make_student(cfg, teacher, calib, prev=None):
     for c, m in zip(student.cores(), [] if mu is None else mu):
         c.key_mean.copy_(m)
     # every process starts from rank 0's features
-    devices.broadcast(None, list(feature_state(student).values()))
+    devices.broadcast(None, list(checkpoint.feature_state(student).values()))
     return student, dims, layer_dof
 
 
@@ -323,12 +310,10 @@ def make_optimizer(student, cfg):
 
 @dataclass
 class Trainer:
-    """What the loop works on: the flags, the frozen teacher and its student, the optimizer (None:
-    nothing trains), the training windows' generator and tokens, the device, the autocast context,
-    the held-out batches, the metrics kept and config.json's record of the run."""
+    """What the loop works on (optim None: nothing trains; record: config.json's record)."""
     cfg: DistillConfig
-    teacher: GPT
-    student: GPT
+    teacher: model.GPT
+    student: model.GPT
     optim: torch.optim.Optimizer | None
     gen: torch.Generator
     tokens: np.ndarray
@@ -371,10 +356,9 @@ def step_loss(cfg, step):
 
 
 def train_step(t, step):
-    """Optimizer step step + 1: its learning rate, then --grad-accum micro-batches, each a batch,
-    its loss and backward pass (weighed 1 / grad_accum), then the step -> its losses, (L,) per
-    layer or (1,) next-token (direct), float64, left on the device (the host reads them at log
-    lines only)."""
+    """Optimizer step step + 1: its learning rate, --grad-accum micro-batches (batch, loss,
+    backward, weighed 1 / grad_accum), the step -> its float64 losses, (L,) per layer or (1,)
+    next-token, left on the device (the host reads them at log lines only)."""
     cfg, optim = t.cfg, t.optim
     for g in optim.param_groups:
         g["lr"] = g["peak"] * lr_factor(step, cfg)
@@ -415,32 +399,10 @@ def validate(t, step):
     devices.all_mean([kl])
     v = {"step": step, "teacher_loss": t.metrics["teacher_loss"],
          "student_loss": lm_loss(t.student, t.val, t.amp), "attn_kl": (kl / len(t.val)).tolist()}
-    check_finite(t.cfg, step, [v["student_loss"]] + v["attn_kl"],
-                 lambda i: f"layer {i - 1}'s held-out attention KL" if i else
-                 "the student's held-out loss")
+    door.check_finite(t.cfg, step, [v["student_loss"]] + v["attn_kl"],
+                      lambda i: f"layer {i - 1}'s held-out attention KL" if i else
+                      "the student's held-out loss")
     return v
-
-
-def check_finite(cfg, step, values, name):
-    """A ModelError naming (name(i)) the first value that is not finite, or is below 0 beyond
-    rounding (each is a KL, an l2 distance or a cross-entropy), before the checkpoint: the
-    numerical guard of the loop."""
-    for i, v in enumerate(values):
-        todo = "lower --lr-z/--lr-alpha or use --dtype float32"
-        if v < -1e-4:
-            todo = "no loss here can be negative, so the code that computed it is wrong"
-        if v < -1e-4 or not math.isfinite(v):
-            raise door.ModelError(f"{name(i)} became {v} at step {step}; the checkpoint in "
-                                  f"{cfg.out_dir} was not updated; {todo}")
-
-
-def fmt(losses, next_token=False):
-    """Up to three groups of consecutive layers: e.g. L0-3 0.5123 L4-7 0.6234 L8-11 0.7045."""
-    if next_token:
-        return f"{losses[0]:.4f} (next-token)"
-    g = math.ceil(len(losses) / 3)
-    return " ".join(f"L{s}-{min(len(losses), s + g) - 1} {np.mean(losses[s:s + g]):.4f}"
-                    for s in range(0, len(losses), g))
 
 
 def log_step(t, losses, step, n, t0):
@@ -452,14 +414,12 @@ def log_step(t, losses, step, n, t0):
     ms = seconds * 1e3 / n
     cfg = t.cfg
     direct = step_loss(cfg, step - 1) == "direct"                          # the step just taken
-    check_finite(cfg, step, losses,
-                 lambda l: "the next-token loss" if direct else f"layer {l}'s {cfg.loss} loss")
+    door.check_finite(cfg, step, losses,
+                      lambda l: "the next-token loss" if direct else f"layer {l}'s {cfg.loss} loss")
     lr = t.optim.param_groups[0]["lr"]
     t.metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
     t.metrics["train_seconds"] = t.metrics.get("train_seconds", 0.0) + seconds
-    tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * devices.get_world_size()
-    tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses, direct)} | lr_z {lr:.4g} | "
-               f"{ms:.1f} ms/step | {tokens * 1e3 / ms:,.0f} tok/s")
+    report.log_line(cfg, step, losses, direct, lr, ms)
 
 
 def train(t, step):
@@ -474,8 +434,7 @@ def train(t, step):
     while True:
         if not t.metrics["val"] or step > start and (step % cfg.eval_interval == 0 or step == end):
             v = validate(t, step)
-            tqdm.write(f"val step {step}: student loss {v['student_loss']:.4f} | "
-                       f"attention KL {fmt(v['attn_kl'])}")
+            report.val_line(v)
             t.metrics["val"].append(v)
             if devices.is_main():
                 record = {**t.record, "step": step}
@@ -495,38 +454,6 @@ def train(t, step):
 
 # The run: the door's checks, then the flow of the module docstring
 
-def print_start(cfg, teacher, data, dims, device):
-    """One line: the teacher, the data, the dims, the features and loss, the batch, the device."""
-    N = devices.get_world_size()
-    batch = f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step"
-    if N > 1:
-        batch += f" in each of {N} processes (global batch {N * cfg.batch_size * cfg.grad_accum})"
-    print(f"teacher {cfg.model}: {teacher.config.n_layer} layers; data {cfg.data} "
-          f"({len(data['train']):,} train tokens); dims {dims} (mean {np.mean(dims):.2f}); "
-          f"{cfg.feature_map} features, loss {cfg.loss}, {batch}, device {device}")
-
-
-def print_summary(t, step, enc):
-    """Held-out attention KL and next-token loss, first and last, and greedy continuations of
-    --prompt (its last tokens, so that prompt and continuation fit the teacher's context)."""
-    cfg, teacher, metrics = t.cfg, t.teacher, t.metrics
-    v0, v1 = metrics["val"][0], metrics["val"][-1]
-    start = f"from {cfg.init_from}" if cfg.init_from else "untrained"
-    print(f"\nsummary: {cfg.out_dir} at step {step}\n"
-          f"held-out attention KL: {fmt(v0['attn_kl'])} -> {fmt(v1['attn_kl'])}\n"
-          f"held-out next-token loss: teacher {metrics['teacher_loss']:.4f}, "
-          f"student {v0['student_loss']:.4f} ({start}) -> {v1['student_loss']:.4f}")
-    if not cfg.prompt or not devices.is_main():
-        return
-    new = min(30, teacher.config.block_size // 2)
-    ids, keep = enc.encode_ordinary(cfg.prompt), teacher.config.block_size - new
-    cut = f" (its last {keep} tokens)" if len(ids) > keep else ""
-    print(f"\ngreedy continuations of {cfg.prompt!r}{cut}:")
-    x = torch.tensor([ids[-keep:]], device=t.device)
-    for name, m in (("teacher", teacher), ("student", t.student)):
-        print(f"  {name}: {enc.decode(m.generate(x, new)[0, x.size(1):].tolist())!r}")
-
-
 def main(argv=None):
     """distill.py's command line (argv, or a config already parsed)."""
     cfg = argv if isinstance(argv, DistillConfig) else door.parse_config(DistillConfig, argv)
@@ -539,9 +466,8 @@ def distil(cfg):
     """teacher -> token files -> calibration windows -> dims -> student -> training -> checkpoint,
     every input checked before the work (teacher, checkpoint to start from, memory, token files)."""
     device, amp = devices.pick_device(cfg.device, cfg.dtype)
-    # torchrun: a process per device, rank 0 prints
-    device = devices.init_distributed(device)
-    teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
+    device = devices.init_distributed(device)  # torchrun: a process per device, rank 0 prints
+    teacher = model.GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     door.validate(cfg, context=teacher.config.block_size)
     prev = resume.from_checkpoint(cfg) if cfg.resume or cfg.init_from else None
     if prev:
@@ -555,26 +481,18 @@ def distil(cfg):
         resume.check_same_tokens(cfg, prev, meta)
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size,
                                     cfg.block_size, cfg.seed, device)
-    # --eval-iters held-out batches, the same at every validation
-    val_gen = torch.Generator().manual_seed(cfg.seed + VAL_SEED_OFFSET)
-    share = (devices.get_rank(), devices.get_world_size())
-    val = [datafiles.get_batch(data["val"], cfg.batch_size, cfg.block_size, val_gen, device, share)
-           for _ in range(cfg.eval_iters)]
+    val = datafiles.val_batches(data["val"], cfg, device)
     student, dims, layer_dof = make_student(cfg, teacher, calib, prev)
     optim, gen = make_optimizer(student, cfg), torch.Generator().manual_seed(cfg.seed)
-    if optim is None:
-        print(f"note: {cfg.feature_map} features are fixed, so nothing trains: the checkpoint is "
-              "the initial student")
     step, metrics = (0, {"history": [], "val": []})
     if cfg.resume:
         step, metrics = resume.restore(cfg, optim, gen)
-    # on this run's device, as the student's
-    metrics["teacher_loss"] = lm_loss(teacher, val, amp)
-    print_start(cfg, teacher, data, dims, device)
+    metrics["teacher_loss"] = lm_loss(teacher, val, amp)  # on this run's device, as the student's
+    report.print_start(cfg, teacher, data, dims, device, optim is not None)
     record = resume.run_record(cfg, dims, layer_dof, meta, step)
     t = Trainer(cfg, teacher, student, optim, gen, data["train"], device, amp, val, metrics, record)
     step = train(t, step)
-    print_summary(t, step, enc)
+    report.print_summary(t, step, enc)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import devices
 import door
 import files
 import forks
-from model import feature_state
 
 FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size",
                    "center_keys")
@@ -173,7 +172,8 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
     try:
         out.mkdir(parents=True, exist_ok=True)
         with files.atomic_files([out / name for name in files.CHECKPOINT_FILES]) as tmp:
-            tmp[0].write_bytes(safetensors.torch.save(feature_state(student), metadata=metadata))
+            features = checkpoint.feature_state(student)
+            tmp[0].write_bytes(safetensors.torch.save(features, metadata=metadata))
             tmp[1].write_text(json.dumps(metrics) + "\n")
             torch.save(state, tmp[2])
             tmp[3].write_text(json.dumps(config, indent=2) + "\n")

@@ -677,7 +677,7 @@ def test_nan_loss_stops_naming_the_layer(setup, tmp_path, monkeypatch):
     assert r.stderr.endswith("\n") and r.stderr.count("error: ") == 1
     assert json.loads((out / "config.json").read_text())["step"] == 0          # the first checkpoint, whole
     with pytest.raises(door.ModelError, match=r"^layer 1's softmax loss became inf at step 7; the checkpoint in x was"):
-        distill.check_finite(distill.DistillConfig(out_dir="x"), 7, [0.5, math.inf, math.nan],
+        door.check_finite(distill.DistillConfig(out_dir="x"), 7, [0.5, math.inf, math.nan],
                              lambda l: f"layer {l}'s softmax loss")         # the first that is not finite
     real = distill.lm_loss
     monkeypatch.setattr(distill, "lm_loss", lambda m, *a: math.nan if isinstance(m.cores()[0], LinearAttention) else
