@@ -40,39 +40,32 @@ class DistillConfig(door.Config):
     # the paper's knobs
     model: str = door.opt("gpt2", "teacher: hub id (gpt2, EleutherAI/pythia-160m), directory, "
                           ".gguf file or smollm2-135m", absolute="existing")
-    budget: int = door.opt(64, "mean feature dimension C over the layers (the inference cost)",
-                           min=1)
+    budget: int = door.opt(64, "mean feature dimension C over the layers (the cost)", min=1)
     alloc: str = door.opt("dof", "dims: dof (M_l ~ the layer's DoF), fix (C everywhere), clip (dof "
                           "capped at the head size), reverse (dof's dims in reverse DoF order)",
                           dof.RULES)
-    lam: float = door.opt(2 ** -4, "lambda of the DoF (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)",
-                          above=0)
+    lam: float = door.opt(2 ** -4, "lambda of the DoF (paper: 2^-4 GPT-2, 2^-8 Pythia)", above=0)
     loss: str = door.opt("softmax", "softmax, l2 (layerwise) or direct (next-token)",
                          ("softmax", "l2", "direct"))
-    feature_map: str = door.opt("prf", "a name in model.FEATURE_MAPS: prf (learned), performer "
-                                "(FAVOR+), dijiang (DCT), or a fork's",
-                                choices=lambda: model.FEATURE_MAPS)
+    feature_map: str = door.opt("prf", "prf (learned), performer (FAVOR+), dijiang (DCT) or a "
+                                "fork's", choices=lambda: model.FEATURE_MAPS)
     lr_z: float = door.opt(0.02, "peak Adam learning rate of the feature directions z", min=0)
     lr_alpha: float = door.opt(0.2, "peak Adam learning rate of the feature weights alpha", min=0)
     block_size: int = door.opt(1024, "tokens per training window (at most the teacher's context)",
                                min=1, context=True, check=datafiles.check_block_size)
     # dims and student
-    lam_relative: bool = door.opt(False, "take lambda as a fraction of tr(G / J), the mean "
-                                  "K(x, x): invariant to K's scale")
+    lam_relative: bool = door.opt(False, "lambda times tr(G / J): invariant to K's scale")
     J: int = door.opt(2048, "queries+keys drawn per head to estimate the DoF", min=1)
-    calib_batches: int = door.opt(4, "calibration batches of train.bin for the DoF and the key "
-                                  "means", min=1)
+    calib_batches: int = door.opt(4, "calibration batches for the DoF and the key means", min=1)
     dims: str = door.opt("", "comma-separated feature dims, one per layer, instead of --alloc")
-    center_keys: bool = door.opt(False, "subtract each head's mean calibration key before the "
-                                 "feature map (and the DoF)")
+    center_keys: bool = door.opt(False, "keys minus their calibration mean, for features and DoF")
     chunk_size: int = door.opt(64, "chunk length of the causal linear-attention scan", min=1)
     # data and output
     data: str = door.opt("data/wikipedia", "folder of token files, made on first use from its "
                          "*.txt, *.raw or Wikipedia", absolute=True)
     val_fraction: float = door.opt(0.05, "when --data is prepared: the share held out as val.bin",
                                    check=datafiles.check_val_fraction)
-    wiki_tokens: int = door.opt(20_000_000, "when --data holds no text: Wikipedia tokens to stream "
-                                "in", min=1)
+    wiki_tokens: int = door.opt(20_000_000, "Wikipedia tokens for a --data without text", min=1)
     out_dir: str = door.opt("out-distill", "checkpoint directory")
     init_from: str = door.opt("", "start from this checkpoint's features, dims and key means; "
                               "train with this run's loss", absolute=True)
@@ -84,25 +77,20 @@ class DistillConfig(door.Config):
     batch_size: int = door.opt(8, "windows per micro-batch", min=1)
     grad_accum: int = door.opt(1, "micro-batches accumulated per optimizer step", min=1)
     max_steps: int = door.opt(2000, "optimizer steps to train to", min=0)
-    decay_steps: int = door.opt(0, "length of the cosine schedule (0: --max-steps); keep it on "
-                                "--resume", min=0)
-    warmup_steps: int = door.opt(100, "linear warm-up steps (at most a tenth of the schedule)",
-                                 min=0)
-    min_lr_frac: float = door.opt(0.1, "the cosine schedule ends at this fraction of the peak "
-                                  "rates", min=0, max=1)
+    decay_steps: int = door.opt(0, "length of the cosine schedule (0: --max-steps)", min=0)
+    warmup_steps: int = door.opt(100, "warm-up steps (at most a tenth of the schedule)", min=0)
+    min_lr_frac: float = door.opt(0.1, "final fraction of the peak rates", min=0, max=1)
     query_block: int = door.opt(0, "queries per block of the layerwise losses (0: 128, or with "
                                 "--stack up to 2^26 floats)", min=0)
     stack: str = door.opt("auto", "the layerwise losses of layers of one M as one: auto (on a GPU)",
                           ("auto", "yes", "no"))
     # bookkeeping
-    eval_interval: int = door.opt(250, "validate and save a checkpoint every this many steps",
-                                  min=1)
+    eval_interval: int = door.opt(250, "validate and save every this many steps", min=1)
     eval_iters: int = door.opt(4, "validation batches from val.bin", min=1)
     log_interval: int = door.opt(10, "one log line every this many steps", min=1)
     prompt: str = door.opt("The history of the city", "prompt of the greedy continuations printed "
                            "at the end ('': none)", empty_ok=True)
-    seed: int = door.opt(0, "seed of the calibration windows, initial features and training "
-                         "windows", min=0)
+    seed: int = door.opt(0, "seed of the windows and of the initial features", min=0)
     device: str = door.opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = door.opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",
                           ("auto", "float32", "bfloat16"))
@@ -128,7 +116,7 @@ def attention_rows(q, k, phi_q, phi_k):
     a = phi_q phi_k^T; q, k (B, H, T, D), phi_q, phi_k (B, H, T, M)."""
     T = q.size(2)
     mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()     # (T, T): key j <= query i
-    tiny = torch.finfo(phi_q.dtype).tiny                                   # logs of underflow: finite
+    tiny = torch.finfo(phi_q.dtype).tiny                                   # finite logs of 0
     logits = (q @ k.mT / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))
     logp = torch.log_softmax(logits, -1)
     a = (phi_q @ phi_k.mT).masked_fill(~mask, 0.0)                         # (B, H, T, T)
