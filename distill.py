@@ -267,11 +267,7 @@ def make_student(cfg, teacher, calib, prev=None):
     if cfg.dims:
         dims, layer_dof = [int(m) for m in cfg.dims.split(",")], None
     else:
-        chosen = None
-        if devices.is_main():
-            chosen = dof.choose_dims(teacher, calib, cfg, mu)[:2]
-        # rank 0's, for every process
-        dims, layer_dof = devices.broadcast(chosen)
+        dims, layer_dof = devices.from_main(lambda: dof.choose_dims(teacher, calib, cfg, mu)[:2])
     torch.manual_seed(cfg.seed)
     student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size)
     for c, m in zip(student.cores(), [] if mu is None else mu):
@@ -362,9 +358,7 @@ def train_step(t, step):
             # the layerwise losses run their backward pass themselves
             loss = student_losses(t, x, kind, 1 / cfg.grad_accum)
         losses = losses + loss / cfg.grad_accum
-    # under torchrun, every process's mean gradient
-    grads = [p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None]
-    devices.all_mean(grads)
+    devices.mean_grads(optim)  # under torchrun, every process's mean
     optim.step()
     optim.zero_grad(set_to_none=True)
     return losses
@@ -457,24 +451,19 @@ def distil(cfg):
     device = devices.init_distributed(device)  # torchrun: a process per device, rank 0 prints
     teacher = model.GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     door.validate(cfg, context=teacher.config.block_size)
-    prev = resume.from_checkpoint(cfg) if cfg.resume or cfg.init_from else None
-    if prev:
-        cfg = resume.with_checkpoint_settings(cfg, prev)
+    cfg, prev = resume.starting_point(cfg)
     direct = step_loss(cfg, cfg.max_steps - 1) == "direct"
     dims = prev.config["dims"] if prev else None
     datafiles.check_memory(cfg, teacher.config, device, dims, direct)
     enc = tokenizer.load_tokenizer(cfg.model)
     data, meta = datafiles.open_data(cfg, enc, teacher.config.vocab_size)
-    if cfg.resume:
-        resume.check_same_tokens(cfg, prev, meta)
+    resume.check_same_tokens(cfg, prev, meta)
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size,
                                     cfg.block_size, cfg.seed, device)
     val = datafiles.val_batches(data["val"], cfg, device)
     student, dims, layer_dof = make_student(cfg, teacher, calib, prev)
     optim, gen = make_optimizer(student, cfg), torch.Generator().manual_seed(cfg.seed)
-    step, metrics = (0, {"history": [], "val": []})
-    if cfg.resume:
-        step, metrics = resume.restore(cfg, optim, gen)
+    step, metrics = resume.restore(cfg, optim, gen)
     metrics["teacher_loss"] = lm_loss(teacher, val, amp)  # on this run's device, as the student's
     report.print_start(cfg, teacher, data, dims, device, optim is not None)
     record = resume.run_record(cfg, dims, layer_dof, meta, step)

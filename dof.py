@@ -11,7 +11,6 @@ A layer's DoF is its heads' maximum (they share one feature dimension); layer l 
 M_l = C N_l / mean(N) features (allocate), a mean of C: the cost of Fix (C everywhere). DoF+Clip
 caps M_l at the head size; Reverse hands the same dims out in reverse order (a control)."""
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -236,10 +235,7 @@ def main(argv=None):
     report.print_table(cfg, per_head.numpy(), dims)
     result = {"settings": asdict(cfg), "per_head_dof": per_head.tolist(),
               "layer_dof": layer, "dims": dims, "seconds": time.time() - t0}
-    out = Path(cfg.out) / "dof.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    files.write_text_atomic(out, json.dumps(result, indent=1))
-    print(f"wrote {out} ({result['seconds']:.1f}s)")
+    report.write_json(Path(cfg.out) / "dof.json", result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What distill.py and dof.py print, which a learner may skip: the run's first line, its log and
-validation lines, its summary with greedy continuations, and dof.py's table."""
+validation lines, its summary with greedy continuations, and dof.py's table and dof.json."""
 
+import json
 import math
 import sys
 
@@ -9,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 import devices
+import files
 
 
 def fmt(losses, next_token=False):
@@ -89,3 +91,10 @@ def print_table(cfg, per_head, dims):
     if layer.max() == 0:
         print("warning: every DoF is 0 (lambda is that large), so dof, clip and reverse give every "
               "layer the budget, as fix does; lower --lam", file=sys.stderr)
+
+
+def write_json(path, result):
+    """dof.py's result, written whole (its folder made), and a line naming it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.write_text_atomic(path, json.dumps(result, indent=1))
+    print(f"wrote {path} ({result['seconds']:.1f}s)")

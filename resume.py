@@ -28,6 +28,15 @@ Checkpoint = namedtuple("Checkpoint", "path config features")
 TOKEN_FILES = ("train.bin", "val.bin")
 
 
+def starting_point(cfg):
+    """-> (cfg with the settings of the checkpoint to start from, that Checkpoint), or (cfg, None)
+    without --resume or --init-from."""
+    if not (cfg.resume or cfg.init_from):
+        return cfg, None
+    prev = from_checkpoint(cfg)
+    return with_checkpoint_settings(cfg, prev), prev
+
+
 def from_checkpoint(cfg):
     """--resume / --init-from: that Checkpoint, refused before any work where it does not fit this
     run (a resumed run must end as the uninterrupted one would)."""
@@ -107,7 +116,9 @@ def check_preset(path, was, now, flag, a, b):
 
 def check_same_tokens(cfg, prev, meta):
     """--resume: --data holds as many tokens as the checkpoint was trained on (check_same_files
-    checks their bytes, where config.json records them)."""
+    checks their bytes, where config.json records them); nothing to check without --resume."""
+    if not cfg.resume:
+        return
     data = prev.config.get("data")
     was = data.get("tokens", meta.get("tokens")) if isinstance(data, dict) else meta.get("tokens")
     if was != meta.get("tokens"):
@@ -191,7 +202,10 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
 
 
 def restore(cfg, optim, gen):
-    """--resume: the optimizer, data position and torch RNG of --out-dir's -> (step, metrics)."""
+    """--resume: the optimizer, data position and torch RNG of --out-dir's -> (step, metrics);
+    a fresh run's (0, no metrics) without --resume."""
+    if not cfg.resume:
+        return 0, {"history": [], "val": []}
     out, todo = Path(cfg.out_dir), "the checkpoint is damaged; pass --overwrite to start again"
     state = files.torch_load(out / "optim.pt", todo)
     metrics = files.read_json(out / "metrics.json", todo, dict)

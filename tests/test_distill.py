@@ -1582,7 +1582,7 @@ def test_restore_brings_back_the_torch_rng_and_the_data_position(tmp_path):
     """restore (--resume): after a checkpoint saved at step 3, torch's global generator and the training windows'
     generator draw what they drew right after the save, whatever they were set to since."""
     _, student = small_pair()
-    cfg = distill.DistillConfig(out_dir=str(tmp_path / "ck"), max_steps=10)
+    cfg = distill.DistillConfig(out_dir=str(tmp_path / "ck"), max_steps=10, resume=True)
     optim, gen = distill.make_optimizer(student, cfg), torch.Generator().manual_seed(5)
     resume.save_checkpoint(cfg, student, optim, gen, {"step": 3}, {"val": [{"step": 3}], "history": []})
     after = torch.rand(4), torch.randint(100, (4,), generator=gen)
