@@ -310,9 +310,8 @@ class Trainer:
     def next_batch(self):
         """--batch-size random training windows x, y (B, T) (under torchrun, this process's)."""
         share = (devices.get_rank(), devices.get_world_size())
-        cfg = self.cfg
-        return datafiles.get_batch(self.tokens, cfg.batch_size, cfg.block_size, self.gen,
-                                   self.device, share)
+        B, T = self.cfg.batch_size, self.cfg.block_size
+        return datafiles.get_batch(self.tokens, B, T, self.gen, self.device, share)
 
 
 def lr_factor(step, cfg):
@@ -407,8 +406,7 @@ def log_step(t, losses, step, n, t0):
 def train(t, step):
     """The loop from `step` to --max-steps, as nanoGPT's: validation and a checkpoint every
     --eval-interval steps, at the end and, for a fresh run, at once; an optimizer step; a log line
-    every --log-interval steps. ms/step times the training steps alone: t0 restarts after each
-    validation and log line."""
+    every --log-interval steps (ms/step: t0 restarts after each validation and log line)."""
     cfg = t.cfg
     start, end = step, cfg.max_steps if t.optim else step
     n, t0 = 0, time.perf_counter()
@@ -464,7 +462,7 @@ def distil(cfg):
     student, dims, layer_dof = make_student(cfg, teacher, calib, prev)
     optim, gen = make_optimizer(student, cfg), torch.Generator().manual_seed(cfg.seed)
     step, metrics = resume.restore(cfg, optim, gen)
-    metrics["teacher_loss"] = lm_loss(teacher, val, amp)  # on this run's device, as the student's
+    metrics["teacher_loss"] = lm_loss(teacher, val, amp)  # on this run's device
     report.print_start(cfg, teacher, data, dims, device, optim is not None)
     record = resume.run_record(cfg, dims, layer_dof, meta, step)
     t = Trainer(cfg, teacher, student, optim, gen, data["train"], device, amp, val, metrics, record)

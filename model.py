@@ -95,9 +95,8 @@ class SoftmaxAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-# Linear attention: K(q, k) = exp(q.k / sqrt d) ~ phi(q).phi(k), non-negative features phi.
-# The feature maps; y three ways (the plain T x T form, the chunked scan, the recurrent step);
-# then LinearAttention, the student's core.
+# Linear attention, K(q, k) = exp(q.k / sqrt d) ~ phi(q).phi(k): the feature maps phi; y three
+# ways (the plain T x T form, the chunked scan, the recurrent step); LinearAttention.
 
 KEY_SHIFT = 32.0  # beta of overflow_safe_prf: keys at most e^32, far below fp32's 3e38
 DEN_EPS = 1e-30   # y's denominator's floor: a query no key reaches gets y = 0, a finite gradient
@@ -268,8 +267,7 @@ def linear_attention_step(phi_q, phi_k, v, S, s):
 
 
 def repeat_kv(x, H):
-    """Grouped-query attention (as HF's repeat_kv): (B, Hkv, T, D) -> (B, H, T, D), query head h
-    reading KV head h // (H / Hkv)."""
+    """(B, Hkv, T, D) -> (B, H, T, D): query head h reads KV head h // (H / Hkv), as HF's."""
     return x if x.size(1) == H else x.repeat_interleave(H // x.size(1), dim=1)
 
 
@@ -277,9 +275,8 @@ class LinearAttention(nn.Module):
     """The student's core: softmax attention with K(q, k) replaced by phi(q).phi(k - mu), in fp32:
         y_i = phi(q_i) S_i / phi(q_i) s_i,
         S_i = sum_{j<=i} phi(k_j - mu) v_j^T,   s_i = sum_{j<=i} phi(k_j - mu).
-    q (B, H, T, D), k, v (B, Hkv, T, D) -> y (B, H, T, D); M features a head. The buffer key_mean
-    mu (H, D) centres the keys, which softmax ignores. Decoding keeps S (B, H, M, D) and s (B, H, M)
-    in the cache."""
+    q (B, H, T, D), k, v (B, Hkv, T, D) -> y (B, H, T, D); M features a head; key_mean mu (H, D)
+    (softmax ignores it). Decoding keeps S (B, H, M, D) and s (B, H, M) in the cache."""
     def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
         super().__init__()
         self.n_head = n_head
@@ -294,8 +291,7 @@ class LinearAttention(nn.Module):
         return q.to(dt), repeat_kv(k, self.n_head).to(dt) - self.key_mean[:, None].to(dt)
 
     def features(self, q, k, log=False):
-        """(phi_q, phi_k) (B, H, T, M) of `inputs`, called with autocast off; log=True: log Phi (the
-        plain formula, at the l2 loss's scale)."""
+        """(phi_q, phi_k) (B, H, T, M) of `inputs`, autocast off; log=True: log Phi (plain form)."""
         f = self.feature_map
         if log:
             return f.log_features(q), f.log_features(k)
@@ -458,14 +454,12 @@ class GPT(nn.Module):
         return gpt.to(device=device, dtype=dtype).eval()
 
 
-# the student's own tensors, which distill.py saves (its cores' parameters and buffers)
-feature_state = checkpoint.feature_state
+feature_state = checkpoint.feature_state  # what distill.py saves: the cores' tensors
 
 
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
-    """A distill.py checkpoint directory -> (the student, config.json's dict): the teacher (a GPT
-    used as it is, or a name or path to load; by default config.json's) linearised with the saved
-    dims and checked features."""
+    """A distill.py checkpoint -> (the student, config.json's dict): teacher (a GPT, a name or path;
+    by default config.json's) linearised with the saved dims and features."""
     cfg, sd = checkpoint.read_student(ckpt_dir)
     if not isinstance(teacher, GPT):
         teacher = GPT.from_pretrained(teacher or cfg["teacher"], device, dtype)
