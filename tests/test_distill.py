@@ -35,6 +35,7 @@ from model import GPT, LinearAttention
 from tokenizer import load_tokenizer
 import checkpoint
 import distill
+import report
 import resume
 import dof
 import evaluate as E
@@ -101,7 +102,7 @@ def test_table_warns_where_the_dof_nears_j_or_is_0_everywhere(capsys):
                               (np.zeros((2, 2)), "every DoF is 0 (lambda is that large), so dof, clip and reverse "),
                               (np.full((2, 2), 50.0), None)):
         dims = {rule: dof.allocate(per_head.max(1), 4, rule, 16) for rule in dof.RULES}
-        dof.print_table(cfg, per_head, dims)
+        report.print_table(cfg, per_head, dims)
         err = capsys.readouterr().err
         assert (warning in err and err.count("warning") == 1) if warning else err == "", err
 
@@ -677,7 +678,7 @@ def test_nan_loss_stops_naming_the_layer(setup, tmp_path, monkeypatch):
     assert r.stderr.endswith("\n") and r.stderr.count("error: ") == 1
     assert json.loads((out / "config.json").read_text())["step"] == 0          # the first checkpoint, whole
     with pytest.raises(door.ModelError, match=r"^layer 1's softmax loss became inf at step 7; the checkpoint in x was"):
-        distill.check_finite(distill.DistillConfig(out_dir="x"), 7, [0.5, math.inf, math.nan],
+        door.check_finite(distill.DistillConfig(out_dir="x"), 7, [0.5, math.inf, math.nan],
                              lambda l: f"layer {l}'s softmax loss")         # the first that is not finite
     real = distill.lm_loss
     monkeypatch.setattr(distill, "lm_loss", lambda m, *a: math.nan if isinstance(m.cores()[0], LinearAttention) else
@@ -920,9 +921,9 @@ def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkey
 
 def test_log_line_labels_the_next_token_loss_by_the_step_not_by_the_count():
     """A one-layer teacher's layerwise loss is one number too: only a direct step's is labelled next-token."""
-    assert distill.fmt([0.5]) == "L0-0 0.5000" and distill.fmt([2.0], True) == "2.0000 (next-token)"
-    assert distill.fmt([1.0, 2.0, 3.0, 4.0]) == "L0-1 1.5000 L2-3 3.5000"
-    assert distill.fmt([1.0, 2.0, 3.0, 4.0, 5.0]) == "L0-1 1.5000 L2-3 3.5000 L4-4 5.0000"   # a last group of one
+    assert report.fmt([0.5]) == "L0-0 0.5000" and report.fmt([2.0], True) == "2.0000 (next-token)"
+    assert report.fmt([1.0, 2.0, 3.0, 4.0]) == "L0-1 1.5000 L2-3 3.5000"
+    assert report.fmt([1.0, 2.0, 3.0, 4.0, 5.0]) == "L0-1 1.5000 L2-3 3.5000 L4-4 5.0000"   # a last group of one
 
 
 def test_summary_says_when_the_prompt_was_cut_to_the_context(setup, capsys):
@@ -931,7 +932,7 @@ def test_summary_says_when_the_prompt_was_cut_to_the_context(setup, capsys):
     cfg = distill.DistillConfig(prompt="word " * 500, out_dir="x")
     trainer = distill.Trainer(cfg, teacher, teacher, None, None, None, "cpu",
                               metrics={"val": [v], "teacher_loss": 1.0})
-    distill.print_summary(trainer, 0, load_tokenizer(ckpt))
+    report.print_summary(trainer, 0, load_tokenizer(ckpt))
     assert f"(its last {teacher.config.block_size - 30} tokens):" in capsys.readouterr().out
 
 
@@ -1581,7 +1582,7 @@ def test_restore_brings_back_the_torch_rng_and_the_data_position(tmp_path):
     """restore (--resume): after a checkpoint saved at step 3, torch's global generator and the training windows'
     generator draw what they drew right after the save, whatever they were set to since."""
     _, student = small_pair()
-    cfg = distill.DistillConfig(out_dir=str(tmp_path / "ck"), max_steps=10)
+    cfg = distill.DistillConfig(out_dir=str(tmp_path / "ck"), max_steps=10, resume=True)
     optim, gen = distill.make_optimizer(student, cfg), torch.Generator().manual_seed(5)
     resume.save_checkpoint(cfg, student, optim, gen, {"step": 3}, {"val": [{"step": 3}], "history": []})
     after = torch.rand(4), torch.randint(100, (4,), generator=gen)
