@@ -84,8 +84,9 @@ def check_memory(cfg, mc, device, dims=None, direct=False):
     rows = H * min(cfg.query_block or cfg.QUERY_BLOCK, T)
     if device.startswith("cuda") and cfg.stack != "no":
         rows = min(L * H * T, cfg.STACK_FLOATS // (B * T))
-    # every layer's q and k, the rows, the features, the activations
-    floats = B * T * (L * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * H * M + 8 * C)
+    # every layer's q and k three times (the teacher's pass, fp32, keys centred), the rows, the
+    # features, the activations (measured against a step's peak memory: tests/test_distill.py)
+    floats = B * T * (3 * L * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * H * M + 8 * C)
     if direct:
         floats += 16 * L * B * T * C + 2 * B * T * mc.vocab_size
     # the batches of int64 tokens

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 import devices
+import forks
 import files
 
 
@@ -56,7 +57,8 @@ def print_summary(t, step, enc):
     cfg, teacher, metrics = t.cfg, t.teacher, t.metrics
     v0, v1 = metrics["val"][0], metrics["val"][-1]
     start = f"from {cfg.init_from}" if cfg.init_from else "untrained"
-    print(f"\nsummary: {cfg.out_dir} at step {step}\n"
+    fork = f" ({forks.FORK} {forks.own_flags(cfg)})" if forks.FORK else ""
+    print(f"\nsummary: {cfg.out_dir} at step {step}{fork}\n"
           f"held-out attention KL: {fmt(v0['attn_kl'])} -> {fmt(v1['attn_kl'])}\n"
           f"held-out next-token loss: teacher {metrics['teacher_loss']:.4f}, "
           f"student {v0['student_loss']:.4f} ({start}) -> {v1['student_loss']:.4f}")
