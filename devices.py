@@ -133,6 +133,11 @@ def broadcast(obj, tensors=()):
     return all_gather(obj)[0]
 
 
+def from_main(fn):
+    """fn() run by rank 0 alone, its (picklable) result on every process."""
+    return broadcast(fn() if is_main() else None)
+
+
 def all_mean(tensors):
     """Each tensor replaced in place by its mean over the processes: one all-reduce, one dtype."""
     if not dist.is_initialized() or not tensors:
@@ -142,6 +147,11 @@ def all_mean(tensors):
     means = (flat / get_world_size()).split([t.numel() for t in tensors])
     for t, mean in zip(tensors, means):
         t.copy_(mean.view_as(t))
+
+
+def mean_grads(optim):
+    """Each gradient of optim's parameters replaced by its mean over the processes."""
+    all_mean([p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None])
 
 
 def barrier():

@@ -1,6 +1,5 @@
-"""
-Distil a pretrained transformer's softmax attention into linear attention (the paper's GPT-2 setting
-by default):
+"""Distil a pretrained transformer's softmax attention into linear attention (the paper's GPT-2
+setting by default):
 
     python distill.py --budget 64 --loss softmax
     python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu   # offline, on a CPU
@@ -13,7 +12,6 @@ each layer's gradient alone is that of their sum).
 """
 
 import contextlib
-import copy
 import math
 import time
 from dataclasses import dataclass
@@ -22,61 +20,52 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import checkpoint
 import datafiles
 import devices
 import door
 import files
 import dof
 import model
+import report
 import resume
 import tokenizer
-from model import GPT, feature_state, load_feature_state
-
-VAL_SEED_OFFSET = 1       # validation windows from --seed + 1, training windows from --seed
 
 # Configuration: the paper's knobs first, then ours
 
 @dataclass
 class DistillConfig(door.Config):
-    """Distil softmax attention into linear attention with DoF-chosen feature dimensions. Defaults:
-    the paper's GPT-2 setting; ours are J, calib_batches, batch_size, max_steps, the schedule and
-    key centring."""
+    """Distil softmax attention into linear attention with DoF-chosen feature dimensions (defaults:
+    the paper's GPT-2 setting)."""
     # the paper's knobs
     model: str = door.opt("gpt2", "teacher: hub id (gpt2, EleutherAI/pythia-160m), directory, "
                           ".gguf file or smollm2-135m", absolute="existing")
-    budget: int = door.opt(64, "mean feature dimension C over the layers (the inference cost)",
-                           min=1)
+    budget: int = door.opt(64, "mean feature dimension C over the layers (the cost)", min=1)
     alloc: str = door.opt("dof", "dims: dof (M_l ~ the layer's DoF), fix (C everywhere), clip (dof "
                           "capped at the head size), reverse (dof's dims in reverse DoF order)",
                           dof.RULES)
-    lam: float = door.opt(2 ** -4, "lambda of the DoF (paper: 2^-4 for GPT-2, 2^-8 for Pythia-1B)",
-                          above=0)
+    lam: float = door.opt(2 ** -4, "lambda of the DoF (paper: 2^-4 GPT-2, 2^-8 Pythia)", above=0)
     loss: str = door.opt("softmax", "softmax, l2 (layerwise) or direct (next-token)",
                          ("softmax", "l2", "direct"))
-    feature_map: str = door.opt("prf", "a name in model.FEATURE_MAPS: prf (learned), performer "
-                                "(FAVOR+), dijiang (DCT), or a fork's",
-                                choices=lambda: model.FEATURE_MAPS)
+    feature_map: str = door.opt("prf", "prf (learned), performer (FAVOR+), dijiang (DCT) or a "
+                                "fork's", choices=lambda: model.FEATURE_MAPS)
     lr_z: float = door.opt(0.02, "peak Adam learning rate of the feature directions z", min=0)
     lr_alpha: float = door.opt(0.2, "peak Adam learning rate of the feature weights alpha", min=0)
     block_size: int = door.opt(1024, "tokens per training window (at most the teacher's context)",
                                min=1, context=True, check=datafiles.check_block_size)
     # dims and student
-    lam_relative: bool = door.opt(False, "take lambda as a fraction of tr(G / J), the mean "
-                                  "K(x, x): invariant to K's scale")
+    lam_relative: bool = door.opt(False, "lambda times tr(G / J): invariant to K's scale")
     J: int = door.opt(2048, "queries+keys drawn per head to estimate the DoF", min=1)
-    calib_batches: int = door.opt(4, "calibration batches of train.bin for the DoF and the key "
-                                  "means", min=1)
+    calib_batches: int = door.opt(4, "calibration batches for the DoF and the key means", min=1)
     dims: str = door.opt("", "comma-separated feature dims, one per layer, instead of --alloc")
-    center_keys: bool = door.opt(False, "subtract each head's mean calibration key before the "
-                                 "feature map (and the DoF)")
+    center_keys: bool = door.opt(False, "keys minus their calibration mean, for features and DoF")
     chunk_size: int = door.opt(64, "chunk length of the causal linear-attention scan", min=1)
     # data and output
     data: str = door.opt("data/wikipedia", "folder of token files, made on first use from its "
                          "*.txt, *.raw or Wikipedia", absolute=True)
     val_fraction: float = door.opt(0.05, "when --data is prepared: the share held out as val.bin",
                                    check=datafiles.check_val_fraction)
-    wiki_tokens: int = door.opt(20_000_000, "when --data holds no text: Wikipedia tokens to stream "
-                                "in", min=1)
+    wiki_tokens: int = door.opt(20_000_000, "Wikipedia tokens for a --data without text", min=1)
     out_dir: str = door.opt("out-distill", "checkpoint directory")
     init_from: str = door.opt("", "start from this checkpoint's features, dims and key means; "
                               "train with this run's loss", absolute=True)
@@ -88,47 +77,35 @@ class DistillConfig(door.Config):
     batch_size: int = door.opt(8, "windows per micro-batch", min=1)
     grad_accum: int = door.opt(1, "micro-batches accumulated per optimizer step", min=1)
     max_steps: int = door.opt(2000, "optimizer steps to train to", min=0)
-    decay_steps: int = door.opt(0, "length of the cosine schedule (0: --max-steps); keep it on "
-                                "--resume", min=0)
-    warmup_steps: int = door.opt(100, "linear warm-up steps (at most a tenth of the schedule)",
-                                 min=0)
-    min_lr_frac: float = door.opt(0.1, "the cosine schedule ends at this fraction of the peak "
-                                  "rates", min=0, max=1)
+    decay_steps: int = door.opt(0, "length of the cosine schedule (0: --max-steps)", min=0)
+    warmup_steps: int = door.opt(100, "warm-up steps (at most a tenth of the schedule)", min=0)
+    min_lr_frac: float = door.opt(0.1, "final fraction of the peak rates", min=0, max=1)
     query_block: int = door.opt(0, "queries per block of the layerwise losses (0: 128, or with "
                                 "--stack up to 2^26 floats)", min=0)
     stack: str = door.opt("auto", "the layerwise losses of layers of one M as one: auto (on a GPU)",
                           ("auto", "yes", "no"))
     # bookkeeping
-    eval_interval: int = door.opt(250, "validate and save a checkpoint every this many steps",
-                                  min=1)
+    eval_interval: int = door.opt(250, "validate and save every this many steps", min=1)
     eval_iters: int = door.opt(4, "validation batches from val.bin", min=1)
     log_interval: int = door.opt(10, "one log line every this many steps", min=1)
     prompt: str = door.opt("The history of the city", "prompt of the greedy continuations printed "
                            "at the end ('': none)", empty_ok=True)
-    seed: int = door.opt(0, "seed of the calibration windows, initial features and training "
-                         "windows", min=0)
+    seed: int = door.opt(0, "seed of the windows and of the initial features", min=0)
     device: str = door.opt("auto", "auto, cpu, cuda or cuda:N")
     dtype: str = door.opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",
                           ("auto", "float32", "bfloat16"))
 
-    # the layerwise losses' blocks (--query-block 0), which the memory check counts too: queries
-    # per block of one layer (its rows: 128 T floats a head), and floats (256 MiB) per block of
-    # stacked layers (few, large kernels on a GPU)
+    # the layerwise losses' blocks (--query-block 0): queries per block of one layer, and floats
+    # (256 MiB) per block of stacked layers (few, large kernels on a GPU)
     QUERY_BLOCK = 128
     STACK_FLOATS = 2 ** 26
-    # --resume refuses other values of these (the data, batches, losses, schedule)
+    # --resume refuses other values of these
     RESUMED = ("loss", "lr_z", "lr_alpha", "block_size", "data", "init_from", "batch_size",
                "grad_accum", "warmup_steps", "min_lr_frac", "eval_iters", "seed")
     # --preset cpu: SmolLM2-135M on WikiText-2 in minutes on one CPU thread (docs/results.md's)
     PRESETS = {"cpu": "--block-size 256 --batch-size 1 --max-steps 450 --warmup-steps 45 "
                       "--eval-interval 150 --eval-iters 8 --budget 32 --lam 1e-3 --lam-relative "
                       "--J 1024 --center-keys --val-fraction 0.1"}
-
-    def updated(self, **values):
-        """A copy with these values, computed from the flags (whose checks are not run again)."""
-        new = copy.copy(self)
-        vars(new).update(values)
-        return new
 
 
 # Layerwise losses: the plain T x T form, then the blockwise forms that training runs
@@ -139,8 +116,7 @@ def attention_rows(q, k, phi_q, phi_k):
     a = phi_q phi_k^T; q, k (B, H, T, D), phi_q, phi_k (B, H, T, M)."""
     T = q.size(2)
     mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()     # (T, T): key j <= query i
-    # logs of underflow stay finite
-    tiny = torch.finfo(phi_q.dtype).tiny
+    tiny = torch.finfo(phi_q.dtype).tiny                                   # finite logs of 0
     logits = (q @ k.mT / math.sqrt(q.size(-1))).masked_fill(~mask, float("-inf"))
     logp = torch.log_softmax(logits, -1)
     a = (phi_q @ phi_k.mT).masked_fill(~mask, 0.0)                         # (B, H, T, T)
@@ -255,8 +231,7 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
         B, H, T, D = qk[ls[0]][0].shape
         with torch.autocast(dev.type, enabled=False), torch.set_grad_enabled(grad):
             seen = [cores[l].inputs(*qk[l]) for l in ls]                  # fp32, keys centred
-            # (B, G H, T, D)
-            q, kc = (torch.cat(x, 1) if len(ls) > 1 else x[0] for x in zip(*seen))
+            q, kc = (torch.cat(x, 1) if len(ls) > 1 else x[0] for x in zip(*seen))  # (B, G H, T, D)
             maps = [cores[l].feature_map for l in ls]
             if len(ls) == 1:
                 fq, fk = cores[ls[0]].features(q, kc, log=kind == "l2")
@@ -286,23 +261,19 @@ def make_student(cfg, teacher, calib, prev=None):
     from Checkpoint prev."""
     if prev:
         student = teacher.linearize(prev.config["dims"], cfg.feature_map, cfg.chunk_size)
-        load_feature_state(student, prev.features, prev.path)
+        checkpoint.load_features(student, prev.features, prev.path)
         return student, prev.config["dims"], prev.config.get("dof")
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None          # (L, H, D)
     if cfg.dims:
         dims, layer_dof = [int(m) for m in cfg.dims.split(",")], None
     else:
-        chosen = None
-        if devices.is_main():
-            chosen = dof.choose_dims(teacher, calib, cfg, mu)[:2]
-        # rank 0's, for every process
-        dims, layer_dof = devices.broadcast(chosen)
+        dims, layer_dof = devices.from_main(lambda: dof.choose_dims(teacher, calib, cfg, mu)[:2])
     torch.manual_seed(cfg.seed)
     student = teacher.linearize(dims, cfg.feature_map, cfg.chunk_size)
     for c, m in zip(student.cores(), [] if mu is None else mu):
         c.key_mean.copy_(m)
     # every process starts from rank 0's features
-    devices.broadcast(None, list(feature_state(student).values()))
+    devices.broadcast(None, list(checkpoint.feature_state(student).values()))
     return student, dims, layer_dof
 
 
@@ -323,12 +294,10 @@ def make_optimizer(student, cfg):
 
 @dataclass
 class Trainer:
-    """What the loop works on: the flags, the frozen teacher and its student, the optimizer (None:
-    nothing trains), the training windows' generator and tokens, the device, the autocast context,
-    the held-out batches, the metrics kept and config.json's record of the run."""
+    """What the loop works on (optim None: nothing trains; record: config.json's record)."""
     cfg: DistillConfig
-    teacher: GPT
-    student: GPT
+    teacher: model.GPT
+    student: model.GPT
     optim: torch.optim.Optimizer | None
     gen: torch.Generator
     tokens: np.ndarray
@@ -341,9 +310,8 @@ class Trainer:
     def next_batch(self):
         """--batch-size random training windows x, y (B, T) (under torchrun, this process's)."""
         share = (devices.get_rank(), devices.get_world_size())
-        cfg = self.cfg
-        return datafiles.get_batch(self.tokens, cfg.batch_size, cfg.block_size, self.gen,
-                                   self.device, share)
+        B, T = self.cfg.batch_size, self.cfg.block_size
+        return datafiles.get_batch(self.tokens, B, T, self.gen, self.device, share)
 
 
 def lr_factor(step, cfg):
@@ -371,10 +339,9 @@ def step_loss(cfg, step):
 
 
 def train_step(t, step):
-    """Optimizer step step + 1: its learning rate, then --grad-accum micro-batches, each a batch,
-    its loss and backward pass (weighed 1 / grad_accum), then the step -> its losses, (L,) per
-    layer or (1,) next-token (direct), float64, left on the device (the host reads them at log
-    lines only)."""
+    """Optimizer step step + 1: its learning rate, --grad-accum micro-batches (batch, loss,
+    backward, weighed 1 / grad_accum), the step -> its float64 losses, (L,) per layer or (1,)
+    next-token, left on the device (the host reads them at log lines only)."""
     cfg, optim = t.cfg, t.optim
     for g in optim.param_groups:
         g["lr"] = g["peak"] * lr_factor(step, cfg)
@@ -390,9 +357,7 @@ def train_step(t, step):
             # the layerwise losses run their backward pass themselves
             loss = student_losses(t, x, kind, 1 / cfg.grad_accum)
         losses = losses + loss / cfg.grad_accum
-    # under torchrun, every process's mean gradient
-    grads = [p.grad for g in optim.param_groups for p in g["params"] if p.grad is not None]
-    devices.all_mean(grads)
+    devices.mean_grads(optim)  # under torchrun, every process's mean
     optim.step()
     optim.zero_grad(set_to_none=True)
     return losses
@@ -415,32 +380,10 @@ def validate(t, step):
     devices.all_mean([kl])
     v = {"step": step, "teacher_loss": t.metrics["teacher_loss"],
          "student_loss": lm_loss(t.student, t.val, t.amp), "attn_kl": (kl / len(t.val)).tolist()}
-    check_finite(t.cfg, step, [v["student_loss"]] + v["attn_kl"],
-                 lambda i: f"layer {i - 1}'s held-out attention KL" if i else
-                 "the student's held-out loss")
+    door.check_finite(t.cfg, step, [v["student_loss"]] + v["attn_kl"],
+                      lambda i: f"layer {i - 1}'s held-out attention KL" if i else
+                      "the student's held-out loss")
     return v
-
-
-def check_finite(cfg, step, values, name):
-    """A ModelError naming (name(i)) the first value that is not finite, or is below 0 beyond
-    rounding (each is a KL, an l2 distance or a cross-entropy), before the checkpoint: the
-    numerical guard of the loop."""
-    for i, v in enumerate(values):
-        todo = "lower --lr-z/--lr-alpha or use --dtype float32"
-        if v < -1e-4:
-            todo = "no loss here can be negative, so the code that computed it is wrong"
-        if v < -1e-4 or not math.isfinite(v):
-            raise door.ModelError(f"{name(i)} became {v} at step {step}; the checkpoint in "
-                                  f"{cfg.out_dir} was not updated; {todo}")
-
-
-def fmt(losses, next_token=False):
-    """Up to three groups of consecutive layers: e.g. L0-3 0.5123 L4-7 0.6234 L8-11 0.7045."""
-    if next_token:
-        return f"{losses[0]:.4f} (next-token)"
-    g = math.ceil(len(losses) / 3)
-    return " ".join(f"L{s}-{min(len(losses), s + g) - 1} {np.mean(losses[s:s + g]):.4f}"
-                    for s in range(0, len(losses), g))
 
 
 def log_step(t, losses, step, n, t0):
@@ -452,21 +395,18 @@ def log_step(t, losses, step, n, t0):
     ms = seconds * 1e3 / n
     cfg = t.cfg
     direct = step_loss(cfg, step - 1) == "direct"                          # the step just taken
-    check_finite(cfg, step, losses,
-                 lambda l: "the next-token loss" if direct else f"layer {l}'s {cfg.loss} loss")
+    door.check_finite(cfg, step, losses,
+                      lambda l: "the next-token loss" if direct else f"layer {l}'s {cfg.loss} loss")
     lr = t.optim.param_groups[0]["lr"]
     t.metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
     t.metrics["train_seconds"] = t.metrics.get("train_seconds", 0.0) + seconds
-    tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * devices.get_world_size()
-    tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses, direct)} | lr_z {lr:.4g} | "
-               f"{ms:.1f} ms/step | {tokens * 1e3 / ms:,.0f} tok/s")
+    report.log_line(cfg, step, losses, direct, lr, ms)
 
 
 def train(t, step):
     """The loop from `step` to --max-steps, as nanoGPT's: validation and a checkpoint every
     --eval-interval steps, at the end and, for a fresh run, at once; an optimizer step; a log line
-    every --log-interval steps. ms/step times the training steps alone: t0 restarts after each
-    validation and log line."""
+    every --log-interval steps (ms/step: t0 restarts after each validation and log line)."""
     cfg = t.cfg
     start, end = step, cfg.max_steps if t.optim else step
     n, t0 = 0, time.perf_counter()
@@ -474,8 +414,7 @@ def train(t, step):
     while True:
         if not t.metrics["val"] or step > start and (step % cfg.eval_interval == 0 or step == end):
             v = validate(t, step)
-            tqdm.write(f"val step {step}: student loss {v['student_loss']:.4f} | "
-                       f"attention KL {fmt(v['attn_kl'])}")
+            report.val_line(v)
             t.metrics["val"].append(v)
             if devices.is_main():
                 record = {**t.record, "step": step}
@@ -495,38 +434,6 @@ def train(t, step):
 
 # The run: the door's checks, then the flow of the module docstring
 
-def print_start(cfg, teacher, data, dims, device):
-    """One line: the teacher, the data, the dims, the features and loss, the batch, the device."""
-    N = devices.get_world_size()
-    batch = f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step"
-    if N > 1:
-        batch += f" in each of {N} processes (global batch {N * cfg.batch_size * cfg.grad_accum})"
-    print(f"teacher {cfg.model}: {teacher.config.n_layer} layers; data {cfg.data} "
-          f"({len(data['train']):,} train tokens); dims {dims} (mean {np.mean(dims):.2f}); "
-          f"{cfg.feature_map} features, loss {cfg.loss}, {batch}, device {device}")
-
-
-def print_summary(t, step, enc):
-    """Held-out attention KL and next-token loss, first and last, and greedy continuations of
-    --prompt (its last tokens, so that prompt and continuation fit the teacher's context)."""
-    cfg, teacher, metrics = t.cfg, t.teacher, t.metrics
-    v0, v1 = metrics["val"][0], metrics["val"][-1]
-    start = f"from {cfg.init_from}" if cfg.init_from else "untrained"
-    print(f"\nsummary: {cfg.out_dir} at step {step}\n"
-          f"held-out attention KL: {fmt(v0['attn_kl'])} -> {fmt(v1['attn_kl'])}\n"
-          f"held-out next-token loss: teacher {metrics['teacher_loss']:.4f}, "
-          f"student {v0['student_loss']:.4f} ({start}) -> {v1['student_loss']:.4f}")
-    if not cfg.prompt or not devices.is_main():
-        return
-    new = min(30, teacher.config.block_size // 2)
-    ids, keep = enc.encode_ordinary(cfg.prompt), teacher.config.block_size - new
-    cut = f" (its last {keep} tokens)" if len(ids) > keep else ""
-    print(f"\ngreedy continuations of {cfg.prompt!r}{cut}:")
-    x = torch.tensor([ids[-keep:]], device=t.device)
-    for name, m in (("teacher", teacher), ("student", t.student)):
-        print(f"  {name}: {enc.decode(m.generate(x, new)[0, x.size(1):].tolist())!r}")
-
-
 def main(argv=None):
     """distill.py's command line (argv, or a config already parsed)."""
     cfg = argv if isinstance(argv, DistillConfig) else door.parse_config(DistillConfig, argv)
@@ -539,42 +446,28 @@ def distil(cfg):
     """teacher -> token files -> calibration windows -> dims -> student -> training -> checkpoint,
     every input checked before the work (teacher, checkpoint to start from, memory, token files)."""
     device, amp = devices.pick_device(cfg.device, cfg.dtype)
-    # torchrun: a process per device, rank 0 prints
-    device = devices.init_distributed(device)
-    teacher = GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
+    device = devices.init_distributed(device)  # torchrun: a process per device, rank 0 prints
+    teacher = model.GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     door.validate(cfg, context=teacher.config.block_size)
-    prev = resume.from_checkpoint(cfg) if cfg.resume or cfg.init_from else None
-    if prev:
-        cfg = resume.with_checkpoint_settings(cfg, prev)
+    cfg, prev = resume.starting_point(cfg)
     direct = step_loss(cfg, cfg.max_steps - 1) == "direct"
     dims = prev.config["dims"] if prev else None
     datafiles.check_memory(cfg, teacher.config, device, dims, direct)
     enc = tokenizer.load_tokenizer(cfg.model)
     data, meta = datafiles.open_data(cfg, enc, teacher.config.vocab_size)
-    if cfg.resume:
-        resume.check_same_tokens(cfg, prev, meta)
+    resume.check_same_tokens(cfg, prev, meta)
     calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size,
                                     cfg.block_size, cfg.seed, device)
-    # --eval-iters held-out batches, the same at every validation
-    val_gen = torch.Generator().manual_seed(cfg.seed + VAL_SEED_OFFSET)
-    share = (devices.get_rank(), devices.get_world_size())
-    val = [datafiles.get_batch(data["val"], cfg.batch_size, cfg.block_size, val_gen, device, share)
-           for _ in range(cfg.eval_iters)]
+    val = datafiles.val_batches(data["val"], cfg, device)
     student, dims, layer_dof = make_student(cfg, teacher, calib, prev)
     optim, gen = make_optimizer(student, cfg), torch.Generator().manual_seed(cfg.seed)
-    if optim is None:
-        print(f"note: {cfg.feature_map} features are fixed, so nothing trains: the checkpoint is "
-              "the initial student")
-    step, metrics = (0, {"history": [], "val": []})
-    if cfg.resume:
-        step, metrics = resume.restore(cfg, optim, gen)
-    # on this run's device, as the student's
-    metrics["teacher_loss"] = lm_loss(teacher, val, amp)
-    print_start(cfg, teacher, data, dims, device)
+    step, metrics = resume.restore(cfg, optim, gen)
+    metrics["teacher_loss"] = lm_loss(teacher, val, amp)  # on this run's device
+    report.print_start(cfg, teacher, data, dims, device, optim is not None)
     record = resume.run_record(cfg, dims, layer_dof, meta, step)
     t = Trainer(cfg, teacher, student, optim, gen, data["train"], device, amp, val, metrics, record)
     step = train(t, step)
-    print_summary(t, step, enc)
+    report.print_summary(t, step, enc)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ A layer's DoF is its heads' maximum (they share one feature dimension); layer l 
 M_l = C N_l / mean(N) features (allocate), a mean of C: the cost of Fix (C everywhere). DoF+Clip
 caps M_l at the head size; Reverse hands the same dims out in reverse order (a control)."""
 
-import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,12 +24,11 @@ import datafiles
 import devices
 import door
 import files
+import report
 from model import GPT, repeat_kv
 
 RULES = ("dof", "fix", "clip", "reverse")
-# the calibration windows' generator: --seed + 2, apart from distill.py's training (+ 0) and
-# validation (+ 1) windows
-CALIBRATION_SEED_OFFSET = 2
+CALIBRATION_SEED_OFFSET = 2  # windows apart from distill.py's training (+ 0) and validation (+ 1)
 
 
 @torch.no_grad()
@@ -211,7 +208,6 @@ class DofConfig(door.Config):
     batch_size: int = door.opt(8, "windows per calibration batch (as distill.py)", min=1)
     block_size: int = door.opt(1024, "tokens per window, at most the model's context", min=1,
                                context=True)
-    # as distill.py's: windows it can draw too
     seed: int = door.opt(0, "seed of the windows and of the sample of queries+keys (as distill.py)",
                          min=0)
     device: str = door.opt("auto", "auto (cuda if available), cpu, cuda or cuda:N")
@@ -220,27 +216,6 @@ class DofConfig(door.Config):
 
     # choose_dims's rule: dims in proportion to the DoF (the table shows every rule's)
     alloc = "dof"
-
-
-def print_table(cfg, per_head, dims):
-    """A line per layer: largest and mean head DoF, max/J, each rule's dims; a warning where the
-    DoF nears J (J or lambda may cause it) or is 0 everywhere (lambda too large)."""
-    layer = per_head.max(1)
-    centred = " (keys centred)" if cfg.center_keys else ""
-    relative = " x tr(G / J)" if cfg.lam_relative else ""
-    print(f"{cfg.model}: J={cfg.J} queries+keys per head{centred}, lambda={cfg.lam:g}{relative}, "
-          f"budget {cfg.budget}")
-    names = "".join(f" {rule:>7}" for rule in dims)
-    print(f"{'layer':>5} {'DoF max':>8} {'mean':>8} {'max/J':>6}{names}")
-    for l, (top, mean) in enumerate(zip(layer, per_head.mean(1))):
-        rules = "".join(f" {d[l]:7d}" for d in dims.values())
-        print(f"{l:5d} {top:8.2f} {mean:8.2f} {top / cfg.J:6.3f}{rules}")
-    if layer.max() > 0.9 * cfg.J:
-        print("warning: DoF/J > 0.9: the estimate saturates at J; raise --J, or raise --lam or use "
-              "--lam-relative", file=sys.stderr)
-    if layer.max() == 0:
-        print("warning: every DoF is 0 (lambda is that large), so dof, clip and reverse give every "
-              "layer the budget, as fix does; lower --lam", file=sys.stderr)
 
 
 def main(argv=None):
@@ -257,13 +232,10 @@ def main(argv=None):
     mu = key_means(teacher, batches) if cfg.center_keys else None       # (L, H, D)
     _, layer, per_head = choose_dims(teacher, batches, cfg, mu)         # (L,), (L, H)
     dims = {rule: allocate(layer, cfg.budget, rule, teacher.config.head_dim) for rule in RULES}
-    print_table(cfg, per_head.numpy(), dims)
+    report.print_table(cfg, per_head.numpy(), dims)
     result = {"settings": asdict(cfg), "per_head_dof": per_head.tolist(),
               "layer_dof": layer, "dims": dims, "seconds": time.time() - t0}
-    out = Path(cfg.out) / "dof.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    files.write_text_atomic(out, json.dumps(result, indent=1))
-    print(f"wrote {out} ({result['seconds']:.1f}s)")
+    report.write_json(Path(cfg.out) / "dof.json", result)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ and their exit codes, Ctrl-C and SIGTERM, and command lines from config dataclas
 declare their constraints (opt), all checked by one validator before any work."""
 
 import argparse
+import copy
 import inspect
 import math
 import re
@@ -98,6 +99,12 @@ class Config:
 
     def __post_init__(self):
         validate(self)
+
+    def updated(self, **values):
+        """A copy with these values, computed from the flags (whose checks are not run again)."""
+        new = copy.copy(self)
+        vars(new).update(values)
+        return new
 
 
 def flag(name):
@@ -254,3 +261,16 @@ def check_positive(cfg, names, minimum=1, above=False):
             continue
         bound = f"above {minimum}" if above else f"of at least {minimum}"
         raise ModelError(f"--{name.replace('_', '-')} must be a number {bound}, got {v}")
+
+
+def check_finite(cfg, step, values, name):
+    """distill.py's numerical guard: a ModelError naming (name(i)) the first value that is not
+    finite, or is below 0 beyond rounding (each is a KL, an l2 distance or a cross-entropy),
+    before the checkpoint."""
+    for i, v in enumerate(values):
+        todo = "lower --lr-z/--lr-alpha or use --dtype float32"
+        if v < -1e-4:
+            todo = "no loss here can be negative, so the code that computed it is wrong"
+        if v < -1e-4 or not math.isfinite(v):
+            raise ModelError(f"{name(i)} became {v} at step {step}; the checkpoint in "
+                             f"{cfg.out_dir} was not updated; {todo}")

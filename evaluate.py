@@ -1,27 +1,21 @@
 """
 evaluate.py: multiple-choice accuracy scored exactly as lm-evaluation-harness 0.4 scores it,
-zero-shot and after fine-tuning the model on each task (the paper's protocol, its Table 3),
-next-token loss / perplexity on a token or text file, and prefill / decoding speed; for teachers
-and distilled students alike.
+zero-shot and after fine-tuning on each task (the paper's Table 3), next-token loss on a token or
+text file, speed and passkey recall, for teachers and distilled students alike.
 
     python evaluate.py --model gpt2 --ckpt out/gpt2 --data-dir tests/data/eval  # teacher | student
     python evaluate.py --model gpt2 --ckpt out/gpt2 --ppl data/wikitext2/wiki.test.raw --speed
     torchrun --nproc_per_node 4 evaluate.py --model gpt2 --data-dir tests/data/eval --output r.json
     python evaluate.py --model gpt2 --ckpt out/gpt2 --tasks arc_easy --finetune-epochs 3  # Table 3
 
-Each step of lm-eval (tasks/<task>, api/{task,metrics,model}.py, models/huggingface.py) is a
-function: the prompts, encode_pair, harness_window, loglikelihood (--plain), doc_metrics, stderr.
-fast_scorer.py computes the same numbers in batches that share each document's prefix (the default).
-tasks.py finds, reads and checks the tasks' documents and this script's flags.
+Each step of lm-eval is a function: the prompts, encode_pair, harness_window, loglikelihood
+(--plain), doc_metrics, stderr; fast_scorer.py computes the same numbers faster (the default).
 """
 import copy
-import json
 import math
-import shlex
-import sys
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,7 +25,6 @@ from tqdm import tqdm
 import devices
 import door
 import fast_scorer
-import files
 import model
 import passkey
 import tasks
@@ -43,12 +36,11 @@ load_student = model.load_student
 
 @dataclass
 class EvalConfig(door.Config):
-    # (checks call tasks.* in a lambda: in this class body `tasks` is the --tasks field)
-    # what to evaluate
+    # what to evaluate (checks call tasks.* in a lambda: in this class body `tasks` is --tasks)
     model: str = door.opt("gpt2", "teacher: hub id, checkpoint folder, .gguf file or smollm2-135m")
     ckpt: str | None = door.opt(None, "distill.py checkpoint folder; its student is evaluated too")
-    tasks: str | None = door.opt(None, "comma-separated tasks, or all (the default without --ppl "
-                                       "or --speed)")
+    tasks: str | None = door.opt(None, "comma-separated tasks, or all (the default without --ppl, "
+                                       "--speed or --passkey)")
     limit: int | None = door.opt(None, "score the first N documents of each task (MMLU: of the "
                                        "file)", min=1)
     data_dir: str | None = door.opt(None, "folder of <task>.jsonl (tests/data/eval); default: "
@@ -177,8 +169,7 @@ TASKS = {"piqa": piqa, "arc_easy": arc, "arc_challenge": arc, "logiqa": logiqa, 
 
 def encode_pair(enc, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """TemplateLM._encode_pair: trailing whitespace moves from the context to the continuation,
-    whose tokens are what the whole string has beyond the context's. A special token's text
-    becomes the special token, as in HF."""
+    whose tokens are what the whole string has beyond the context's (special tokens allowed)."""
     context, continuation = context.rstrip(), context[len(context.rstrip()):] + continuation
     whole = enc.encode(context + continuation, allowed_special="all")
     ctx = enc.encode(context, allowed_special="all")
@@ -192,8 +183,7 @@ def tokenize(enc, prompts: list[Prompt]) -> list[list[tuple[list[int], list[int]
 
 def harness_window(context_tokens: list[int], continuation_tokens: list[int], max_len: int):
     """HFLM._loglikelihood_tokens: the input (context + continuation)[-(max_len + 1):][:-1], and
-    its last len(continuation) positions with the token each predicts. Takes a context and 1 to
-    max_len continuation tokens (tasks.check_requests)."""
+    its last len(continuation) positions with the token each predicts."""
     inp = (context_tokens + continuation_tokens)[-(max_len + 1):][:-1]
     first = len(inp) - len(continuation_tokens)
     return inp, [(first + j, t) for j, t in enumerate(continuation_tokens)]
@@ -228,10 +218,9 @@ def doc_metrics(lls: list[float], gold: int, choices: list[str] | None):
 
 
 def stderr(xs, groups=None) -> float | None:
-    """metrics.mean_stderr: sample stdev (n - 1) over sqrt n; None (the harness's N/A) for n < 2.
-    With groups (MMLU's subjects) pooled_sample_stderr of the groups' stderrs (the harness pools
-    them into four categories first: the 3rd digit moves); where a group has one value (N/A in the
-    harness) the stderr over all values."""
+    """metrics.mean_stderr: sample stdev (n - 1) over sqrt n; None (N/A) for n < 2. With groups
+    (MMLU's subjects) pooled_sample_stderr of the groups' stderrs (the harness pools four
+    categories: the 3rd digit moves); where a group has one value, the stderr over all values."""
     if groups is None:
         return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
     by = [[x for x, g in zip(xs, groups) if g == group] for group in dict.fromkeys(groups)]
@@ -244,53 +233,34 @@ def stderr(xs, groups=None) -> float | None:
 # --------------------------------------------------------------------------------------------------
 # A task's documents: one request at a time (--plain), or batched with shared prefixes.
 
-def score_plain(lm, tokenized, device="cpu", desc=None) -> list:
-    """loglikelihood() of every request of this process's share of the documents, None elsewhere."""
-    mine = set(devices.shard(range(len(tokenized))))
-    bar = tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False)
-    return [[loglikelihood(lm, c, t, device) if d in mine else None for c, t in doc]
-            for d, doc in enumerate(bar)]
-
-
 def score_requests(lm, tokenized, batch_size=16, device="cpu", desc=None, plain=False):
-    """(log-likelihood, is_greedy) of every request of every document (lists of (context,
-    continuation) tokens), by loglikelihood() or by fast_scorer.py; under torchrun each process
-    scores a share and all get every score."""
-    if plain:
-        scored = score_plain(lm, tokenized, device, desc)
-    else:
+    """(log-likelihood, is_greedy) of every request of every document, by fast_scorer.py or (plain)
+    by loglikelihood(); under torchrun each process scores a share and all get every score."""
+    if not plain:
         L = lm.config.block_size
         windows = [[harness_window(c, t, L) for c, t in doc] for doc in tokenized]
-        scored = fast_scorer.score_windows(lm, windows, batch_size, device, desc,
-                                           rank=devices.get_rank(),
-                                           world_size=devices.get_world_size())
-    shares = devices.all_gather(scored)
-    # each request's score from the process that scored it
-    return [[next(r for r in rs if r is not None) for rs in zip(*docs)] for docs in zip(*shares)]
+        return fast_scorer.score_windows(lm, windows, batch_size, device, desc)
+    mine = set(devices.shard(range(len(tokenized))))
+    bar = tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False)
+    scored = [[loglikelihood(lm, c, t, device) if d in mine else None for c, t in doc]
+              for d, doc in enumerate(bar)]
+    return fast_scorer.gather(scored)
 
 
 def evaluate_task(lm, enc, prompts, cfg: EvalConfig, device="cpu", desc=None):
-    """A task's result (n, acc, acc_norm, their stderrs, seconds) and its per-document samples,
-    --batch-size sequences a forward pass (--plain: one request each)."""
+    """A task's result (n, acc, acc_norm, their stderrs, seconds) and its per-document samples."""
     t0 = time.perf_counter()
-    tokenized = tokenize(enc, prompts)
-    scores = score_requests(lm, tokenized, cfg.batch_size, device, desc, cfg.plain)
+    scores = score_requests(lm, tokenize(enc, prompts), cfg.batch_size, device, desc, cfg.plain)
     samples = []
     for i, (p, res) in enumerate(zip(prompts, scores)):
-        lls = [ll for ll, _ in res]
-        acc, acc_norm = doc_metrics(lls, p.gold, p.choices)
-        samples.append({"doc_index": i, "requests": [list(r) for r in p.requests],
-                        "loglikelihoods": lls, "is_greedy": [g for _, g in res], "gold": p.gold,
-                        "acc": acc, "acc_norm": acc_norm})
+        acc, acc_norm = doc_metrics([ll for ll, _ in res], p.gold, p.choices)
+        samples.append(tasks.sample(i, p, res, acc, acc_norm))
     groups = [p.group for p in prompts] if prompts[0].group else None
-    result = {"n": len(samples)}
-    for key in ("acc", "acc_norm"):
-        xs = [s[key] for s in samples]
-        if xs[0] is None:  # the task has no acc_norm
-            result[key], result[key + "_stderr"] = None, None
-        else:
-            result[key] = sum(xs) / len(xs)
-            result[key + "_stderr"] = stderr(xs, groups if key == "acc" else None)
+    accs = [s["acc"] for s in samples]
+    result = {"n": len(samples), "acc": sum(accs) / len(accs), "acc_stderr": stderr(accs, groups)}
+    norms = [s["acc_norm"] for s in samples]
+    result["acc_norm"] = None if norms[0] is None else sum(norms) / len(norms)
+    result["acc_norm_stderr"] = None if norms[0] is None else stderr(norms)
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return result, samples
 
@@ -301,49 +271,29 @@ def evaluate_task(lm, enc, prompts, cfg: EvalConfig, device="cpu", desc=None):
 @torch.inference_mode()
 def perplexity(lm, tokens: np.ndarray, context=None, device="cpu", batch_size=8) -> dict:
     """Mean next-token loss over windows of `context` tokens (each predicts its tokens 1..T from
-    0..T-1; the last may be shorter) and its exp, batch_size windows a forward pass (GPT.nll).
-    Under torchrun each process runs a share of the batches; the losses are added in window order,
-    as one process adds them."""
+    0..T-1; the last may be shorter) and its exp. Under torchrun each process runs a share of the
+    batches; the losses are added in window order, as one process adds them."""
     L = context or lm.config.block_size
     n_pred = len(tokens) - 1
     starts = list(range(0, n_pred, L))
     # batches of whole windows, then the last window alone: it may be shorter
     groups = [starts[:-1][i:i + batch_size] for i in range(0, len(starts) - 1, batch_size)]
     groups.append(starts[-1:])
-    nll = {}  # batch number -> its windows' summed losses
+    nll = [[None] * len(group) for group in groups]  # each window's loss; None: another process's
     mine = devices.shard(range(len(groups)))
     for i in tqdm(mine, desc="ppl", unit="batch", leave=False, disable=not devices.is_main()):
         T = min(L, n_pred - groups[i][0])
         x = np.stack([tokens[s:s + T] for s in groups[i]]).astype(np.int64)
         y = np.stack([tokens[s + 1:s + 1 + T] for s in groups[i]]).astype(np.int64)
         nll[i] = lm.nll(torch.tensor(x, device=device), torch.tensor(y, device=device)).tolist()
-    # every process's batches, added in window order
-    nll = {i: v for share in devices.all_gather(nll) for i, v in share.items()}
-    total = sum(v for i in range(len(groups)) for v in nll[i])
+    total = sum(v for losses in fast_scorer.gather(nll) for v in losses)
     return {"tokens": n_pred, "context": min(L, n_pred), "loss": total / n_pred,
             "ppl": float(np.exp(total / n_pred))}
 
 
-def ppl_of_models(cfg: EvalConfig, models: dict, enc, device) -> dict:
-    """perplexity() of every model on the --ppl file's tokens, printed. A teacher whose perplexity
-    is not finite stops the run (a numerical guard)."""
-    tokens, report = tasks.read_ppl(cfg, enc, models["teacher"].config.vocab_size), {}
-    for label, lm in models.items():
-        r = perplexity(lm, tokens, cfg.ppl_context, device, cfg.batch_size)
-        if label == "teacher" and not math.isfinite(r["ppl"]):
-            raise door.ModelError(f"the teacher {cfg.model} has a perplexity of {r['ppl']} on "
-                                  f"--ppl {cfg.ppl} (mean loss {r['loss']}): its weights or "
-                                  "config are broken; check them, or pass another --model")
-        print(f"ppl {label}: loss {r['loss']:.4f}, perplexity {r['ppl']:.3f} "
-              f"({r['tokens']} tokens, T {r['context']})")
-        report[label] = r
-    return report
-
-
 @torch.inference_mode()
 def speed(lm, n_tokens: int = 1000, device="cpu") -> dict:
-    """Seconds for one n-token sequence: prefill (after a warm-up), and greedy decoding of all but
-    its first token."""
+    """Seconds to prefill n tokens (after a warm-up) and to decode all but the first greedily."""
     x = torch.randint(0, int(lm.config.vocab_size), (1, n_tokens), device=device)
     prefill = lambda: lm.lm_head(lm.hidden(x)[:, -1])  # noqa: E731
     devices.timed(device, prefill)  # a warm-up
@@ -367,75 +317,46 @@ class FineTune:
     docs_per_step: int   # Table 9's batch size (tasks.PAPER_FINETUNE)
 
 
-def request_tensors(docs, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every request of `docs` (tokenized) as its harness window, right-padded: inputs (N, T) and
-    targets (N, T), -1 where nothing is scored. Padding on the right changes no score: the model
-    is causal."""
-    windows = [harness_window(c, t, max_len) for doc in docs for c, t in doc]
-    T = max(len(inp) for inp, _ in windows)
-    x = torch.zeros(len(windows), T, dtype=torch.long)
-    y = torch.full((len(windows), T), -1, dtype=torch.long)
-    for i, (inp, targets) in enumerate(windows):
-        x[i, :len(inp)] = torch.tensor(inp)
-        for pos, token in targets:
-            y[i, pos] = token
-    return x, y
-
-
 def document_loss(lm, doc, gold: int, device="cpu") -> torch.Tensor:
-    """One document's loss: the cross-entropy of its choices' scores against the gold choice, each
-    score the summed continuation log-likelihood that acc ranks, as loglikelihood() computes it."""
+    """A document's cross-entropy of its choices' scores (log-likelihoods, as acc ranks) vs gold."""
     scores = [continuation_logprobs(lm, c, t, device)[0].sum() for c, t in doc]
     return F.cross_entropy(torch.stack(scores), torch.tensor(gold, device=device))
 
 
 def batch_loss(lm, docs, golds, device="cpu") -> torch.Tensor:
-    """The summed document_loss of `docs`, all their requests in one forward pass (GPT.nll: a
-    sequence's logits at a time, not a batch's)."""
-    x, y = request_tensors(docs, lm.config.block_size)
+    """The summed document_loss of `docs`, all their requests right-padded in one forward pass."""
+    windows = [harness_window(c, t, lm.config.block_size) for doc in docs for c, t in doc]
+    x, y = fast_scorer.padded(windows)                                          # (N, T), (N, T)
     scores = -lm.nll(x.to(device), y.to(device))                                # (N,)
     per_doc = scores.split([len(doc) for doc in docs])
     losses = [F.cross_entropy(s, torch.tensor(g, device=device)) for s, g in zip(per_doc, golds)]
     return torch.stack(losses).sum()
 
 
-def chunks(docs: list, max_requests: int) -> list[list[int]]:
-    """Indices of docs in runs of at most max_requests requests (at least one document each)."""
-    runs = [[]]
-    for i, doc in enumerate(docs):
-        if runs[-1] and sum(len(docs[j]) for j in runs[-1]) + len(doc) > max_requests:
-            runs.append([])
-        runs[-1].append(i)
-    return [r for r in runs if r]
-
-
 def train_step(ft: FineTune, lm, optim, docs, golds) -> float:
     """One Adam step on the mean loss of a batch of documents, --batch-size requests a forward
-    pass; under torchrun each process takes a share and the gradients are averaged. Returns the
-    batch's mean loss (every process's)."""
+    pass (under torchrun a share each, the gradients averaged); returns the mean loss."""
     mine = devices.shard(list(range(len(docs))))
     # all_mean divides the processes' summed gradients by their number: scale up to the batch mean
     scale = devices.get_world_size() / len(docs)
     total = torch.zeros((), device=ft.device)
-    cuda = torch.device(ft.device).type == "cuda"
+    kind = torch.device(ft.device).type
     optim.zero_grad(set_to_none=False)
-    for part in chunks([docs[i] for i in mine], ft.cfg.batch_size):
-        ids = [mine[i] for i in part]
-        with torch.autocast(torch.device(ft.device).type, torch.bfloat16, enabled=cuda):
+    for run in fast_scorer.runs([docs[i] for i in mine], ft.cfg.batch_size):
+        ids = [mine[i] for i in run]
+        with torch.autocast(kind, torch.bfloat16, enabled=kind == "cuda"):
             loss = batch_loss(lm, [docs[i] for i in ids], [golds[i] for i in ids], ft.device)
         (loss * scale).backward()
         total += loss.detach() * scale
-    devices.all_mean([p.grad for p in lm.parameters()])
-    devices.all_mean([total])
+    devices.all_mean([total, *(p.grad for p in lm.parameters())])
     optim.step()
     return float(total)
 
 
 def finetune(ft: FineTune, lm, lr: float, desc=None) -> dict:
-    """A copy of the model, every weight its own (a student's teacher weights too), fine-tuned on
-    the "train" split for ft.epochs epochs of Adam at lr (constant, no weight decay: the paper is
-    silent), ft.docs_per_step documents a step in an order drawn anew each epoch; after each epoch
-    its result on the scored split ("eval") and on "validation". A non-finite loss stops it."""
+    """A copy of the model, every weight trained (a student's teacher weights too): ft.epochs
+    epochs of Adam at lr (constant, no weight decay: the paper is silent), ft.docs_per_step
+    documents a step in a new order each epoch, scored after each. A non-finite loss stops it."""
     lm = copy.deepcopy(lm).float().train().requires_grad_(True)
     for p in lm.parameters():
         p.grad = torch.zeros_like(p)  # a process without documents in a step adds zeros
@@ -467,8 +388,7 @@ def finetune(ft: FineTune, lm, lr: float, desc=None) -> dict:
 
 
 def score_epoch(ft: FineTune, lm, epoch: int, losses: list, seconds: float) -> dict:
-    """One epoch's record: its mean loss and training seconds, and the model's result on each
-    scored split."""
+    """One epoch's mean loss and training seconds, and the model's result on each scored split."""
     lm.eval()
     record = {"epoch": epoch, "loss": sum(losses) / len(losses), "train_seconds": seconds}
     for split in ("eval", "validation"):
@@ -479,31 +399,25 @@ def score_epoch(ft: FineTune, lm, epoch: int, losses: list, seconds: float) -> d
 
 
 def rules(epochs: list[dict]) -> dict:
-    """The paper's rule (the best epoch on the scored split; with one epoch, MMLU's, the last) and,
-    where a validation split was scored, the honest one (the epoch best on validation, its
-    result on the scored split)."""
+    """The paper's rule (the epoch best on the scored split) and, where a validation split was
+    scored, the honest one (the epoch best on validation, its result on the scored split)."""
     out = {}
     for rule, split in (("paper", "eval"), ("validation", "validation")):
         if epochs and split in epochs[0]:
-            # max: the first of ties
-            best = max(epochs, key=lambda e: e[split]["acc"])
+            best = max(epochs, key=lambda e: e[split]["acc"])  # max: the first of ties
             out[rule] = {"epoch": best["epoch"], **best["eval"]}
     return out
 
 
 def finetune_task(ft: FineTune, models: dict, name: str, lrs: list[float]) -> dict:
     """Every model fine-tuned on one task: the learning-rate grid on the teacher, the lr of its best
-    result (by the paper's rule) reused for the student. Where every lr of the grid made the
-    teacher's loss non-finite, the run stops (a numerical guard)."""
+    result (the paper's rule) reused for the student. A grid all non-finite stops the run."""
     desc = f"fine-tune teacher {name}" if devices.is_main() else None
     grid = [finetune(ft, models["teacher"], lr, desc) for lr in lrs]
     for point in grid:
         point["rules"] = rules(point["epochs"])
     done = [point for point in grid if point["stopped"] is None]
-    if not done:
-        tried = ", ".join(f"{lr:g}" for lr in lrs)
-        raise door.ModelError(f"{name}: every learning rate tried ({tried}) made the teacher's "
-                              "loss non-finite; pass lower rates with --finetune-lr")
+    tasks.check_grid(name, lrs, done)
     best = max(done, key=lambda point: point["rules"]["paper"]["acc"])
     out = {"teacher": {**best, "batch_size": ft.docs_per_step, "grid": grid}}
     for label in [k for k in models if k != "teacher"]:
@@ -514,17 +428,14 @@ def finetune_task(ft: FineTune, models: dict, name: str, lrs: list[float]) -> di
 
 
 def finetune_tasks(cfg: EvalConfig, models: dict, enc, training: dict, device, zero_shot) -> dict:
-    """finetune_task of every task with a training split, each model's zero-shot result beside its
-    fine-tuned ones, and a table of them."""
+    """finetune_task of every task with a training split, beside the zero-shot results; a table."""
     out, family = {}, models["teacher"].config.family
     for name, splits in training.items():
         t0 = time.perf_counter()
         lrs, epochs, docs_per_step = tasks.finetune_settings(cfg, family, name)
         ft = FineTune(cfg, enc, device, splits, epochs, docs_per_step)
         task = finetune_task(ft, models, name, lrs)
-        for label, result in task.items():
-            part = zero_shot if label == "teacher" else zero_shot[label]
-            result["zero_shot"] = part["results"][name]
+        tasks.add_zero_shot(task, zero_shot, name)
         task["seconds"] = round(time.perf_counter() - t0, 3)
         out[name] = task
     tasks.print_finetune(out)
@@ -535,69 +446,54 @@ def finetune_tasks(cfg: EvalConfig, models: dict, enc, training: dict, device, z
 # The command line.
 
 def load_models(cfg: EvalConfig, device) -> dict:
-    """{"teacher": --model, "student": load_student(--ckpt) on it}; --ckpt's teacher checked
-    first (checkpoint.check_teacher, by tasks.check_student)."""
-    dtype = getattr(torch, cfg.dtype)
-    tasks.check_student(cfg.ckpt, cfg.model)
-    models = {"teacher": model.GPT.from_pretrained(cfg.model, device=device, dtype=dtype)}
-    if cfg.ckpt is not None:
-        models["student"] = load_student(cfg.ckpt, device, dtype, teacher=models["teacher"])[0]
-    return models
+    """{"teacher": --model, "student": load_student(--ckpt) on it} (tasks.load_models)."""
+    return tasks.load_models(cfg, device, load_student)
 
 
 def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict:
-    """Every task for every model: results.json's results and samples (the student's apart), and
-    a table of them."""
+    """Every task for every model: its results and samples (the student's apart), and a table."""
     report = {}
     for label, lm in models.items():
-        part = report if label == "teacher" else report.setdefault(label, {})
         for name, ps in prompts.items():
             desc = f"{label} {name}" if devices.is_main() else None
             result, samples = evaluate_task(lm, enc, ps, cfg, device, desc)
-            part.setdefault("results", {})[name] = result
-            part.setdefault("samples", {})[name] = samples
+            tasks.add_result(report, label, name, result, samples)
     tasks.print_results(report, list(models))
     return report
 
 
 def main(argv=None):
-    """Flags, tasks, models and what the model's config bounds, all checked first; then each
-    model's next-token loss, tasks (zero-shot, then fine-tuned on each) and speed, printed and
-    written to --output."""
+    """Flags, tasks and models checked first; then each model's next-token loss, tasks (zero-shot,
+    then fine-tuned), speed and passkey recall, printed and written to --output."""
     cfg = door.parse_config(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
-    lengths = passkey.lengths(cfg.passkey)
-    alone = cfg.ppl or cfg.speed or lengths
-    names = [] if cfg.tasks is None and alone else tasks.parse_tasks(cfg.tasks)
-    prompts = {name: tasks.load_task(name, TASKS[name], cfg.data_dir, cfg.limit) for name in names}
+    prompts = tasks.load_tasks(cfg, TASKS)
     training = tasks.load_training(cfg, prompts, TASKS)
     # the model is cast to --dtype: no autocast
     device = devices.init_distributed(devices.pick_device(cfg.device, "float32")[0])
     models = load_models(cfg, device)
     enc, config = tokenizer.load_tokenizer(cfg.model), models["teacher"].config
     door.validate(cfg, context=config.block_size)
-    trials = passkey.make_trials(enc, lengths, cfg, config.block_size)
+    trials = passkey.make_trials(enc, passkey.lengths(cfg.passkey), cfg, config.block_size)
     for ps in [*prompts.values(), *[ps for s in training.values() for ps in s.values()]]:
         tasks.check_requests(tokenize(enc, ps), config.block_size)
     report = {}
     if cfg.ppl:
-        report["ppl"] = ppl_of_models(cfg, models, enc, device)
+        tokens = tasks.read_ppl(cfg, enc, config.vocab_size)
+        report["ppl"] = {label: perplexity(lm, tokens, cfg.ppl_context, device, cfg.batch_size)
+                         for label, lm in models.items()}
+        tasks.print_ppl(cfg, report["ppl"])
     if prompts:
         report.update(run_tasks(cfg, models, enc, prompts, device))
     if training:
-        command = shlex.join(["python", "evaluate.py", *(sys.argv[1:] if argv is None else argv)])
+        command = tasks.command_line(argv)
         tuned = finetune_tasks(cfg, models, enc, training, device, report)
         report["finetune"] = {"command": command, "tasks": tuned}
     if devices.is_main() and cfg.speed:  # timings: rank 0 alone
         report["speed"] = {k: speed(lm, cfg.speed_tokens, device) for k, lm in models.items()}
-        for k, r in report["speed"].items():
-            print(f"speed {k}: {r['tokens']} tokens: prefill {r['prefill_s']:.3f} s, "
-                  f"decoding {r['generate_s']:.3f} s")
+        tasks.print_speed(report["speed"])
     if trials:
         report["passkey"] = passkey.run(models, enc, trials, cfg, device)
-    if devices.is_main() and cfg.output:  # the other processes' shares are in rank 0's report
-        everything = {**report, "config": asdict(cfg), "world_size": devices.get_world_size()}
-        files.write_text_atomic(cfg.output, json.dumps(everything, indent=1, ensure_ascii=False))
-        print(f"wrote {cfg.output}")
+    tasks.write_report(cfg, report)
 
 
 if __name__ == "__main__":

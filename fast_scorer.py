@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import devices
 import model
 
 
@@ -193,12 +194,12 @@ def prefix_groups(shared: list[Shared], batch_size: int, spread: float = 0.25):
 
 @torch.inference_mode()
 def score_windows(lm, windows, batch_size: int = 16, device="cpu", desc: str | None = None,
-                  share_prefix: bool = True, rank: int = 0, world_size: int = 1):
+                  share_prefix: bool = True):
     """(log-likelihood, is_greedy) of every request, one list per document, equal to the plain
     scorer's; windows[d] lists document d's requests as (input tokens, [(position, next token)]).
-    share_prefix=False: no shared prefixes. rank, world_size: only the forward passes rank,
-    rank + world_size, ... (each scores its requests whole), None for the other requests; together
-    a torchrun launch's processes compute exactly what one process computes."""
+    share_prefix=False: no shared prefixes. Under torchrun each process runs its share of the
+    forward passes (each scores its requests whole) and all get every score (gather): together
+    the processes compute exactly what one process computes."""
     plans = plan_rows(windows)
     if share_prefix:
         alone, shared = split_shared(plans)
@@ -210,7 +211,7 @@ def score_windows(lm, windows, batch_size: int = 16, device="cpu", desc: str | N
               for batch in batches(alone, lambda r: len(r.tokens), batch_size)]
     passes += [(partial(run_shared, lm, docs, scores, batch_size, device),
                 [r for s in docs for r in s.rows]) for docs in prefix_groups(shared, batch_size)]
-    passes = passes[rank::world_size]
+    passes = devices.shard(passes)
     requests = lambda rows: len({k for r in rows for _, _, k in r.targets})  # noqa: E731
     total = sum(requests(rows) for _, rows in passes)
     with tqdm(total=total, desc=desc, disable=desc is None, unit="req", leave=False) as pbar:
@@ -222,4 +223,39 @@ def score_windows(lm, windows, batch_size: int = 16, device="cpu", desc: str | N
         out.append([(float(scores.ll[k + j]), bool(scores.greedy[k + j])) if scores.done[k + j]
                     else None for j in range(len(doc))])
         k += len(doc)
-    return out
+    return gather(out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Torchrun's shares put together, and the padded batches of fine-tuning.
+
+def gather(scored: list) -> list:
+    """Every process's scores (None where another process scored a request) put together: each
+    request's score from the process that scored it."""
+    shares = devices.all_gather(scored)
+    return [[next(r for r in rs if r is not None) for rs in zip(*docs)] for docs in zip(*shares)]
+
+
+def runs(docs: list, max_requests: int) -> list[list[int]]:
+    """Indices of docs (lists of requests) in runs of at most max_requests requests (at least one
+    document each)."""
+    out = [[]]
+    for i, doc in enumerate(docs):
+        if out[-1] and sum(len(docs[j]) for j in out[-1]) + len(doc) > max_requests:
+            out.append([])
+        out[-1].append(i)
+    return [r for r in out if r]
+
+
+def padded(windows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Harness windows (input tokens, [(position, next token)]) right-padded: inputs (N, T) and
+    targets (N, T), -1 where nothing is scored. Padding on the right changes no score: the model
+    is causal."""
+    T = max(len(inp) for inp, _ in windows)
+    x = torch.zeros(len(windows), T, dtype=torch.long)
+    y = torch.full((len(windows), T), -1, dtype=torch.long)
+    for i, (inp, targets) in enumerate(windows):
+        x[i, :len(inp)] = torch.tensor(inp)
+        for pos, token in targets:
+            y[i, pos] = token
+    return x, y

@@ -15,6 +15,9 @@ import door
 
 # the running fork's script, relative to the core (None: a core script)
 FORK = None
+# the forks whose checkpoints the running one opens too (a fork of a fork), for --init-from and
+# evaluate; --resume stays with the script that wrote a checkpoint (resume.check_resume)
+EXTENDS = ()
 # the scripts a fork runs
 CORE_SCRIPTS = ("distill", "evaluate", "dof")
 
@@ -46,9 +49,10 @@ def replaced(replace):
 
 
 def check_fork(made_by, what, teacher):
-    """A checkpoint made by the fork `made_by` (its config.json's "fork") opens only in that fork;
-    the command suggested names its teacher (evaluate.py's default, gpt2, may need the hub)."""
-    if made_by is None or made_by == FORK:
+    """A checkpoint made by the fork `made_by` (its config.json's "fork") opens only in that fork,
+    or in a fork that EXTENDS it; the command suggested names its teacher (evaluate.py's default,
+    gpt2, may need the hub)."""
+    if made_by is None or made_by == FORK or made_by in EXTENDS:
         return
     command = shlex.join(["python", str(made_by), "evaluate", "--model", str(teacher), "--ckpt",
                           str(what)])

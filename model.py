@@ -95,15 +95,11 @@ class SoftmaxAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-# Linear attention: softmax attention y_i = sum_{j<=i} K(q_i, k_j) v_j / sum_{j<=i} K(q_i, k_j),
-# K(q, k) = exp(q.k / sqrt d), with K(q, k) ~ phi(q).phi(k) for non-negative features phi (d -> M).
-# Below: the feature maps (PRF, Performer, DiJiang); y three ways (the plain T x T form, the
-# chunked scan, the recurrent step); then LinearAttention, the student's core, which uses them.
+# Linear attention, K(q, k) = exp(q.k / sqrt d) ~ phi(q).phi(k): the feature maps phi; y three
+# ways (the plain T x T form, the chunked scan, the recurrent step); LinearAttention.
 
-# beta of overflow_safe_prf: key features are at most e^32 ~ 8e13, far below fp32's 3e38
-KEY_SHIFT = 32.0
-# y's denominator's floor: below it (no key reaches the query) y shrinks to 0, its gradient finite
-DEN_EPS = 1e-30
+KEY_SHIFT = 32.0  # beta of overflow_safe_prf: keys at most e^32, far below fp32's 3e38
+DEN_EPS = 1e-30   # y's denominator's floor: a query no key reaches gets y = 0, a finite gradient
 
 
 class PRF(nn.Module):
@@ -116,15 +112,14 @@ class PRF(nn.Module):
         self.M = M
         log_alpha = torch.zeros(n_head, M)  # (H, M)
         if z is None:
-            # learned z (H, M, d) and alpha
-            self.z = nn.Parameter(torch.randn(n_head, M, head_dim))
+            self.z = nn.Parameter(torch.randn(n_head, M, head_dim))  # (H, M, d)
             self.log_alpha = nn.Parameter(log_alpha)
         else:
             self.register_buffer("z", z)
             self.register_buffer("log_alpha", log_alpha)
 
     def log_features(self, x):
-        """log Phi(x), the plain formula (the l2 loss works at this scale)."""
+        """log Phi(x), the plain formula (the l2 loss's scale)."""
         return prf_log_features(x, self.z, self.log_alpha)
 
     def forward(self, x, is_query):
@@ -177,8 +172,7 @@ class Performer(PRF):
     def __init__(self, n_head, head_dim, M):
         blocks = -(-M // head_dim)
         q, r = torch.linalg.qr(torch.randn(n_head, blocks, head_dim, head_dim))  # (H, nb, d, d)
-        # the sign fix makes q exactly Haar
-        q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]
+        q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]  # exactly Haar
         rows = q.mT.reshape(n_head, -1, head_dim)[:, :M]  # (H, M, d) unit rows
         norms = torch.randn(n_head, M, head_dim).norm(dim=-1, keepdim=True)  # (H, M, 1) chi(d)
         super().__init__(n_head, head_dim, M, z=rows * norms)
@@ -208,8 +202,7 @@ class DiJiang(nn.Module):
         return F.log_softmax(x.to(dt) @ self.proj.to(dt), dim=-1)  # (B, H, T, M)
 
     def forward(self, x, is_query=True):
-        # softmax is already shift-stable; queries and keys alike
-        return self.log_features(x).exp()
+        return self.log_features(x).exp()  # shift-stable already: queries and keys alike
 
 
 FEATURE_MAPS = {"prf": PRF, "performer": Performer, "dijiang": DiJiang}
@@ -250,16 +243,13 @@ def causal_linear_sums(phi_q, phi_k, v1, chunk_size=64, state=None):
     C = min(chunk_size, T)
     N = -(-T // chunk_size)  # chunks
     dt = torch.promote_types(v1.dtype, torch.float32)
-    # in fp32, zero-padded to N * C tokens, as N chunks of C: (B, H, N, C, M or D+1)
-    pad = (0, 0, 0, N * C - T)
+    pad = (0, 0, 0, N * C - T)  # zero-padded to N chunks of C: (B, H, N, C, M or D+1)
     q, k, v1 = (F.pad(x.to(dt), pad) if N * C > T else x.to(dt) for x in (phi_q, phi_k, v1))
     q, k, v1 = (x.view(B, H, N, C, -1) for x in (q, k, v1))
     U = k.mT @ v1  # (B, H, N, M, D+1): each chunk's sum of phi_k v1
-    # P_n: the sum over the chunks before n
     P = torch.cat((torch.zeros_like(U[:, :, :1]), U[:, :, :-1]), 2).cumsum_(2)
     if state is not None:
-        # and the tokens before these
-        P = P + state.to(dt)[:, :, None]
+        P = P + state.to(dt)[:, :, None]  # the tokens before these
     out = (q @ P).add_((q @ k.mT).tril_() @ v1)  # (B, H, N, C, D+1)
     out = out.view(B, H, N * C, -1)[:, :, :T]  # (B, H, T, D+1)
     return out, P[:, :, -1] + U[:, :, -1]
@@ -277,8 +267,7 @@ def linear_attention_step(phi_q, phi_k, v, S, s):
 
 
 def repeat_kv(x, H):
-    """Grouped-query attention (as HF's repeat_kv): (B, Hkv, T, D) -> (B, H, T, D), query head h
-    reading KV head h // (H / Hkv)."""
+    """(B, Hkv, T, D) -> (B, H, T, D): query head h reads KV head h // (H / Hkv), as HF's."""
     return x if x.size(1) == H else x.repeat_interleave(H // x.size(1), dim=1)
 
 
@@ -286,9 +275,8 @@ class LinearAttention(nn.Module):
     """The student's core: softmax attention with K(q, k) replaced by phi(q).phi(k - mu), in fp32:
         y_i = phi(q_i) S_i / phi(q_i) s_i,
         S_i = sum_{j<=i} phi(k_j - mu) v_j^T,   s_i = sum_{j<=i} phi(k_j - mu).
-    q (B, H, T, D), k, v (B, Hkv, T, D) -> y (B, H, T, D); M features a head. The buffer key_mean
-    mu (H, D) centres the keys, which softmax ignores. Decoding keeps S (B, H, M, D) and s (B, H, M)
-    in the cache."""
+    q (B, H, T, D), k, v (B, Hkv, T, D) -> y (B, H, T, D); M features a head; key_mean mu (H, D)
+    (softmax ignores it). Decoding keeps S (B, H, M, D) and s (B, H, M) in the cache."""
     def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
         super().__init__()
         self.n_head = n_head
@@ -303,8 +291,7 @@ class LinearAttention(nn.Module):
         return q.to(dt), repeat_kv(k, self.n_head).to(dt) - self.key_mean[:, None].to(dt)
 
     def features(self, q, k, log=False):
-        """(phi_q, phi_k) (B, H, T, M) of `inputs`, called with autocast off; log=True: log Phi (the
-        plain formula, at the l2 loss's scale)."""
+        """(phi_q, phi_k) (B, H, T, M) of `inputs`, autocast off; log=True: log Phi (plain form)."""
         f = self.feature_map
         if log:
             return f.log_features(q), f.log_features(k)
@@ -316,7 +303,7 @@ class LinearAttention(nn.Module):
             v = repeat_kv(v, self.n_head)  # (B, H, T, D)
             if cache is None:
                 return causal_linear_attention(phi_q, phi_k, v, self.chunk_size).to(q.dtype)
-            # decoding: the recurrent step for one token, the scan for more (from no state: {})
+            # decoding: the recurrent step for one token, the scan for more
             state = (cache["S"], cache["s"]) if "S" in cache else None
             if state is not None and v.size(2) == 1:
                 y, S, s = linear_attention_step(phi_q[:, :, 0], phi_k[:, :, 0], v[:, :, 0], *state)
@@ -451,50 +438,32 @@ class GPT(nn.Module):
         shared = {id(t): t for t in (*self.parameters(), *self.buffers())}
         student = copy.deepcopy(self, shared)
         for block, m in zip(student.h, dims):
-            block.attn.core = LinearAttention(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)
+            core = LinearAttention(c.n_head, c.n_kv_head, c.head_dim, m, feature_map, chunk_size)
+            block.attn.core = core
         return student.to(self.wte.weight.device)
 
     @classmethod
     def from_pretrained(cls, name_or_path, device="cpu", dtype=torch.float32):
-        """Load a directory (config.json + safetensors, maybe sharded), a llama .gguf,
-        "smollm2-135m" or a hub id."""
+        """A directory (config.json + safetensors, maybe sharded), a llama .gguf, "smollm2-135m"
+        or a hub id, read, checked and converted to our names by checkpoint.py."""
         name = str(name_or_path)
-        # config.json's dict, and the tensors under the checkpoint's names
-        hf_config, sd = checkpoint.read_checkpoint(name)
-        cfg = GPTConfig(**checkpoint.config_from_hf(hf_config, name))
+        hf_config, sd = checkpoint.read_checkpoint(name)  # config.json's dict, the tensors
         with torch.device("meta"):
-            gpt = cls(cfg)  # no memory until the weights are assigned
-        shapes = {k: t.shape for k, t in gpt.state_dict().items()}
-        gpt.load_state_dict(checkpoint.convert_state_dict(cfg, sd, name, shapes), assign=True)
-        if cfg.tie_embeddings:
-            gpt.lm_head.weight = gpt.wte.weight  # assign=True replaced the shared parameter
+            gpt = cls(GPTConfig(**checkpoint.config_from_hf(hf_config, name)))  # no memory yet
+        checkpoint.load_weights(gpt, sd, name)
         return gpt.to(device=device, dtype=dtype).eval()
 
 
-def feature_state(student):
-    """The student's own tensors, which distill.py saves: its cores' parameters and buffers
-    (h.{l}.attn.core.*)."""
-    sd = student.state_dict()
-    return {k: t.detach().contiguous() for k, t in sd.items() if ".attn.core." in k}
-
-
-def load_feature_state(student, sd, where):
-    """feature_state's inverse, once checkpoint.check_features has found in sd exactly the cores'
-    keys and shapes, all finite (the rest of the student is the teacher's)."""
-    checkpoint.check_features(feature_state(student), sd, where)
-    student.load_state_dict(sd, strict=False)
+feature_state = checkpoint.feature_state  # what distill.py saves: the cores' tensors
 
 
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
-    """A distill.py checkpoint directory -> (the student, config.json's dict): the teacher
-    linearised with its dims, its trained fp32 features loaded once checked. teacher: a GPT, used
-    as it is (its device and dtype; its weights shared), or the name or path to load in `dtype` on
-    `device`; by default config.json's. That it is the checkpoint's teacher is the caller's check
-    (checkpoint.check_teacher)."""
+    """A distill.py checkpoint -> (the student, config.json's dict): teacher (a GPT, a name or path;
+    by default config.json's) linearised with the saved dims and features."""
     cfg, sd = checkpoint.read_student(ckpt_dir)
     if not isinstance(teacher, GPT):
         teacher = GPT.from_pretrained(teacher or cfg["teacher"], device, dtype)
     checkpoint.check_student(cfg, teacher.config.n_layer, FEATURE_MAPS)
     student = teacher.linearize(cfg["dims"], cfg["feature_map"], cfg["chunk_size"])
-    load_feature_state(student, sd, ckpt_dir)
+    checkpoint.load_features(student, sd, ckpt_dir)
     return student.eval(), cfg

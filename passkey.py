@@ -105,7 +105,7 @@ def first_number(text: str) -> str:
 
 
 @torch.inference_mode()
-def answers(model, enc, prompts: list, batch_size: int, device, desc=None) -> list[str]:
+def answers(lm, enc, prompts: list, batch_size: int, device, desc=None) -> list[str]:
     """The first number in the NEW_TOKENS tokens that greedy decoding writes after each prompt (a
     list of tokens), prompts batched only with prompts of their own length (no padding); under
     torchrun each process decodes a share and all get every answer."""
@@ -117,7 +117,7 @@ def answers(model, enc, prompts: list, batch_size: int, device, desc=None) -> li
     decoded = {}
     for batch in tqdm(batches, desc=desc, disable=desc is None, unit="batch", leave=False):
         x = torch.tensor([prompts[i] for i in batch], device=device)          # (B, T)
-        new = model.generate(x, NEW_TOKENS)[:, x.size(1):]                    # (B, NEW_TOKENS)
+        new = lm.generate(x, NEW_TOKENS)[:, x.size(1):]                       # (B, NEW_TOKENS)
         for i, row in zip(batch, new.tolist()):
             decoded[i] = enc.decode(row)
     decoded = {i: text for share in devices.all_gather(decoded) for i, text in share.items()}

@@ -19,7 +19,6 @@ import devices
 import door
 import files
 import forks
-from model import feature_state
 
 FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size",
                    "center_keys")
@@ -27,6 +26,15 @@ FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map",
 Checkpoint = namedtuple("Checkpoint", "path config features")
 # what config.json records of --data, by size and hash
 TOKEN_FILES = ("train.bin", "val.bin")
+
+
+def starting_point(cfg):
+    """-> (cfg with the settings of the checkpoint to start from, that Checkpoint), or (cfg, None)
+    without --resume or --init-from."""
+    if not (cfg.resume or cfg.init_from):
+        return cfg, None
+    prev = from_checkpoint(cfg)
+    return with_checkpoint_settings(cfg, prev), prev
 
 
 def from_checkpoint(cfg):
@@ -108,7 +116,9 @@ def check_preset(path, was, now, flag, a, b):
 
 def check_same_tokens(cfg, prev, meta):
     """--resume: --data holds as many tokens as the checkpoint was trained on (check_same_files
-    checks their bytes, where config.json records them)."""
+    checks their bytes, where config.json records them); nothing to check without --resume."""
+    if not cfg.resume:
+        return
     data = prev.config.get("data")
     was = data.get("tokens", meta.get("tokens")) if isinstance(data, dict) else meta.get("tokens")
     if was != meta.get("tokens"):
@@ -173,7 +183,8 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
     try:
         out.mkdir(parents=True, exist_ok=True)
         with files.atomic_files([out / name for name in files.CHECKPOINT_FILES]) as tmp:
-            tmp[0].write_bytes(safetensors.torch.save(feature_state(student), metadata=metadata))
+            features = checkpoint.feature_state(student)
+            tmp[0].write_bytes(safetensors.torch.save(features, metadata=metadata))
             tmp[1].write_text(json.dumps(metrics) + "\n")
             torch.save(state, tmp[2])
             tmp[3].write_text(json.dumps(config, indent=2) + "\n")
@@ -191,7 +202,10 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
 
 
 def restore(cfg, optim, gen):
-    """--resume: the optimizer, data position and torch RNG of --out-dir's -> (step, metrics)."""
+    """--resume: the optimizer, data position and torch RNG of --out-dir's -> (step, metrics);
+    a fresh run's (0, no metrics) without --resume."""
+    if not cfg.resume:
+        return 0, {"history": [], "val": []}
     out, todo = Path(cfg.out_dir), "the checkpoint is damaged; pass --overwrite to start again"
     state = files.torch_load(out / "optim.pt", todo)
     metrics = files.read_json(out / "metrics.json", todo, dict)

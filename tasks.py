@@ -1,21 +1,25 @@
 """The tasks' documents and evaluate.py's door, which a learner may skip: where each task's
 documents are (the hub's datasets as lm-eval 0.4 loads them, or .jsonl files), reading and checking
 them, each task's training splits and the paper's fine-tuning settings, the checks of evaluate.py's
-flags and files, and the tables it prints. The prompt functions that make a document its requests
-are evaluate.py's: the functions here take them as a parameter (evaluate imports tasks, not the
-reverse)."""
+flags, files and models, the models loaded, and its report: the tables it prints and the file it
+writes. The prompt functions that make a document its requests, and load_student, are evaluate.py's:
+the functions here take them as a parameter (evaluate imports tasks, not the reverse)."""
 
 import json
 import math
+import shlex
 import sys
+from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 import checkpoint
 import datafiles
 import devices
 import door
 import files
-
+import model
 
 # each task's documents: datasets.load_dataset(path, name, split) as lm-eval 0.4 loads them
 HUB = {
@@ -101,6 +105,15 @@ def parse_tasks(spec: str | None) -> list[str]:
         if name not in HUB:
             raise door.ModelError(f"unknown task {name!r}; {known}")
     return names
+
+
+def load_tasks(cfg, prompt_of: dict) -> dict:
+    """{task: prompts} of --tasks (none where --tasks is not given with --ppl, --speed or
+    --passkey); prompt_of: each task's prompt function."""
+    if cfg.tasks is None and (cfg.ppl or cfg.speed or cfg.passkey):
+        return {}
+    names = parse_tasks(cfg.tasks)
+    return {name: load_task(name, prompt_of[name], cfg.data_dir, cfg.limit) for name in names}
 
 
 def hub_documents(name: str, split: str | None = None) -> tuple[str, list]:
@@ -200,6 +213,15 @@ def finetune_settings(cfg, family: str, name: str) -> tuple[list[float], int, in
     lr, docs_per_step = PAPER_FINETUNE.get(family, {}).get(name, OUR_FINETUNE)
     epochs = 1 if name == "mmlu" else cfg.finetune_epochs
     return parse_lrs(cfg.finetune_lr) or [lr], epochs, cfg.finetune_batch_size or docs_per_step
+
+
+def check_grid(name: str, lrs: list[float], done: list):
+    """A ModelError where no learning rate of the grid on the teacher finished (done: those
+    that did): each made its loss non-finite."""
+    if not done:
+        tried = ", ".join(f"{lr:g}" for lr in lrs)
+        raise door.ModelError(f"{name}: every learning rate tried ({tried}) made the teacher's "
+                              "loss non-finite; pass lower rates with --finetune-lr")
 
 
 def check_requests(tokenized, max_len: int):
@@ -313,8 +335,77 @@ def check_student(ckpt, teacher):
         checkpoint.check_teacher(prev, teacher, f"checkpoint {ckpt}")
 
 
+def load_models(cfg, device, load_student) -> dict:
+    """{"teacher": --model, "student": load_student(--ckpt) on it}; --ckpt's teacher checked
+    first (checkpoint.check_teacher, by check_student)."""
+    dtype = getattr(torch, cfg.dtype)
+    check_student(cfg.ckpt, cfg.model)
+    models = {"teacher": model.GPT.from_pretrained(cfg.model, device=device, dtype=dtype)}
+    if cfg.ckpt is not None:
+        models["student"] = load_student(cfg.ckpt, device, dtype, teacher=models["teacher"])[0]
+    return models
+
+
 # --------------------------------------------------------------------------------------------------
-# Tables of evaluate.py's results.
+# evaluate.py's report: its tables, and the JSON file of --output.
+
+def command_line(argv=None) -> str:
+    """The command that ran, as the report records it."""
+    return shlex.join(["python", "evaluate.py", *(sys.argv[1:] if argv is None else argv)])
+
+
+def write_report(cfg, report: dict):
+    """--output: the report, the config and the number of processes, written by rank 0 (whose
+    report holds the other processes' shares)."""
+    if devices.is_main() and cfg.output:
+        everything = {**report, "config": asdict(cfg), "world_size": devices.get_world_size()}
+        files.write_text_atomic(cfg.output, json.dumps(everything, indent=1, ensure_ascii=False))
+        print(f"wrote {cfg.output}")
+
+
+def sample(i: int, prompt, scores: list, acc: float, acc_norm: float | None) -> dict:
+    """Document i's record in the report: its requests, their (log-likelihood, is_greedy) scores,
+    the gold choice, acc and acc_norm."""
+    return {"doc_index": i, "requests": [list(r) for r in prompt.requests],
+            "loglikelihoods": [ll for ll, _ in scores], "is_greedy": [g for _, g in scores],
+            "gold": prompt.gold, "acc": acc, "acc_norm": acc_norm}
+
+
+def add_result(report: dict, label: str, name: str, result: dict, samples: list):
+    """A model's result and samples on task `name` in the report: the teacher's at its top, another
+    model's in report[label]."""
+    part = report if label == "teacher" else report.setdefault(label, {})
+    part.setdefault("results", {})[name] = result
+    part.setdefault("samples", {})[name] = samples
+
+
+def add_zero_shot(task: dict, zero_shot: dict, name: str):
+    """Each model's zero-shot result on task `name` (the teacher's in zero_shot, another's in
+    zero_shot[label]) beside its fine-tuned ones."""
+    for label, result in task.items():
+        part = zero_shot if label == "teacher" else zero_shot[label]
+        result["zero_shot"] = part["results"][name]
+
+
+def print_ppl(cfg, results: dict):
+    """Each model's next-token loss and perplexity; a teacher's that is not finite is a ModelError
+    (its weights or config are broken)."""
+    r = results["teacher"]
+    if not math.isfinite(r["ppl"]):
+        raise door.ModelError(f"the teacher {cfg.model} has a perplexity of {r['ppl']} on "
+                              f"--ppl {cfg.ppl} (mean loss {r['loss']}): its weights or "
+                              "config are broken; check them, or pass another --model")
+    for label, r in results.items():
+        print(f"ppl {label}: loss {r['loss']:.4f}, perplexity {r['ppl']:.3f} "
+              f"({r['tokens']} tokens, T {r['context']})")
+
+
+def print_speed(speeds: dict):
+    """Each model's prefill and decoding seconds."""
+    for label, r in speeds.items():
+        print(f"speed {label}: {r['tokens']} tokens: prefill {r['prefill_s']:.3f} s, "
+              f"decoding {r['generate_s']:.3f} s")
+
 
 def print_results(report: dict, labels: list):
     """Each task's n and, for each model (the teacher's in report, another's in report[label]),

@@ -35,6 +35,7 @@ from model import GPT, LinearAttention
 from tokenizer import load_tokenizer
 import checkpoint
 import distill
+import report
 import resume
 import dof
 import evaluate as E
@@ -101,7 +102,7 @@ def test_table_warns_where_the_dof_nears_j_or_is_0_everywhere(capsys):
                               (np.zeros((2, 2)), "every DoF is 0 (lambda is that large), so dof, clip and reverse "),
                               (np.full((2, 2), 50.0), None)):
         dims = {rule: dof.allocate(per_head.max(1), 4, rule, 16) for rule in dof.RULES}
-        dof.print_table(cfg, per_head, dims)
+        report.print_table(cfg, per_head, dims)
         err = capsys.readouterr().err
         assert (warning in err and err.count("warning") == 1) if warning else err == "", err
 
@@ -677,7 +678,7 @@ def test_nan_loss_stops_naming_the_layer(setup, tmp_path, monkeypatch):
     assert r.stderr.endswith("\n") and r.stderr.count("error: ") == 1
     assert json.loads((out / "config.json").read_text())["step"] == 0          # the first checkpoint, whole
     with pytest.raises(door.ModelError, match=r"^layer 1's softmax loss became inf at step 7; the checkpoint in x was"):
-        distill.check_finite(distill.DistillConfig(out_dir="x"), 7, [0.5, math.inf, math.nan],
+        door.check_finite(distill.DistillConfig(out_dir="x"), 7, [0.5, math.inf, math.nan],
                              lambda l: f"layer {l}'s softmax loss")         # the first that is not finite
     real = distill.lm_loss
     monkeypatch.setattr(distill, "lm_loss", lambda m, *a: math.nan if isinstance(m.cores()[0], LinearAttention) else
@@ -920,9 +921,9 @@ def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkey
 
 def test_log_line_labels_the_next_token_loss_by_the_step_not_by_the_count():
     """A one-layer teacher's layerwise loss is one number too: only a direct step's is labelled next-token."""
-    assert distill.fmt([0.5]) == "L0-0 0.5000" and distill.fmt([2.0], True) == "2.0000 (next-token)"
-    assert distill.fmt([1.0, 2.0, 3.0, 4.0]) == "L0-1 1.5000 L2-3 3.5000"
-    assert distill.fmt([1.0, 2.0, 3.0, 4.0, 5.0]) == "L0-1 1.5000 L2-3 3.5000 L4-4 5.0000"   # a last group of one
+    assert report.fmt([0.5]) == "L0-0 0.5000" and report.fmt([2.0], True) == "2.0000 (next-token)"
+    assert report.fmt([1.0, 2.0, 3.0, 4.0]) == "L0-1 1.5000 L2-3 3.5000"
+    assert report.fmt([1.0, 2.0, 3.0, 4.0, 5.0]) == "L0-1 1.5000 L2-3 3.5000 L4-4 5.0000"   # a last group of one
 
 
 def test_summary_says_when_the_prompt_was_cut_to_the_context(setup, capsys):
@@ -931,7 +932,7 @@ def test_summary_says_when_the_prompt_was_cut_to_the_context(setup, capsys):
     cfg = distill.DistillConfig(prompt="word " * 500, out_dir="x")
     trainer = distill.Trainer(cfg, teacher, teacher, None, None, None, "cpu",
                               metrics={"val": [v], "teacher_loss": 1.0})
-    distill.print_summary(trainer, 0, load_tokenizer(ckpt))
+    report.print_summary(trainer, 0, load_tokenizer(ckpt))
     assert f"(its last {teacher.config.block_size - 30} tokens):" in capsys.readouterr().out
 
 
@@ -1581,7 +1582,7 @@ def test_restore_brings_back_the_torch_rng_and_the_data_position(tmp_path):
     """restore (--resume): after a checkpoint saved at step 3, torch's global generator and the training windows'
     generator draw what they drew right after the save, whatever they were set to since."""
     _, student = small_pair()
-    cfg = distill.DistillConfig(out_dir=str(tmp_path / "ck"), max_steps=10)
+    cfg = distill.DistillConfig(out_dir=str(tmp_path / "ck"), max_steps=10, resume=True)
     optim, gen = distill.make_optimizer(student, cfg), torch.Generator().manual_seed(5)
     resume.save_checkpoint(cfg, student, optim, gen, {"step": 3}, {"val": [{"step": 3}], "history": []})
     after = torch.rand(4), torch.randint(100, (4,), generator=gen)
@@ -1590,3 +1591,53 @@ def test_restore_brings_back_the_torch_rng_and_the_data_position(tmp_path):
     step, metrics = resume.restore(cfg, distill.make_optimizer(student, cfg), gen2)
     assert step == 3 and metrics["val"] == [{"step": 3}]
     assert torch.equal(torch.rand(4), after[0]) and torch.equal(torch.randint(100, (4,), generator=gen2), after[1])
+
+
+def test_the_losses_a_training_step_returns_carry_no_graph():
+    """train_step's losses (kept on the device until a log line) hold no autograd graph, for the layerwise losses
+    and the direct one: a graph kept alive would hold every step's activations until the next log line."""
+    teacher, student = small_pair()
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randint(0, 50, (2, 16), generator=gen), torch.randint(0, 50, (2, 16), generator=gen)
+    for kind in ("softmax", "l2", "direct"):
+        cfg = distill.DistillConfig(loss=kind, query_block=8, out_dir="x")
+        optim = RecordingOptim([p for p in student.parameters() if p.requires_grad])
+        trainer = distill.Trainer(cfg, teacher, student, optim, None, None, "cpu")
+        trainer.next_batch = lambda: (x, y)
+        losses = distill.train_step(trainer, 0)
+        assert not losses.requires_grad and losses.grad_fn is None, kind
+
+
+STEP_MEMORY = """if True:
+    import json, resource, sys
+    import torch
+    import datafiles, devices, distill, model
+    kind = sys.argv[1]
+    torch.manual_seed(0)
+    shape = model.GPTConfig(n_layer=12, n_head=12, n_kv_head=12, n_embd=768, head_dim=64, block_size=512,
+                            mlp_hidden=3072, vocab_size=8192)
+    teacher = model.GPT(shape).eval().requires_grad_(False)
+    student = teacher.linearize([32] * 12)
+    cfg = distill.DistillConfig(loss=kind, batch_size=2, block_size=512, budget=32, out_dir="x")
+    said = {}
+    devices.check_free_memory = lambda nbytes, *a: said.setdefault("bytes", nbytes)
+    datafiles.check_memory(cfg, shape, "cpu", [32] * 12, kind == "direct")
+    t = distill.Trainer(cfg, teacher, student, distill.make_optimizer(student, cfg), None, None, "cpu")
+    batch = torch.randint(0, 8192, (2, 512)), torch.randint(0, 8192, (2, 512))
+    t.next_batch = lambda: batch
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    distill.train_step(t, 0)
+    print(json.dumps({"estimate": said["bytes"], "step": 1024 * (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                                                                 - before)}))"""
+
+
+@pytest.mark.parametrize("kind", ["softmax", "direct"])
+def test_the_memory_estimate_covers_a_real_step_at_gpt2s_shape(kind):
+    """datafiles.check_memory's estimate against the peak memory a training step really takes (the growth of the
+    process's peak resident size over one step, in a fresh process) at GPT-2-124M's shape, 2 windows of 512 tokens:
+    at least the step's, and within 2.5 times of it."""
+    r = subprocess.run([sys.executable, "-c", STEP_MEMORY, kind], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    assert got["step"] <= got["estimate"] <= 2.5 * got["step"], got
