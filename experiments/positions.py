@@ -12,7 +12,8 @@ the window's tokens in [0, --positions - T] (a resumed run draws the same); vali
         --ppl data/wikitext2/val.bin --ppl-context 2048
 
 How it forks the core: window.py's REPLACE, with distill.student_losses run on the teacher's queries
-and keys at the offset, and distill.DistillConfig one with --positions.
+and keys at the offset, distill.DistillConfig one with --positions, and window.py's checkpoints
+opened too (forks.EXTENDS): --init-from one trains it on at later positions and longer windows.
 """
 
 import sys
@@ -56,7 +57,8 @@ class PositionsConfig(window.WindowConfig):
 
 REPLACE = {**window.REPLACE,
            (distill, "student_losses"): student_losses,
-           (distill, "DistillConfig"): PositionsConfig}
+           (distill, "DistillConfig"): PositionsConfig,
+           (forks, "EXTENDS"): ("experiments/window.py",)}  # --init-from a window.py checkpoint
 
 if __name__ == "__main__":
     forks.fork(__file__, REPLACE)
