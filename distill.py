@@ -23,9 +23,9 @@ from tqdm import tqdm
 import checkpoint
 import datafiles
 import devices
+import dof
 import door
 import files
-import dof
 import model
 import report
 import resume

@@ -17,9 +17,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import devices
-import forks
 import files
-
+import forks
 
 REQUIRED = MISSING     # opt(REQUIRED, help): a field the command line must give
 

@@ -17,7 +17,6 @@ import torch
 import devices
 import door
 
-
 # (the out-dir this process writes checkpoints to, since when a checkpoint there is this run's)
 CLAIMED = []
 

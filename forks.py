@@ -4,6 +4,7 @@ the core's modules and runs a core command with them: REPLACE = {(model, "FEATUR
 checkpoints, and the readers refuse a fork's checkpoint in any other script."""
 
 import importlib
+import importlib.util
 import os
 import shlex
 import sys
@@ -33,6 +34,21 @@ def fork(script, replace, argv=None):
     main = importlib.import_module(command).main
     with replaced({**replace, (sys.modules[__name__], "FORK"): name}):
         door.run_main(lambda: main(argv))
+
+
+def open_student(script, ckpt_dir, device="cpu", teacher=None):
+    """A fork's student from Python, in one call (a notebook, a script): the fork's file
+    (experiments/<name>.py) and its checkpoint -> (the student, config.json's dict), built with the
+    fork's names set. A fork whose names are looked up while the student runs (fla_scan.py) needs
+    `with forks.replaced(fork.REPLACE):` around its use too."""
+    path = Path(script).resolve()
+    spec = importlib.util.spec_from_file_location(f"fork_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    name = os.path.relpath(path, Path(__file__).resolve().parent)
+    evaluate = importlib.import_module("evaluate")
+    with replaced({**module.REPLACE, (sys.modules[__name__], "FORK"): name}):
+        return evaluate.load_student(ckpt_dir, device, teacher=teacher)
 
 
 @contextmanager

@@ -10,8 +10,8 @@ import torch
 from tqdm import tqdm
 
 import devices
-import forks
 import files
+import forks
 
 
 def fmt(losses, next_token=False):

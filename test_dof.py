@@ -9,19 +9,28 @@ import json
 import math
 import types
 
-from numpy.polynomial.hermite_e import hermegauss
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from numpy.polynomial.hermite_e import hermegauss
 
 import checkpoint
-import door
-from model import (causal_linear_attention, repeat_kv, DiJiang, GPT, linear_attention_reference, linear_attention_step,
-                   LinearAttention, Performer, PRF)
 import distill
 import dof
+import door
 import model as M
+from model import (
+    GPT,
+    PRF,
+    DiJiang,
+    LinearAttention,
+    Performer,
+    causal_linear_attention,
+    linear_attention_reference,
+    linear_attention_step,
+    repeat_kv,
+)
 
 
 # One thread, as in tests/: these tensors are tiny, so threads buy nothing, and on a loaded machine OpenMP's spinning

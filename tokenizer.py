@@ -9,9 +9,9 @@ import unicodedata
 
 import tiktoken
 
-from checkpoint import locate, open_gguf
 import door
 import files
+from checkpoint import locate, open_gguf
 
 # GPT-2's pre-tokenizer regex in tiktoken's form (HF's ByteLevel ends it with `\s+(?!\S)|\s+`, which
 # splits alike).

@@ -36,7 +36,6 @@ import files  # noqa: E402
 import forks  # noqa: E402
 import tasks  # noqa: E402
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # Error curves and the measured allocation
 

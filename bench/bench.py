@@ -59,7 +59,7 @@ import door  # noqa: E402
 import files  # noqa: E402
 import forks  # noqa: E402
 from graphed_decode import GraphedDecoder  # noqa: E402
-from model import GPT, GPTConfig, PRF, Cache, causal_linear_attention  # noqa: E402
+from model import GPT, PRF, Cache, GPTConfig, causal_linear_attention  # noqa: E402
 
 
 @dataclass

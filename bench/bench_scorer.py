@@ -18,9 +18,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import evaluate as E  # noqa: E402
 import devices  # noqa: E402
 import door  # noqa: E402
+import evaluate as E  # noqa: E402
 import files  # noqa: E402
 import tasks  # noqa: E402
 from fast_scorer import score_windows  # noqa: E402

@@ -58,13 +58,13 @@ from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its forks (fla_scan, per_head)
-import dof  # noqa: E402
-from bench import decode_ms, graphed_ms  # noqa: E402
-from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
 import devices  # noqa: E402
+import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
 import forks  # noqa: E402
+from bench import decode_ms, graphed_ms  # noqa: E402
+from checkpoint import checkpoint_sources, config_from_hf  # noqa: E402
 from fla_scan import fla_linear_attention  # noqa: E402
 from model import GPT, PRF, GPTConfig, causal_linear_attention  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402

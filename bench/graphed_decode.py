@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import door# noqa: E402
+import door  # noqa: E402
 from model import SoftmaxAttention  # noqa: E402
 
 

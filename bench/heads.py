@@ -33,13 +33,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]   # the core, and its forks (leverage, per_head)
-import distill  # noqa: E402
-import dof  # noqa: E402
-import model as M  # noqa: E402
 import datafiles  # noqa: E402
 import devices  # noqa: E402
+import distill  # noqa: E402
+import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
+import model as M  # noqa: E402
 from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
 from per_head import GroupedLinearAttention, layer_losses  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402

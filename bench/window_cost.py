@@ -32,10 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]
 import datafiles  # noqa: E402
+import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
 import forks  # noqa: E402
-import dof  # noqa: E402
 import model as M  # noqa: E402
 import window  # noqa: E402
 

@@ -703,6 +703,8 @@ def grid_blocks(grid, results, figures):
         made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, "DoF")
     elif grid == "window":                       # the window's size, and Fix against DoF with and without one
         made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), window_table(records)
+    elif grid == "sinks":                        # the window with sinks; its long-context table is "long"
+        made[f"{grid}:summary"] = summary_table(records)
     elif grid == "preset":                       # recipes for --preset cpu against the old one
         old = next(iter(PRESET_VARIANTS))
         made[f"{grid}:summary"], made[f"{grid}:paired"] = summary_table(records), paired_table(records, old)

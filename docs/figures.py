@@ -28,14 +28,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import distill  # noqa: E402
-import dof  # noqa: E402
-import model as M  # noqa: E402
-from checkpoint import read_student  # noqa: E402
 import datafiles  # noqa: E402
 import devices  # noqa: E402
+import distill  # noqa: E402
+import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
+import model as M  # noqa: E402
+from checkpoint import read_student  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 COLORS = ("C0", "C3")                                   # the low-DoF head, the high-DoF head

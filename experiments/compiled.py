@@ -15,9 +15,9 @@ import torch
 from torch._dynamo.exc import BackendCompilerFailed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import distill  # noqa: E402
 import door  # noqa: E402
 import forks  # noqa: E402
-import distill  # noqa: E402
 
 
 def compiled(fn):

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import distill  # noqa: E402
 import door  # noqa: E402
 import forks  # noqa: E402
-import distill  # noqa: E402
 
 
 @dataclass

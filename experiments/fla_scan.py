@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import door  # noqa: E402
-import forks  # noqa: E402
 import evaluate  # noqa: E402
+import forks  # noqa: E402
 import model  # noqa: E402
 
 core_scan = model.causal_linear_attention

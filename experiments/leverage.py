@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import devices  # noqa: E402
 import distill  # noqa: E402
 import dof  # noqa: E402
-import devices  # noqa: E402
 import door  # noqa: E402
 import forks  # noqa: E402
 from model import feature_state  # noqa: E402

@@ -25,11 +25,11 @@ import torch.nn as nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
 import devices  # noqa: E402
-import door  # noqa: E402
-import forks  # noqa: E402
 import distill  # noqa: E402
 import dof  # noqa: E402
+import door  # noqa: E402
 import evaluate  # noqa: E402
+import forks  # noqa: E402
 import model  # noqa: E402
 
 # the core's, which this fork's wrap

@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import door  # noqa: E402
-import forks  # noqa: E402
 import distill  # noqa: E402
+import door  # noqa: E402
 import evaluate  # noqa: E402
+import forks  # noqa: E402
 import model  # noqa: E402
 import streaming  # noqa: E402
 

@@ -1,20 +1,20 @@
 """What the files of tests/ share: the repository's paths, the fixtures of a tiny GPT-2 checkpoint, its data and a
 trained run, and the helpers that start the scripts. (pytest.ini puts the core, experiments/ and bench/ on sys.path.)"""
 
-from pathlib import Path
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import model as M
 from model import GPT
 from tokenizer import load_tokenizer
-import model as M
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"    # real tokenizer files and eval examples (tests/data/SOURCES.md)

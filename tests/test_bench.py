@@ -1,7 +1,6 @@
 """bench/: the instruments (bench.py, bench_scorer.py, gpu_check.py, graphed_decode.py) and the studies
 (heads.py, allocation.py), on fake clocks and tiny shapes, each pinned to a known answer."""
 
-from pathlib import Path
 import json
 import math
 import multiprocessing
@@ -12,23 +11,22 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import datafiles
-import door
-import forks
-from model import repeat_kv, GPT, LinearAttention
 import distill
 import dof
+import door
 import evaluate as E
+import forks
 import model as M
 import tasks
-
 from conftest import EVAL, N_POS, ROOT, cli, distill_args, load_script, script_env
-
+from model import GPT, LinearAttention, repeat_kv
 
 # ==================================================================================================================
 # bench.py, graphed_decode.py and gpu_check.py: the speed instruments on fake clocks and tiny shapes

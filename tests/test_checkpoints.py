@@ -2,13 +2,13 @@
 files, each whole and of the umask's mode, never taken for whole when a save was cut short; resumed only on the
 token files it began with, by the script that wrote it, with settings of their own types."""
 
-from pathlib import Path
 import json
 import os
 import re
 import shutil
 import signal
 import stat
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -18,10 +18,9 @@ import distill
 import door
 import files
 import forks
-import resume
 import model as M
+import resume
 import window
-
 from conftest import TEXT, distill_args, edit_json, snapshot
 from test_experiments import forked, refusal
 

@@ -1,7 +1,6 @@
 """The command lines of data/*/prepare.py, distill.py and dof.py: a run, resume, torchrun, the lock, signals and
 every kind of bad input; and distill.py's training loop, each part pinned to a known answer."""
 
-from pathlib import Path
 import contextlib
 import copy
 import dataclasses
@@ -20,33 +19,46 @@ import tempfile
 import time
 import types
 import typing
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 import datafiles
 import devices
+import distill
+import dof
 import door
+import evaluate as E
 import files
 import forks
-from model import GPT, LinearAttention
-from tokenizer import load_tokenizer
-import checkpoint
-import distill
+import model as M
 import report
 import resume
-import dof
-import evaluate as E
-import model as M
-
-from conftest import (FAST, PROXY_VARIABLES, ROOT, TEXT, TOK, TOKENIZER, cli, distill_args, edit_json, features,
-                      load_script, needs_smollm2, script_env, snapshot, torchrun)
-
-from test_dof import small_pair, tiny_gpt2   # the method's test helpers
+from conftest import (
+    FAST,
+    PROXY_VARIABLES,
+    ROOT,
+    TEXT,
+    TOK,
+    TOKENIZER,
+    cli,
+    distill_args,
+    edit_json,
+    features,
+    load_script,
+    needs_smollm2,
+    script_env,
+    snapshot,
+    torchrun,
+)
+from model import GPT, LinearAttention
+from test_dof import small_pair, tiny_gpt2  # the method's test helpers
 from test_loading import nudge
-
+from tokenizer import load_tokenizer
 
 # ==================================================================================================================
 # dof.py: the profile command
@@ -306,6 +318,7 @@ def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch
     articles, each followed by end-of-text, split between train and val (alike for any --batch-docs), stopped by
     --max-tokens; a stream that breaks midway is one sentence and leaves the previous files as they were."""
     import importlib.util
+
     from tokenizer import load_tokenizer
     spec = importlib.util.spec_from_file_location("wiki_prepare", ROOT / "data" / "wikipedia" / "prepare.py")
     wiki = importlib.util.module_from_spec(spec)
@@ -770,7 +783,9 @@ def test_hub_reachable_is_one_quick_connection_test(monkeypatch):
     """A listening port: reachable; a closed one: not; HF_HUB_OFFLINE=1: not, without trying; behind a proxy: yes,
     without trying. The caller's HF_* and proxy variables play no part (huggingface_hub reads them at import)."""
     import socket
+
     from huggingface_hub import constants
+
     from checkpoint import hub_reachable
     for v in PROXY_VARIABLES:
         monkeypatch.delenv(v, raising=False)

@@ -1,7 +1,6 @@
 """docs/: figures.py's figures from a model, experiments.py's runner and the tables it makes from the committed
 result files; and the README's numbers and commands, held to the code, the result files and .ci/run."""
 
-from pathlib import Path
 import dataclasses
 import importlib.util
 import json
@@ -12,20 +11,18 @@ import signal
 import sys
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import door
 import distill
 import dof
+import door
 import evaluate
-
 from conftest import DATA, ROOT, WIKITEXT, load_script
-
-from test_dof import hf_llama, save_hf   # the method's test helpers
-
+from test_dof import hf_llama, save_hf  # the method's test helpers
 
 # ==================================================================================================================
 # README.md: what it says of the code, held to the code
@@ -359,7 +356,7 @@ def test_allocation_table_pairs_seeds_and_gives_shares_only_of_a_clear_gain():
     noisy = X.allocation_table(fix + by_dof + [rec("Measured", s, 5.0 + s, 0.80 + s / 100 + e)
                                                for s, e in ((1, 0.01), (2, -0.02), (3, 0.005))])
     assert "| -0.0200 ± 0.0058 | – |" in noisy and "is within two standard errors of zero" in noisy
-    import allocation as A                                           # the curves' prediction for each run's dims
+    import allocation as A  # the curves' prediction for each run's dims
     curves = ROOT / "docs" / "results" / "curves"
     Ms, KL = A.load_curves(curves)
     dims = {"Fix": [32] * KL.shape[1], "Measured": A.measured_dims(Ms, KL, 32)}

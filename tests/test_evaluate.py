@@ -1,7 +1,6 @@
 """evaluate.py: prompts and scoring exactly as the lm-evaluation-harness, perplexity, speed, torchrun shares and
 bad input."""
 
-from pathlib import Path
 import json
 import math
 import re
@@ -9,25 +8,24 @@ import shutil
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 import datafiles
 import devices
 import door
-from model import GPT
-from tokenizer import load_tokenizer
-import checkpoint
 import evaluate as E
 import fast_scorer
 import model as M
 import tasks
-
 from conftest import EVAL, N_POS, ROOT, TOK, WIKITEXT, edit_json, script_env, snapshot, torchrun
-
+from model import GPT
+from tokenizer import load_tokenizer
 
 # ==================================================================================================================
 # evaluate.py: harness-exact scoring, perplexity, speed, bad input

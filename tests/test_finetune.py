@@ -7,12 +7,11 @@ import re
 import pytest
 import torch
 
-from model import GPT
 import door
 import evaluate as E
 import tasks
-
 from conftest import DATA, load_script, torchrun
+from model import GPT
 
 TRAIN = DATA / "train"  # the first 40 documents of ARC-Easy's training and validation splits
 

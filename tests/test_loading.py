@@ -1,7 +1,6 @@
 """Loading: checkpoints (safetensors, sharded, damaged, from the hub) through model.py and checkpoint.py, the
 tokenizers against the Hugging Face references, and GGUF files against transformers' GGUF loader."""
 
-from pathlib import Path
 import dataclasses
 import importlib.util
 import json
@@ -12,22 +11,20 @@ import shutil
 import subprocess
 import sys
 import unicodedata
+from pathlib import Path
 
-from transformers import LlamaConfig, LlamaForCausalLM
 import gguf
 import numpy as np
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from checkpoint import check_features, check_settings, check_teacher, fingerprint, locate, read_gguf
 import door
-from tokenizer import load_tokenizer
 import model as M
-
+from checkpoint import check_features, check_settings, check_teacher, fingerprint, locate, read_gguf
 from conftest import DATA, PROXY_VARIABLES, ROOT, WIKITEXT, edit_json, needs_smollm2
-
-from test_dof import SMALL, SMALL_NEOX, hf_gpt2, hf_neox, randomize, save_hf   # the method's test helpers
-
+from test_dof import SMALL, SMALL_NEOX, hf_gpt2, hf_neox, randomize, save_hf  # the method's test helpers
+from tokenizer import load_tokenizer
 
 # ==================================================================================================================
 # model.py and checkpoint.py: checkpoint loading, bad input, the hub
@@ -351,8 +348,9 @@ def test_a_config_of_another_activation_is_refused():
 def test_a_config_json_that_leaves_a_value_out_means_transformers_default():
     """Each family's config.json with only the sizes config_from_hf needs reads as the whole config.json that
     transformers writes for its defaults (norm epsilon, rotary base and share, tying, parallel residual, biases)."""
-    from checkpoint import config_from_hf
     from transformers import GPT2Config, GPTNeoXConfig
+
+    from checkpoint import config_from_hf
     sizes = {"gpt2": "n_embd n_head n_layer n_positions vocab_size",
              "gpt_neox": "hidden_size num_attention_heads num_hidden_layers max_position_embeddings intermediate_size "
                          "vocab_size"}
@@ -383,6 +381,7 @@ def hub_without_repos(monkeypatch, tmp_path):
     huggingface_hub.constants) -> the cache folder."""
     import http.server
     import threading
+
     from huggingface_hub import constants
 
     class NotFound(http.server.BaseHTTPRequestHandler):
@@ -635,6 +634,7 @@ def test_gpt2_tokenizer_json(gpt2, wiki, tmp_path):
 def test_tokenizer_json_pre_tokenizers(smollm, wiki, tmp_path, split):
     """A tokenizer.json with Digits + ByteLevel (SmolLM2's own file) or Split(regex) + ByteLevel (Llama-3's)."""
     from tokenizers import Regex, Tokenizer, pre_tokenizers
+
     from tokenizer import LLAMA3_PATTERN
     ref = Tokenizer.from_str(smollm[2].to_str())
     if split == "llama3":
@@ -721,7 +721,7 @@ DAMAGED_TOKENIZERS = {   # name -> (files, what is done to their folder, the sen
         "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+', '"id": "z"', t, count=1)),
         rf"tokenizer\.json {UNREAD}ValueError: token ids not distinct"),
     "tokenizer.json with an added token's id 10^30": (     # an OverflowError from tiktoken
-        "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+', f'"id": {10 ** 30}', t, 1)),
+        "neox", lambda d: rewrite(d / "tokenizer.json", lambda t: re.sub(r'"id": *\d+', f'"id": {10 ** 30}', t, count=1)),
         rf"tokenizer\.json {UNREAD}ValueError: token ids not distinct"),
     "tokenizer.json with an empty vocabulary": ("neox", lambda d: edit_json(d / "tokenizer.json", model={
         "type": "BPE", "vocab": {}, "merges": []}), rf"tokenizer\.json {UNREAD}ValueError: token ids not distinct"),

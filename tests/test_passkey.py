@@ -13,9 +13,8 @@ import door
 import evaluate
 import passkey
 import tasks
-from tokenizer import load_tokenizer
-
 from conftest import DATA, N_POS, needs_smollm2, snapshot
+from tokenizer import load_tokenizer
 
 TOKENIZERS = ["gpt2-tokenizer", "gpt-neox-20b-tokenizer/20B_tokenizer.json",
               pytest.param("smollm2-135m", marks=needs_smollm2)]

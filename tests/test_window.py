@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import distill
+import door
 import evaluate as E
+import forks
 import model as M
 import window
-import door
-from conftest import EVAL, FAST, cli, distill_args, features
+from conftest import EVAL, FAST, ROOT, cli, distill_args, features
 from test_dof import qkv, rel
 from test_experiments import forked, refusal
 
@@ -171,6 +172,9 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
                                   torch.autocast("cpu", enabled=False))
         again = distill.student_losses(trainer, x, "softmax")
     assert all(map(math.isfinite, kl)) and again.min() > 0
+    student, saved = forks.open_student(ROOT / "experiments" / "window.py", out, teacher=ckpt)   # in one call
+    assert saved["fork"] == "experiments/window.py" and [c.window for c in student.cores()] == [8] * 4
+    assert forks.FORK is None and M.LinearAttention is not window.WindowAttention            # the core's names back
     with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "window", ckpt)) + "$"):
         E.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
     r = cli("experiments/window.py", "--window", 4, "--model", ckpt, "--data", data, "--budget", 6,

@@ -24,11 +24,12 @@ from tqdm import tqdm
 
 # the repo root, for common.py, tokenizer.py and data/
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from checkpoint import HubUnreachable, hub_reachable  # noqa: E402
 import door  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
+from checkpoint import HubUnreachable, hub_reachable  # noqa: E402
+
 # FILES: what this script writes, as distill.py reads it from either prepare.py
 from data.text.prepare import FILES, check_out_dir, eot_id, token_files, tokenizer_meta  # noqa: E402,F401
+from tokenizer import load_tokenizer  # noqa: E402
 
 OFFLINE_HINT = "run it on a machine with internet access, or tokenize local text with " \
                "data/text/prepare.py"
