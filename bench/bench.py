@@ -433,7 +433,8 @@ def step_row(distill, loss, T=1024, budget=64, repeats=3, device="cpu", config=N
 
 def measure_step(distill, loss, T, budget, repeats, device, config, per_head, stack):
     """step_row's measurement, the fork's names (if any) already set."""
-    mod = sys.modules[distill.GPT.__module__]                    # the model.py beside that distill.py
+    # the model.py beside that distill.py (older versions import GPT from it)
+    mod = distill.model if hasattr(distill, "model") else sys.modules[distill.GPT.__module__]
     torch.manual_seed(0)
     teacher = mod.GPT(config or mod.GPTConfig()).to(device).eval().requires_grad_(False)
     L, H = teacher.config.n_layer, teacher.config.n_head

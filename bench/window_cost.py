@@ -102,6 +102,7 @@ def synthetic_cache(student, ctx, cfg):
             layer["P"] = torch.rand(B, c.n_head, core.M, c.head_dim + 1)
             for name in ("k", "v"):
                 layer[name] = torch.randn(B, c.n_kv_head, core.window, c.head_dim)
+                layer["s" + name] = torch.randn(B, c.n_kv_head, core.sinks, c.head_dim)
             layer["n"] = ctx
         else:
             layer["S"] = torch.randn(B, c.n_head, core.M, c.head_dim)

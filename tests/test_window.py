@@ -157,15 +157,15 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
     another --window, a negative one and a feature map whose products are not e^(q.k / sqrt d) are one sentence."""
     d, ckpt, data = setup
     out = tmp_path / "win"
-    r = cli("experiments/window.py", "--window", 8, "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 4,
+    r = cli("experiments/window.py", "--window", 8, "--sinks", 2, "--model", ckpt, "--data", data, "--budget", 6, "--max-steps", 4,
             "--decay-steps", 6, "--out-dir", out, *FAST)
     assert r.returncode == 0, r.stderr[-3000:]
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["args"]["window"] == 8 and cfg["fork"] == "experiments/window.py"
+    assert cfg["args"]["window"] == 8 and cfg["args"]["sinks"] == 2 and cfg["fork"] == "experiments/window.py"
     kl = json.loads((out / "metrics.json").read_text())["val"][-1]["attn_kl"]
     with forked("window", window.REPLACE):
         student, _ = E.load_student(out)
-        assert [c.window for c in student.cores()] == [8] * 4
+        assert [(c.window, c.sinks) for c in student.cores()] == [(8, 2)] * 4
         x = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16)[:64].astype(np.int64))[None]
         cfg = door.parse_config(distill.DistillConfig, distill_args(ckpt, data, out, "--window", 8))
         trainer = distill.Trainer(cfg, M.GPT.from_pretrained(ckpt), student, None, None, None, "cpu",
@@ -202,6 +202,10 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
     for flags, said in (([-1], "--window must be a number of at least 0, got -1"),
                         ([64], "--window 64 holds every key of a --block-size 64 window, so the features would "
                          "never train; pass a --window below 64"),
+                        ([8, "--sinks", -1], "--sinks must be a number of at least 0, got -1"),
+                        ([60, "--sinks", 4], "--window 60 and --sinks 4 hold every key of a --block-size 64 window, "
+                         "so the features would never train; pass a --window below 60"),
+                        ([0, "--sinks", 4], "--sinks needs a window of at least one key; pass --window 1 or more"),
                         ([8, "--feature-map", "dijiang"], "--window needs features whose products estimate "
                          "e^(q.k / sqrt d), as prf and performer do, not dijiang; pass --feature-map prf or --window 0")):
         r = cli("experiments/window.py", "--window", *flags, "--model", ckpt, "--data", data,
