@@ -73,7 +73,8 @@ def load(cfg):
     dims = ckpt["dims"]
     state = sum(c.n_head * m * (c.head_dim + 1) * 4 for m in dims)          # S, s in fp32
     info = {"kind": "student", "window": W, "sinks": S, "dims": dims, "seed": ckpt["seed"],
-            "run": Path(cfg.what).name, "step": ckpt["step"]}
+            "run": Path(cfg.what).name, "step": ckpt["step"], "block_size": ckpt["block_size"],
+            "positions": ckpt.get("args", {}).get("positions", 0)}
     return net, state + streaming.cache_bytes(c, W, S), info
 
 
@@ -123,6 +124,8 @@ def label(r):
     band = f"W={r['window']}, S={r['sinks']}"
     if r["kind"] == "untrained":
         return f"untrained window, {band}"
+    if r.get("positions"):
+        band += f", then {r['block_size']}-token windows at positions < {r['positions']}"
     return "student (core), W=0" if r["window"] == 0 else f"trained hybrid, {band}"
 
 
@@ -142,16 +145,13 @@ def groups(records):
 
 
 def tables(records):
-    """{"gap": the gap to the teacher's loss at each window length, "recall": passkey accuracy},
-    each a markdown table with a row per model (mean ± sd over seeds)."""
+    """{"gap": a markdown table, a row per model (mean ± sd over seeds): the gap to the teacher's
+    loss at each window length, and passkey accuracy at each prompt length}."""
     teacher = next(r for r in records if r["kind"] == "teacher")
-    contexts = list(teacher["loss"])
-    lengths = list(teacher.get("passkey", {}))
-    head = "| model | seeds | cache KiB a sequence |"
-    gap = [head + "".join(f" {T} tokens |" for T in contexts),
-           "|---|---:|---:|" + "---:|" * len(contexts)]
-    recall = [head + "".join(f" {n} tokens |" for n in lengths),
-              "|---|---:|---:|" + "---:|" * len(lengths)]
+    contexts, lengths = list(teacher["loss"]), list(teacher.get("passkey", {}))
+    rows = ["| model | seeds | cache KiB a sequence |" + "".join(f" gap, {T} |" for T in contexts)
+            + "".join(f" recall, {n} |" for n in lengths),
+            "|---|---:|---:|" + "---:|" * (len(contexts) + len(lengths))]
     for name, rs in groups(records).items():
         kib = "grows" if rs[0]["cache_bytes"] is None else f"{rs[0]['cache_bytes'] / 1024:,.0f}"
         seeds = ", ".join(str(r.get("seed", "-")) for r in rs)
@@ -160,17 +160,16 @@ def tables(records):
         else:
             cells = [mean_sd([r["loss"][T] - teacher["loss"][T] for r in rs], "{:+.3f}")
                      for T in contexts]
-        gap.append(f"| {name} | {seeds} | {kib} | " + " | ".join(cells) + " |")
-        if all("passkey" in r for r in rs) and lengths:
-            cells = [mean_sd([r["passkey"][n]["accuracy"] for r in rs], "{:.2f}") for n in lengths]
-            recall.append(f"| {name} | {seeds} | {kib} | " + " | ".join(cells) + " |")
-    n = teacher["tokens"]
-    gap.append(f"\nNext-token loss minus the teacher's, on the first {n:,} held-out tokens cut "
-               "into windows of each length; mean ± sd (n − 1) over seeds.")
+        for n in lengths:
+            have = all(n in r.get("passkey", {}) for r in rs)
+            accs = [r["passkey"][n]["accuracy"] for r in rs] if have else []
+            cells.append(mean_sd(accs, "{:.2f}") if have else "–")
+        rows.append(f"| {name} | {seeds} | {kib} | " + " | ".join(cells) + " |")
     k = teacher["passkey"][lengths[0]]["n"] if lengths else 0
-    recall.append(f"\nPasskey accuracy, {k} trials a length (5-digit keys at depths spread "
-                  "evenly); mean ± sd over seeds.")
-    return {"gap": "\n".join(gap), "recall": "\n".join(recall)}
+    rows.append(f"\nNext-token loss minus the teacher's on the first {teacher['tokens']:,} held-out "
+                f"tokens, cut into windows of each length; passkey accuracy over {k} trials a "
+                "prompt length (5-digit keys at depths spread evenly); mean ± sd (n − 1) over seeds.")
+    return {"gap": "\n".join(rows)}
 
 
 def figure(records, path):

@@ -39,8 +39,8 @@ def readme():
 def test_readme_describes_the_cpu_preset_as_distill_defines_it():
     """The README's words on --preset cpu (budget, steps, window, one window a step, relative λ,
     centred keys, the 10% held out, its 8 validation windows, its steps beside the results' 240)
-    are distill.PRESETS["cpu"]'s flags."""
-    flags = distill.PRESETS["cpu"].split()
+    are distill.DistillConfig.PRESETS["cpu"]'s flags."""
+    flags = distill.DistillConfig.PRESETS["cpu"].split()
     value = lambda name: flags[flags.index(name) + 1]
     text = readme()
     said = re.search(r"`--preset cpu` prints the flags it stands for \(budget (\d+), relative λ, "
