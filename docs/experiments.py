@@ -632,8 +632,9 @@ def allocation_table(records, base="Fix", best="Measured", curves_dir=None):
     return "\n".join(rows)
 
 
-def grid_blocks(grid, results, figures):
-    """The generated blocks of one folder of docs/results: name -> markdown (and its figures, drawn)."""
+def instrument_blocks(grid, results, figures):
+    """The generated blocks of a folder written by an instrument (bench/, evaluate.py), not a grid of runs:
+    name -> markdown (and its figures, drawn); None for a grid's folder."""
     made = {}
     if grid == "gpu":                            # gpu_check.py's JSON: its own table and targets
         import gpu_check
@@ -676,6 +677,15 @@ def grid_blocks(grid, results, figures):
         for p in sorted((Path(results) / grid).glob("*.json")):
             made[f"zeroshot:{p.stem}"] = zeroshot_table(read(p))
         return made
+    return None
+
+
+def grid_blocks(grid, results, figures):
+    """The generated blocks of one folder of docs/results: name -> markdown (and its figures, drawn)."""
+    made = instrument_blocks(grid, results, figures)
+    if made is not None:
+        return made
+    made = {}
     if grid in ("curves", "allocation"):         # both read every M of the curves: a missing one is named here
         check_whole("curves", load("curves", results), results)
     if grid == "curves":                         # the per-layer error curves: tables and figure, not a grid table
