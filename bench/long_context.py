@@ -33,7 +33,6 @@ import model  # noqa: E402
 import passkey  # noqa: E402
 import streaming  # noqa: E402
 import tokenizer  # noqa: E402
-import window  # noqa: E402
 
 
 def ints(text):
@@ -67,8 +66,8 @@ def load(cfg):
         W, S = ints(cfg.what.split(":", 1)[1].replace(":", ","))
         net = streaming.sink_window(teacher, W, S)
         return net, streaming.cache_bytes(c, W, S), {"kind": "untrained", "window": W, "sinks": S}
-    with forks.replaced({**window.REPLACE, (forks, "FORK"): "experiments/window.py"}):
-        net, ckpt = window.load_student(cfg.what, teacher=teacher)
+    made_by = files.read_json(Path(cfg.what) / "config.json", "pass a checkpoint", dict).get("fork")
+    net, ckpt = forks.open_student(ROOT / (made_by or "experiments/window.py"), cfg.what, teacher=teacher)
     W, S = (ckpt.get("args", {}).get(k, 0) for k in ("window", "sinks"))
     dims = ckpt["dims"]
     state = sum(c.n_head * m * (c.head_dim + 1) * 4 for m in dims)          # S, s in fp32

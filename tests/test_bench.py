@@ -786,3 +786,33 @@ def test_window_cost_measures_mass_decoding_and_forward_and_tabulates_them(setup
     tables = cost.tables(res)
     assert list(tables) == ["mass", "decode", "forward"] and "| 64 |" in tables["decode"]
     assert "wrote" in capsys.readouterr().out
+
+
+def test_long_context_scores_the_teacher_a_window_and_a_student_and_tabulates_them(setup, tmp_path):
+    """bench/long_context.py: the teacher's loss at each window length, the untrained window's beside it (its cache
+    bytes, (S + W) tokens a layer), a window.py student opened through the fork its config.json names (its loss the
+    in-process student's); the table a row a model, the gaps the differences."""
+    import long_context
+    import window
+    d, ckpt, data = setup
+    out = tmp_path / "win"
+    r = cli("experiments/window.py", "--window", 8, "--sinks", 2, "--model", ckpt, "--data", data, "--budget", 6,
+            "--max-steps", 2, "--out-dir", out, "--device", "cpu", "--eval-iters", 1, "--calib-batches", 1,
+            "--J", 64, "--batch-size", 2, "--block-size", 64)
+    assert r.returncode == 0, r.stderr[-3000:]
+    flags = ["--model", ckpt, "--data", data / "val.bin", "--tokens", 300, "--contexts", "32,64", "--passkey", 80,
+             "--passkey-trials", 2]
+    records = []
+    for what in ("teacher", "window:8:2", out):
+        long_context.main([str(a) for a in [*flags, "--what", what, "--out", tmp_path / "r.json"]])
+        records.append(json.loads((tmp_path / "r.json").read_text()))
+    teacher, baseline, student = records
+    c = M.GPT.from_pretrained(ckpt).config
+    assert baseline["cache_bytes"] == c.n_layer * 10 * 2 * c.n_kv_head * c.head_dim * 4 and teacher["cache_bytes"] is None
+    assert student["window"] == 8 and student["sinks"] == 2 and set(student["passkey"]) == {"80"}
+    tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
+    with forks.replaced({**window.REPLACE, (forks, "FORK"): "experiments/window.py"}):
+        net = E.load_student(out)[0]
+    assert student["loss"]["64"] == pytest.approx(E.perplexity(net, tokens, 64)["loss"], rel=1e-6)
+    table = long_context.tables(records)["gap"].splitlines()
+    assert len(table) == 2 + 3 + 2 and f"{student['loss']['32'] - teacher['loss']['32']:+.3f}" in table[-3]
