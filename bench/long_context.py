@@ -172,28 +172,31 @@ def tables(records):
 
 
 def figure(records, path):
-    """The gap to the teacher against window length, and recall against prompt length."""
+    """The gap to the teacher against window length, and recall against prompt length: a colour a
+    model in both panels, trained students solid, untrained windows dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     teacher = next(r for r in records if r["kind"] == "teacher")
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, rs in groups(records).items():
-        T = [int(t) for t in teacher["loss"]]
-        if name != "teacher":
-            gaps = [np.mean([r["loss"][str(t)] - teacher["loss"][str(t)] for r in rs]) for t in T]
-            a.plot(T, gaps, marker="o", label=name)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    colours = plt.get_cmap("tab20").colors
+    for i, (name, rs) in enumerate(groups(records).items()):
+        style = {"color": colours[i % 20], "marker": "o", "label": name,
+                 "linestyle": "--" if rs[0]["kind"] == "untrained" else "-"}
+        T = [int(x) for x in teacher["loss"]]
+        gaps = [np.mean([r["loss"][str(x)] - teacher["loss"][str(x)] for r in rs]) for x in T]
+        a.plot(T, gaps, **style)
         if all("passkey" in r for r in rs):
             n = [int(x) for x in rs[0]["passkey"]]
-            acc = [np.mean([r["passkey"][str(x)]["accuracy"] for r in rs]) for x in n]
-            b.plot(n, acc, marker="o", label=name)
+            b.plot(n, [np.mean([r["passkey"][str(x)]["accuracy"] for r in rs]) for x in n], **style)
     a.set(xscale="log", xlabel="window length (tokens)", ylabel="loss − teacher's (nats)",
           title="gap to the teacher")
     b.set(xscale="log", xlabel="prompt length (tokens)", ylabel="passkey accuracy",
           title="recall", ylim=(-0.05, 1.05))
-    a.legend(fontsize=7)
+    fig.legend(*a.get_legend_handles_labels(), loc="center left", bbox_to_anchor=(0.99, 0.5),
+               fontsize=7, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
