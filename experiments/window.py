@@ -63,7 +63,7 @@ def window_masks(s, e, n_keys, W, device, S=0):
     j <= i in the window (i - W < j) or a sink (j < S), and the features' keys, S <= j <= i - W."""
     i = torch.arange(s, e, device=device)[:, None]
     j = torch.arange(n_keys, device=device)
-    return (j <= i) & ((j > i - W) | (j < S)), (j <= i - W) & (j >= S)
+    return streaming.exact_keys(i, j, W, S), (j <= i - W) & (j >= S)
 
 
 def shifted(l):
