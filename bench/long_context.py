@@ -106,7 +106,7 @@ def main(argv=None):
         out["offset_loss"] = {str(o): offset_loss(net, tokens, o) for o in ints(cfg.offsets)}
         print(f"{cfg.what}: loss at position offsets {out['offset_loss']}", flush=True)
     if cfg.passkey:
-        trials = passkey.make_trials(enc, ints(cfg.passkey), cfg, net.config.block_size)
+        trials = passkey.make_trials(enc, passkey.lengths(cfg.passkey), cfg, net.config.block_size)
         out["passkey"] = passkey.run({cfg.what: net}, enc, trials, cfg, "cpu")[cfg.what]
         for r in out["passkey"].values():
             del r["trials"]
