@@ -249,19 +249,6 @@ def int64(text):
     return value
 
 
-def check_positive(cfg, names, minimum=1, above=False):
-    """A ModelError naming the first of `names` below `minimum` (above: not above it), or not finite."""
-    for name in names:
-        v = getattr(cfg, name)
-        if v is None:
-            continue
-        within = v > minimum if above else v >= minimum
-        if math.isfinite(v) and within:
-            continue
-        bound = f"above {minimum}" if above else f"of at least {minimum}"
-        raise ModelError(f"--{name.replace('_', '-')} must be a number {bound}, got {v}")
-
-
 def check_finite(cfg, step, values, name):
     """distill.py's numerical guard: a ModelError naming (name(i)) the first value that is not
     finite, or is below 0 beyond rounding (each is a KL, an l2 distance or a cross-entropy),

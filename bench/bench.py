@@ -63,35 +63,34 @@ from model import GPT, PRF, Cache, GPTConfig, causal_linear_attention  # noqa: E
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(door.Config):
     T: list[int] = door.opt([1024, 4096, 16384], "sequence lengths of the scan table; none to skip it")
-    B: int = door.opt(1, "batch size")
-    H: int = door.opt(12, "number of heads")
-    D: int = door.opt(64, "head size (queries, keys and values)")
-    M: int = door.opt(64, "number of features of the linear attention")
-    chunk: int = door.opt(64, "chunk size of the scan in the main table")
+    B: int = door.opt(1, "batch size", min=1)
+    H: int = door.opt(12, "number of heads", min=1)
+    D: int = door.opt(64, "head size (queries, keys and values)", min=1)
+    M: int = door.opt(64, "number of features of the linear attention", min=1)
+    chunk: int = door.opt(64, "chunk size of the scan in the main table", min=1)
     chunks: list[int] = door.opt([32, 64, 128, 256], "chunk sizes of the tuning sweep (second table); none to skip it")
-    repeats: int = door.opt(3, "timed calls per measurement (the median is reported)")
-    threads: int = door.opt(min(torch.get_num_threads(), os.cpu_count() or 1), "torch intra-op threads")
+    repeats: int = door.opt(3, "timed calls per measurement (the median is reported)", min=1)
+    threads: int = door.opt(min(torch.get_num_threads(), os.cpu_count() or 1), "torch intra-op threads", min=1)
     device: str = door.opt("cpu", "torch device: cpu, cuda, cuda:1, ... or auto (cuda if there is one)")
     decode_ctx: list[int] = door.opt([256, 512, 1024, 2048], "context lengths for the decoding table (Pythia-160M shape, "
                                 "random weights); none to skip it")
-    decode_steps: int = door.opt(32, "tokens decoded per context length (mean ms reported)")
-    decode_batch: int = door.opt(1, "sequences decoded at once in the decoding table (its KV cache grows with them)")
+    decode_steps: int = door.opt(32, "tokens decoded per context length (mean ms reported)", min=1)
+    decode_batch: int = door.opt(1, "sequences decoded at once in the decoding table (its KV cache grows with them)", min=1)
     decode_compile: bool = door.opt(False, "also time each decoder with its step torch.compile'd (bench/"
                                "graphed_decode.py: one CUDA graph a token on a GPU, eager on the CPU)")
     heads: str = door.opt("", "an experiments/per_head.py run's JSON (its per-head DoF, docs/results/heads/*.json): "
                      "time per-head against per-layer dims at the same total; empty to skip")
     heads_T: list[int] = door.opt([256, 1024], "tokens per sequence of the per-head table (distill.py's --block-size)")
-    query_block: int = door.opt(128, "queries per block of the per-head table's loss (distill.py's --query-block)")
+    query_block: int = door.opt(128, "queries per block of the per-head table's loss (distill.py's --query-block)", min=1)
     step: list[str] = door.opt([], "losses whose distill.py step to count and time (softmax, l2, direct); none to skip")
-    step_tokens: int = door.opt(1024, "tokens of the step table's batch (one sequence)")
+    step_tokens: int = door.opt(1024, "tokens of the step table's batch (one sequence)", min=1)
     worker: list[str] | None = door.opt(None, "internal: METHOD T CHUNK measures one case ('linear' or 'sdpa') in this "
                                    "process and prints it as JSON")
 
     def __post_init__(self):
-        door.check_positive(self, ("B", "H", "D", "M", "chunk", "repeats", "threads", "decode_steps", "query_block",
-                              "step_tokens", "decode_batch"))
+        super().__post_init__()
         if self.threads > (cpus := os.cpu_count() or 1):           # libgomp crashes creating that many
             raise door.ModelError(f"--threads {self.threads} is more than the {cpus} CPUs of this machine; pass at most "
                              f"{cpus}")

@@ -28,20 +28,20 @@ from tokenizer import load_tokenizer  # noqa: E402
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(door.Config):
     model: str = door.opt("gpt2", "teacher model: a hub id or a local checkpoint directory (GPT.from_pretrained)")
     ckpt: str | None = door.opt(None, "distill.py checkpoint directory; its student is timed after the teacher")
     tasks: str | None = door.opt(None, "comma-separated tasks, or all (the default)")
     data_dir: str | None = door.opt(None, "folder of <task>.jsonl (e.g. tests/data/eval); default: the hub's datasets")
-    limit: int | None = door.opt(None, "time the first N documents of each task")
-    batch_size: int = door.opt(16, "sequences per forward pass")
+    limit: int | None = door.opt(None, "time the first N documents of each task", min=1)
+    batch_size: int = door.opt(16, "sequences per forward pass", min=1)
     device: str = door.opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     dtype: str = door.opt("float32", "model dtype", choices=["float32", "bfloat16", "float16"])
-    rounds: int = door.opt(1, "keep the fastest of this many alternating rounds (the stable number on a busy machine)")
+    rounds: int = door.opt(1, "keep the fastest of this many alternating rounds (the stable number on a busy machine)", min=1)
     output: str | None = door.opt(None, "write the table's numbers to this JSON file")
 
     def __post_init__(self):
-        door.check_positive(self, ("limit", "batch_size", "rounds"), 1)
+        super().__post_init__()
         devices.pick_device(self.device, "float32")
         if self.output:
             tasks.check_output(self.output, self.model, self.ckpt, self.data_dir)

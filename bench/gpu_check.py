@@ -73,28 +73,27 @@ TOKENIZERS = ROOT / "tests" / "data"
 
 
 @dataclass
-class CheckConfig:
+class CheckConfig(door.Config):
     """Distillation speed and memory, the scan against flash attention, decoding and the DoF profile on one GPU,
     on random-weight models of the paper's shapes."""
     out: str = door.opt("gpu_check.json", "where to write the results (JSON)")
     device: str = door.opt("cuda", "cuda, cuda:N or cpu")
     tiny: bool = door.opt(False, "tiny shapes and sizes (a smoke test on the CPU); overrides the size flags below")
-    budget_seconds: float = door.opt(420.0, "deadline of the whole check; what would overrun it is skipped")
+    budget_seconds: float = door.opt(420.0, "deadline of the whole check; what would overrun it is skipped", above=0)
     work_dir: str = door.opt("", "where the random checkpoints and tokens go (default: a temporary directory, removed)")
-    steps: int = door.opt(30, "optimizer steps per distillation run")
-    batch_size: int = door.opt(8, "samples per distillation step on the GPT-2 shape")
-    block_size: int = door.opt(1024, "tokens per distillation sample")
-    pythia_batch_size: int = door.opt(4, "samples per distillation step on the Pythia-1B shape")
-    distill_timeout: float = door.opt(100.0, "seconds one distillation run may take")
+    steps: int = door.opt(30, "optimizer steps per distillation run", min=1)
+    batch_size: int = door.opt(8, "samples per distillation step on the GPT-2 shape", min=1)
+    block_size: int = door.opt(1024, "tokens per distillation sample", min=1)
+    pythia_batch_size: int = door.opt(4, "samples per distillation step on the Pythia-1B shape", min=1)
+    distill_timeout: float = door.opt(100.0, "seconds one distillation run may take", above=0)
     scan_T: list[int] = door.opt([1024, 2048, 4096, 8192, 16384, 32768, 65536], "sequence lengths of the scan rows")
     decode_ctx: list[int] = door.opt([1024, 4096, 16384, 32768], "context lengths of the decoding rows")
-    decode_steps: int = door.opt(32, "tokens decoded per context length (the mean is reported)")
-    J: int = door.opt(2048, "points per head of the DoF profile")
-    repeats: int = door.opt(5, "timed calls per scan measurement (the median is reported)")
+    decode_steps: int = door.opt(32, "tokens decoded per context length (the mean is reported)", min=1)
+    J: int = door.opt(2048, "points per head of the DoF profile", min=1)
+    repeats: int = door.opt(5, "timed calls per scan measurement (the median is reported)", min=1)
 
     def __post_init__(self):
-        door.check_positive(self, ("budget_seconds", "distill_timeout"), 0, above=True)
-        door.check_positive(self, ("steps", "batch_size", "block_size", "pythia_batch_size", "decode_steps", "J", "repeats"))
+        super().__post_init__()
         if self.block_size > GPT2_124M["n_positions"]:             # the GPT-2 rows: its learned positions
             raise door.ModelError(f"--block-size {self.block_size} is more than GPT-2's {GPT2_124M['n_positions']} learned "
                              "positions, which its distillation and ops rows use; pass at most that")

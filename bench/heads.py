@@ -49,27 +49,25 @@ EQUAL = ("gaussian", "leverage", "trained")
 
 
 @dataclass
-class HeadsConfig:
+class HeadsConfig(door.Config):
     """Per-head error of linear attention against M for untrained and trained feature maps."""
     model: str = door.opt("smollm2-135m", "teacher checkpoint")
     data: str = door.opt("data/wikitext-smollm2", "directory of train.bin / val.bin in the teacher's tokens")
     layers: list[int] = door.opt([0, 15, 29], "layers to measure (all their heads)")
     Ms: list[int] = door.opt([8, 16, 32, 64, 128], "feature counts")
-    block_size: int = door.opt(256, "tokens per sequence")
-    calib_seqs: int = door.opt(4, "calibration sequences (DoF, key means, leverage, training)")
-    eval_seqs: int = door.opt(4, "held-out sequences the error is measured on")
-    J: int = door.opt(1024, "points per head for the DoF and the leverage scores")
-    lam: float = door.opt(1e-3, "lambda, relative to tr(G / J) (as the SmolLM2 experiments)")
-    budget: int = door.opt(32, "mean M of the equal-error comparison")
-    steps: int = door.opt(100, "Adam steps of the trained maps")
-    seeds: int = door.opt(3, "draws averaged for the untrained maps")
+    block_size: int = door.opt(256, "tokens per sequence", min=1)
+    calib_seqs: int = door.opt(4, "calibration sequences (DoF, key means, leverage, training)", min=1)
+    eval_seqs: int = door.opt(4, "held-out sequences the error is measured on", min=1)
+    J: int = door.opt(1024, "points per head for the DoF and the leverage scores", min=1)
+    lam: float = door.opt(1e-3, "lambda, relative to tr(G / J) (as the SmolLM2 experiments)", above=0)
+    budget: int = door.opt(32, "mean M of the equal-error comparison", min=1)
+    steps: int = door.opt(100, "Adam steps of the trained maps", min=0)
+    seeds: int = door.opt(3, "draws averaged for the untrained maps", min=1)
     synthetic: bool = door.opt(False, "only the synthetic Gaussian-kernel check (seconds)")
     out: str = door.opt("docs/results/heads-kl", "directory of the results: smollm2.json, synthetic.json")
 
     def __post_init__(self):
-        door.check_positive(self, ("block_size", "calib_seqs", "eval_seqs", "J", "budget", "seeds"))
-        door.check_positive(self, ("steps",), 0)
-        door.check_positive(self, ("lam",), 0, above=True)
+        super().__post_init__()
         if not self.Ms or min(self.Ms) < 1 or not self.layers or min(self.layers) < 0:
             raise door.ModelError(f"--Ms must be one or more feature counts of at least 1, got {self.Ms}" if not self.Ms
                              or min(self.Ms) < 1 else f"--layers must be one or more layers from 0, got {self.layers}")

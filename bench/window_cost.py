@@ -41,26 +41,25 @@ import window  # noqa: E402
 
 
 @dataclass
-class CostConfig:
+class CostConfig(door.Config):
     """Attention mass in a window; the decoding and forward cost of the hybrid and the scan."""
     model: str = door.opt("smollm2-135m", "teacher (a name, directory or .gguf file)")
     data: str = door.opt("data/wikitext2", "folder with val.bin (distill.py prepares it)")
     what: list[str] = door.opt(["mass", "decode", "forward"], "measurements: mass, decode, forward")
     W: list[int] = door.opt([16, 64], "window sizes of the mass table; the last is the hybrid's")
-    block_size: int = door.opt(256, "tokens per window of the mass table")
-    windows: int = door.opt(8, "val.bin windows of the mass table")
-    budget: int = door.opt(32, "features a head in every layer of the students")
-    batch: int = door.opt(8, "sequences decoded at once")
+    block_size: int = door.opt(256, "tokens per window of the mass table", min=1)
+    windows: int = door.opt(8, "val.bin windows of the mass table", min=1)
+    budget: int = door.opt(32, "features a head in every layer of the students", min=1)
+    batch: int = door.opt(8, "sequences decoded at once", min=1)
     ctx: list[int] = door.opt([1024, 2048, 4096, 8192], "contexts of the decoding table")
-    steps: int = door.opt(10, "decoded tokens timed per context and model")
+    steps: int = door.opt(10, "decoded tokens timed per context and model", min=1)
     T: list[int] = door.opt([1024, 2048, 4096, 8192, 16384], "sequence lengths of the forward table")
-    repeats: int = door.opt(5, "timed calls per forward measurement")
-    threads: int = door.opt(1, "torch threads")
+    repeats: int = door.opt(5, "timed calls per forward measurement", min=1)
+    threads: int = door.opt(1, "torch threads", min=1)
     out: str = door.opt("docs/results/window-cost/smollm2.json", "result file")
 
     def __post_init__(self):
-        door.check_positive(self, ("block_size", "windows", "budget", "batch", "steps",
-                                     "repeats", "threads"))
+        super().__post_init__()
         if set(self.what) - {"mass", "decode", "forward"}:
             got = " ".join(self.what)
             raise door.ModelError(f"--what takes mass, decode and forward, got {got}")

@@ -774,16 +774,13 @@ def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESU
 
 
 @dataclass
-class ExperimentConfig:
+class ExperimentConfig(door.Config):
     """Run a grid of distill.py configurations (one JSON per run under docs/results/<grid>/), or rebuild the tables
     and figures of docs/results.md from those files."""
     run: str = door.opt("", "grid to run (its missing configurations only)", choices=["", *sorted(GRIDS)])
     match: str = door.opt("", "run only the grid's runs whose name contains this")
-    jobs: int = door.opt(2, "runs at a time, one torch thread each")
+    jobs: int = door.opt(2, "runs at a time, one torch thread each", min=1)
     report: bool = door.opt(False, "rebuild the generated blocks of docs/results.md and README.md, and the figures")
-
-    def __post_init__(self):
-        door.check_positive(self, ("jobs",))
 
 
 def main(argv=None):

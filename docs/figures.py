@@ -44,26 +44,25 @@ OUTPUTS = FIGURES + ["figures.json"]
 
 
 @dataclass
-class FigConfig:
+class FigConfig(door.Config):
     """Draw the README's figures (eigenvalue spectra, random-feature error, attention maps, DoF heatmap) from a
     model's queries and keys on a text."""
     model: str = door.opt("smollm2-135m", "checkpoint: smollm2-135m, a hub id (gpt2), a local directory or a .gguf file")
     text: str = door.opt("data/wikitext2/wiki.test.raw", "UTF-8 text the queries and keys are computed on")
     ckpt: str | None = door.opt(None, "a distill.py checkpoint of --model: its trained student joins the attention maps")
     out: str = door.opt("docs", "folder the fig-*.png files are written to")
-    tokens: int = door.opt(4096, "tokens of --text used; the last --block-size of them are held out for the error figure")
-    block_size: int = door.opt(512, "tokens per forward pass (capped at the model's context)")
-    J: int = door.opt(1024, "queries+keys drawn per head for the J x J Gram matrix")
-    lam: float = door.opt(1e-3, "lambda, as a fraction of tr(G / J), the mean K(x, x), unless --lam-absolute")
+    tokens: int = door.opt(4096, "tokens of --text used; the last --block-size of them are held out for the error figure", min=1)
+    block_size: int = door.opt(512, "tokens per forward pass (capped at the model's context)", min=1)
+    J: int = door.opt(1024, "queries+keys drawn per head for the J x J Gram matrix", min=1)
+    lam: float = door.opt(1e-3, "lambda, as a fraction of tr(G / J), the mean K(x, x), unless --lam-absolute", above=0)
     lam_absolute: bool = door.opt(False, "take --lam as it is (the paper's GPT-2 setting: --lam 0.0625 --lam-absolute)")
-    budget: int = door.opt(32, "mean feature dimension C the dims bar is allocated for")
-    draws: int = door.opt(8, "random-feature draws averaged for each M")
-    window: int = door.opt(64, "first tokens of --text shown in the attention maps")
+    budget: int = door.opt(32, "mean feature dimension C the dims bar is allocated for", min=1)
+    draws: int = door.opt(8, "random-feature draws averaged for each M", min=1)
+    window: int = door.opt(64, "first tokens of --text shown in the attention maps", min=1)
     seed: int = door.opt(0, "seed of the query/key sample and of the random features")
 
     def __post_init__(self):
-        door.check_positive(self, ("tokens", "block_size", "J", "budget", "draws", "window"))
-        door.check_positive(self, ("lam",), 0, above=True)
+        super().__post_init__()
         files.check_out(self.out, OUTPUTS)
 
 

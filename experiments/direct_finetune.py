@@ -27,13 +27,12 @@ class DirectFinetuneConfig(distill.DistillConfig):
     """distill.py whose last --direct-steps steps train the direct loss."""
     direct_steps: int = door.opt(0, "the schedule's last this many steps, and any past its end "
                             "(--max-steps above --decay-steps), train the direct loss after "
-                            "--loss's (a short fine-tune)")
+                            "--loss's (a short fine-tune)", min=0)
 
     RESUMED = distill.DistillConfig.RESUMED + ("direct_steps",)
 
     def __post_init__(self):
         super().__post_init__()
-        door.check_positive(self, ("direct_steps",), 0)
         total = self.decay_steps or self.max_steps
         if self.direct_steps > total:
             raise door.ModelError(f"--direct-steps {self.direct_steps} is more than the schedule's "

@@ -127,11 +127,10 @@ def make_student(cfg, teacher, calib, prev=None):
 @dataclass
 class LeverageConfig(distill.DistillConfig):
     """distill.py with PRF features drawn from each head's ridge leverage density."""
-    pool: int = door.opt(16, "candidate directions drawn per feature")
+    pool: int = door.opt(16, "candidate directions drawn per feature", min=1)
 
     def __post_init__(self):
         super().__post_init__()
-        door.check_positive(self, ("pool",), 1)
         if self.init_from:
             raise door.ModelError("leverage features are PRF directions drawn afresh: drop "
                                  "--init-from, whose checkpoint sets the starting features")

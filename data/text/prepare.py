@@ -159,18 +159,18 @@ def read_text(fn):
 
 
 @dataclass
-class TextConfig:
+class TextConfig(door.Config):
     """Tokenize local text files into train.bin / val.bin / meta.json."""
     files: list[str] = door.opt(door.REQUIRED, "UTF-8 text files, joined in this order, each followed by an "
                            "end-of-text token")
     model: str = door.opt(door.REQUIRED, "checkpoint (hub id or directory) whose tokenizer to use, e.g. gpt2")
     out: str = door.opt(door.REQUIRED, "output directory for train.bin, val.bin and meta.json")
     val_fraction: float = door.opt(0.05, "fraction of tokens (the last ones) kept for validation")
-    num_threads: int = door.opt(os.cpu_count() or 1, "tokenizer threads")
+    num_threads: int = door.opt(os.cpu_count() or 1, "tokenizer threads", min=1)
     overwrite: bool = door.opt(False, "replace the token files an earlier run wrote into --out")
 
     def __post_init__(self):
-        door.check_positive(self, ("num_threads",))
+        super().__post_init__()
         if not 0 < self.val_fraction < 1:
             raise door.ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         seen = set()

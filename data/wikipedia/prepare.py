@@ -121,7 +121,7 @@ def write_articles(cfg, enc, texts, splits, bar):
 
 
 @dataclass
-class WikipediaConfig:
+class WikipediaConfig(door.Config):
     """Stream English Wikipedia, tokenize a random fraction of it into train.bin / val.bin /
     meta.json."""
     model: str = door.opt("gpt2", "checkpoint (hub id or directory) whose tokenizer to use")
@@ -130,17 +130,15 @@ class WikipediaConfig:
     dataset: str = door.opt("wikimedia/wikipedia", "hub dataset with a 'text' column")
     config: str = door.opt("20231101.en", "dataset configuration (the dump date and language)")
     fraction: float = door.opt(0.1, "keep each article with this probability (paper: 0.1)")
-    max_tokens: int = door.opt(0, "stop after this many tokens in all (0: no cap)")
+    max_tokens: int = door.opt(0, "stop after this many tokens in all (0: no cap)", min=0)
     val_fraction: float = door.opt(0.005, "probability that a kept article goes to val.bin")
-    seed: int = door.opt(0, "seed of the article selection and the train/val split")
-    num_threads: int = door.opt(os.cpu_count() or 1, "tokenizer threads")
-    batch_docs: int = door.opt(512, "articles tokenized per batch")
+    seed: int = door.opt(0, "seed of the article selection and the train/val split", min=0)
+    num_threads: int = door.opt(os.cpu_count() or 1, "tokenizer threads", min=1)
+    batch_docs: int = door.opt(512, "articles tokenized per batch", min=1)
     overwrite: bool = door.opt(False, "replace the token files an earlier run wrote into --out")
 
     def __post_init__(self):
-        door.check_positive(self, ("num_threads", "batch_docs"))
-        # numpy seeds are non-negative
-        door.check_positive(self, ("seed", "max_tokens"), 0)
+        super().__post_init__()
         if not 0 < self.fraction <= 1:
             raise door.ModelError(f"--fraction must be in (0, 1], got {self.fraction}")
         if not 0 < self.val_fraction < 1:
