@@ -1,17 +1,11 @@
-"""
-The batched, prefix-sharing scorer: evaluate.loglikelihood's numbers (one request, one forward pass)
-with less work. Given each request's harness window (input tokens, scored (position, next token)
-pairs), it
+"""The batched, prefix-sharing scorer: evaluate.loglikelihood's numbers (a forward pass a request)
+with less work. Given each request's harness window (input tokens, [(position, next token)]), it
  - gives requests that feed identical tokens one row (MMLU's four one-token answers: one row);
- - runs the tokens a document's rows begin with once, with a cache, and continues each row from a
-   copy of it (KV cache, or a linear-attention student's recurrent state); neighbouring documents'
-   prefixes run together;
- - batches rows sorted by length with little right padding (causal: padding after a row changes
-   nothing before it);
+ - runs the tokens a document's rows begin with once, into a cache (KV, or a linear student's
+   state), and continues each row from a copy; neighbouring documents' prefixes run together;
+ - batches rows sorted by length with little right padding (causal: it changes nothing before it);
  - runs the LM head only at the positions whose next token is scored, once per distinct position.
-The tests hold it to the plain scorer and to transformers.
-"""
-from __future__ import annotations
+The tests hold it to the plain scorer and to transformers."""
 
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,8 +28,7 @@ class Row:
 
 
 def plan_rows(windows) -> list[list[Row]]:
-    """Per document, its distinct rows: requests that feed identical tokens share one (MMLU's four
-    answers). windows[d] lists document d's requests as (input tokens, [(position, next token)])."""
+    """Each document's distinct rows: requests feeding identical tokens share one (MMLU's answers)."""
     plans, k = [], 0
     for doc in windows:
         rows: dict[tuple[int, ...], Row] = {}
@@ -73,19 +66,16 @@ class Scores:
 
 def forward_rows(lm, rows: list[Row], scores: Scores, device, cache=None):
     """One forward pass: rows right-padded into (B, T) after the cache's prefix, if any."""
-    x = torch.zeros((len(rows), max(len(r.tokens) for r in rows)), dtype=torch.long)
-    for b, row in enumerate(rows):
-        x[b, :len(row.tokens)] = torch.tensor(row.tokens)
+    x, _ = padded([(row.tokens, []) for row in rows])
     h = lm.hidden(x.to(device), cache)                                              # (B, T, C)
     targets = [(b, p, t, k) for b, row in enumerate(rows) for p, t, k in row.targets]
     scores.add(lm, h, targets)
 
 
 def batches(items, length, batch_size: int, max_padding: float = 0.1, min_tokens: int = 256):
-    """Items sorted longest first, cut into batches of at most batch_size items whose right padding
-    stays under max_padding of their real tokens, except that a batch below min_tokens positions
-    keeps growing: a forward pass reads every weight, so a tiny one costs about as much as a small
-    one."""
+    """Items sorted longest first, in batches of at most batch_size items whose right padding stays
+    under max_padding of their real tokens, but a batch below min_tokens positions keeps growing: a
+    forward pass reads every weight, so a tiny one costs about as much as a small one."""
     items = sorted(items, key=lambda it: -length(it))
     batch, real = [], 0
     for it in items:
@@ -113,8 +103,7 @@ class Shared:
 
 
 def split_shared(plans: list[list[Row]]) -> tuple[list[Row], list[Shared]]:
-    """The rows of documents that share nothing (or have one row), and the documents that share a
-    prefix."""
+    """The rows of documents that share nothing (or have one row), and the documents that do."""
     alone, shared = [], []
     for rows in plans:
         seqs, shortest = [r.tokens for r in rows], min(len(r.tokens) for r in rows)
@@ -130,8 +119,7 @@ def split_shared(plans: list[list[Row]]) -> tuple[list[Row], list[Shared]]:
 
 
 def _take(x, idx):
-    """Cache contents with their batch dimension (0) indexed by idx: one prefix's state copied to
-    its rows."""
+    """Cache contents, batch dimension (0) indexed by idx: one prefix's state copied to its rows."""
     if torch.is_tensor(x):
         return x.index_select(0, idx)
     if isinstance(x, dict):
@@ -143,15 +131,13 @@ def _take(x, idx):
 
 def run_shared(lm, docs: list[Shared], scores: Scores, batch_size: int, device):
     """Documents whose rows share at least P tokens (P = the smallest `shareable`): those P tokens
-    of every document in one forward pass that fills a cache, then all the rows' remainders in
-    batches of similar length, each row continuing from a copy of its document's part of the
-    cache."""
+    of every document in one forward pass filling a cache, then the rows' remainders in batches of
+    similar length, each continuing from a copy of its document's part of the cache."""
     P = min(s.shareable for s in docs)
     cache = model.Cache(lm.config.n_layer)
     prefixes = torch.tensor([s.rows[0].tokens[:P] for s in docs], device=device)
     h = lm.hidden(prefixes, cache)                                                  # (docs, P, C)
-    inside = [(d, p, t, k) for d, s in enumerate(docs) for r in s.rows for p, t, k in r.targets
-              if p < P]
+    inside = [(d, p, t, k) for d, s in enumerate(docs) for r in s.rows for p, t, k in r.targets if p < P]
     # positions scored inside the prefix (their hidden state is the same for all the rows)
     if inside:
         scores.add(lm, h, inside)
@@ -197,9 +183,8 @@ def score_windows(lm, windows, batch_size: int = 16, device="cpu", desc: str | N
                   share_prefix: bool = True):
     """(log-likelihood, is_greedy) of every request, one list per document, equal to the plain
     scorer's; windows[d] lists document d's requests as (input tokens, [(position, next token)]).
-    share_prefix=False: no shared prefixes. Under torchrun each process runs its share of the
-    forward passes (each scores its requests whole) and all get every score (gather): together
-    the processes compute exactly what one process computes."""
+    Under torchrun each process runs a share of the forward passes (scoring its requests whole),
+    and all get every score (gather): together they compute exactly what one process computes."""
     plans = plan_rows(windows)
     if share_prefix:
         alone, shared = split_shared(plans)
@@ -248,9 +233,8 @@ def runs(docs: list, max_requests: int) -> list[list[int]]:
 
 
 def padded(windows) -> tuple[torch.Tensor, torch.Tensor]:
-    """Harness windows (input tokens, [(position, next token)]) right-padded: inputs (N, T) and
-    targets (N, T), -1 where nothing is scored. Padding on the right changes no score: the model
-    is causal."""
+    """Harness windows (input tokens, [(position, next token)]) right-padded: inputs (N, T), targets
+    (N, T), -1 where nothing is scored. Right padding changes no score: the model is causal."""
     T = max(len(inp) for inp, _ in windows)
     x = torch.zeros(len(windows), T, dtype=torch.long)
     y = torch.full((len(windows), T), -1, dtype=torch.long)

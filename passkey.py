@@ -1,7 +1,6 @@
-"""The passkey retrieval test (Mohtashami and Jaggi 2023, "Landmark Attention"; the prompt that
-LongLoRA and others use), which a learner may skip: a random key hidden at a random depth in
-filler text and asked for at the end. A model recalls it when the first number it decodes greedily
-is the key. Prompts of a length in tokens, the checks of --passkey, the scoring loop, its table.
+"""The passkey retrieval test (Mohtashami and Jaggi 2023, "Landmark Attention"; LongLoRA's prompt),
+which a learner may skip: a random key hidden at a random depth in filler text and asked for at the
+end, recalled when the first number the model decodes greedily is the key.
 
     accuracy = (1/n) Σ_t [first number decoded after prompt t = key t],  stderr = stdev / √n
 """
@@ -44,9 +43,7 @@ def fit(enc, key: int, depth: float, length: int) -> list[int] | None:
     count = lambda n: len(enc.encode_ordinary(prompt_text(key, depth, n)))  # noqa: E731
     # the first n whose prompt is too long (the count rises with n), less one
     n = bisect.bisect_right(range(length + 1), length, key=count) - 1
-    if n < 0:
-        return None
-    return enc.encode_ordinary(prompt_text(key, depth, n))
+    return enc.encode_ordinary(prompt_text(key, depth, n)) if n >= 0 else None
 
 
 def shortest(enc) -> int:
@@ -74,17 +71,15 @@ def lengths(text: str | None) -> list[int]:
 def make_trials(enc, lengths: list[int], cfg, block_size: int) -> dict:
     """{length: [{"depth", "key", "tokens"}, ...]}: --passkey-trials trials a length, each key and
     depth drawn from its own seed (--seed, length, trial). A ModelError, before any work, where a
-    length and the tokens decoded after it exceed the model's context, or it cannot hold the
-    prompt without filler."""
+    length plus the decoded tokens exceeds the context, or cannot hold the prompt without filler."""
     largest = block_size - NEW_TOKENS
     for length in lengths:
         if length > largest:
             raise door.ModelError(f"--passkey {length} is more than the model's context of "
                                   f"{block_size} tokens holds with the {NEW_TOKENS} tokens "
                                   f"decoded after the prompt; pass lengths of at most {largest}")
-    trials = {}
+    trials = {length: [] for length in lengths}
     for length in lengths:
-        trials[length] = []
         for t in range(cfg.passkey_trials):
             rng = random.Random(f"{cfg.seed} {length} {t}")
             key = rng.randint(10 ** (DIGITS - 1), 10 ** DIGITS - 1)
@@ -154,8 +149,7 @@ def print_table(label: str, results: dict):
 
 
 def run(models: dict, enc, trials: dict, cfg, device) -> dict:
-    """Every model's passkey results, {label: {str(length): result}}, and the settings; a table
-    a model."""
+    """Every model's results, {label: {str(length): result}}, and the settings; a table a model."""
     out = {"settings": {"trials": cfg.passkey_trials, "digits": DIGITS, "seed": cfg.seed,
                         "new_tokens": NEW_TOKENS, "depth_buckets": BUCKETS}}
     for label, m in models.items():

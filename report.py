@@ -74,9 +74,8 @@ def print_summary(t, step, enc):
 
 
 def print_table(cfg, per_head, dims):
-    """dof.py's table, a line per layer: largest and mean head DoF, max/J, each rule's dims; a
-    warning where the DoF nears J (J or lambda may cause it) or is 0 everywhere (lambda too
-    large)."""
+    """dof.py's table, a line per layer: top and mean head DoF, max/J, each rule's dims; a warning
+    where the DoF nears J (J or lambda may cause it) or is 0 everywhere (lambda too large)."""
     layer = per_head.max(1)
     centred = " (keys centred)" if cfg.center_keys else ""
     relative = " x tr(G / J)" if cfg.lam_relative else ""

@@ -1,9 +1,7 @@
-"""The tasks' documents and evaluate.py's door, which a learner may skip: where each task's
-documents are (the hub's datasets as lm-eval 0.4 loads them, or .jsonl files), reading and checking
-them, each task's training splits and the paper's fine-tuning settings, the checks of evaluate.py's
-flags, files and models, the models loaded, and its report: the tables it prints and the file it
-writes. The prompt functions that make a document its requests, and load_student, are evaluate.py's:
-the functions here take them as a parameter (evaluate imports tasks, not the reverse)."""
+"""The tasks' documents and evaluate.py's door, which a learner may skip: each task's documents
+(the hub's datasets as lm-eval 0.4 loads them, or .jsonl files) read and checked, its fine-tuning
+splits and settings, evaluate.py's checks, models and report. The prompt functions and load_student
+are evaluate.py's, passed in as parameters (evaluate imports tasks, not the reverse)."""
 
 import json
 import math
@@ -46,8 +44,7 @@ TRAIN_SPLITS = {
     "wsc273": None,
 }
 
-# the paper's Tables 8 and 9: each task's fine-tuning learning rate and batch size (documents a
-# step), for GPT-2 and Pythia-1B
+# the paper's Tables 8 and 9: fine-tuning (learning rate, documents a step), GPT-2 and Pythia-1B
 PAPER_FINETUNE = {
     "gpt2": {"piqa": (1e-4, 128), "logiqa": (5e-5, 64), "arc_easy": (1e-4, 64),
              "arc_challenge": (1e-5, 64), "winogrande": (5e-4, 128), "mmlu": (1e-6, 64),
@@ -72,9 +69,8 @@ ANSWERS = {
 
 
 def check_document(name: str, doc):
-    """What task `name`'s prompt function takes for granted, checked as its file is read: a
-    KeyError names a missing field, a ValueError what else is wrong (load_task adds the file and
-    line)."""
+    """What task `name`'s prompt function takes for granted: a KeyError names a missing field, a
+    ValueError what else is wrong (load_task adds the file and line)."""
     if name.startswith("arc") and len(doc["choices"]["text"]) != len(doc["choices"]["label"]):
         raise ValueError(f"choices has {len(doc['choices']['text'])} texts but "
                          f"{len(doc['choices']['label'])} labels")
@@ -85,10 +81,8 @@ def check_document(name: str, doc):
     if name == "wsc273" and len(doc["options"]) != 2:
         raise ValueError(f"options has {len(doc['options'])} entries, WSC273 needs 2")
     field, options = ANSWERS[name]
-    value = doc[field]
-    if name == "logiqa":
-        # as the harness reads it
-        value = value.strip()
+    # logiqa's stripped, as the harness reads it
+    value = doc[field].strip() if name == "logiqa" else doc[field]
     if isinstance(value, bool) or value not in options(doc):
         raise ValueError(f"{field} {value!r} is not one of its choices {options(doc)}")
 
@@ -108,8 +102,7 @@ def parse_tasks(spec: str | None) -> list[str]:
 
 
 def load_tasks(cfg, prompt_of: dict) -> dict:
-    """{task: prompts} of --tasks (none where --tasks is not given with --ppl, --speed or
-    --passkey); prompt_of: each task's prompt function."""
+    """{task: prompts} of --tasks; none where --ppl, --speed or --passkey is given without it."""
     if cfg.tasks is None and (cfg.ppl or cfg.speed or cfg.passkey):
         return {}
     names = parse_tasks(cfg.tasks)
@@ -117,8 +110,7 @@ def load_tasks(cfg, prompt_of: dict) -> dict:
 
 
 def hub_documents(name: str, split: str | None = None) -> tuple[str, list]:
-    """The harness's dataset of a task (or its `split`), from the hub or its cache, as (where,
-    document) pairs."""
+    """A task's harness dataset (or `split`) from the hub or its cache, as (where, doc) pairs."""
     path, config, harness_split = HUB[name]
     split = split or harness_split
     try:
@@ -160,11 +152,8 @@ def load_task(name: str, prompt, data_dir=None, limit=None, split=None) -> list:
     the function `prompt` (bad data fails at once, naming its file and line); the first `limit`."""
     if data_dir is None:
         source, docs = hub_documents(name, split)
-    elif split:
-        source = Path(data_dir) / f"{name}_{split}.jsonl"
-        docs = read_jsonl(source, name)
     else:
-        source = Path(data_dir) / f"{name}.jsonl"
+        source = Path(data_dir) / (f"{name}_{split}.jsonl" if split else f"{name}.jsonl")
         docs = read_jsonl(source, name)
     if not docs:
         raise door.ModelError(f"{source} holds no documents")
@@ -184,8 +173,7 @@ def load_task(name: str, prompt, data_dir=None, limit=None, split=None) -> list:
 
 def load_training(cfg, prompts: dict, prompt_of: dict) -> dict:
     """{task: {"train": prompts, "validation": prompts (where there is a validation split), "eval":
-    the scored prompts}} of every task that has a training split, checked as the scored ones are;
-    prompt_of: each task's prompt function."""
+    the scored prompts}} of every task that has a training split, checked as the scored ones are."""
     splits = {}
     for name in prompts if cfg.finetune_epochs else []:
         if TRAIN_SPLITS[name] is None:
@@ -216,8 +204,7 @@ def finetune_settings(cfg, family: str, name: str) -> tuple[list[float], int, in
 
 
 def check_grid(name: str, lrs: list[float], done: list):
-    """A ModelError where no learning rate of the grid on the teacher finished (done: those
-    that did): each made its loss non-finite."""
+    """A ModelError where no rate of the grid finished on the teacher (done: the rates that did)."""
     if not done:
         tried = ", ".join(f"{lr:g}" for lr in lrs)
         raise door.ModelError(f"{name}: every learning rate tried ({tried}) made the teacher's "
@@ -231,8 +218,7 @@ def check_requests(tokenized, max_len: int):
         for context, continuation in doc:
             if not 0 < len(continuation) <= max_len:
                 raise door.ModelError(f"a continuation of {len(continuation)} tokens cannot be "
-                                      f"scored: it needs 1 to {max_len}, the model's context "
-                                      "length")
+                                      f"scored: it needs 1 to {max_len}, the model's context length")
             # the harness puts its prefix token there
             if not context:
                 raise door.ModelError("a request with an empty context cannot be scored as the "
@@ -290,8 +276,7 @@ def check_lrs(cfg) -> str | None:
 
 
 def parse_lrs(spec: str) -> list[float]:
-    """--finetune-lr's values (check_lrs checks them first); [] where it is empty (each task's
-    default)."""
+    """--finetune-lr's values (check_lrs checks them first); [] where empty: each task's default."""
     return [float(x) for x in spec.split(",") if x.strip()]
 
 
@@ -304,10 +289,9 @@ def check_finetune(cfg) -> str | None:
 
 def check_train_dir(cfg) -> str | None:
     """What is wrong with --train-dir, or None."""
-    if Path(cfg.train_dir).is_dir():
-        return None
-    return (f"--train-dir {cfg.train_dir} is not a folder; pass the folder of <task>_train.jsonl "
-            "files")
+    if not Path(cfg.train_dir).is_dir():
+        return f"--train-dir {cfg.train_dir} is not a folder; pass the folder of <task>_train.jsonl files"
+    return None
 
 
 def check_output(output, teacher, ckpt, data_dir, ppl=None, flag="--output"):
@@ -324,22 +308,15 @@ def check_output(output, teacher, ckpt, data_dir, ppl=None, flag="--output"):
                               "checkpoint's, the teacher's, its data or tasks); pass another path")
 
 
-def check_student(ckpt, teacher):
-    """--ckpt's config.json read, and the teacher it names checked against --model
-    (checkpoint.check_teacher), before any model is loaded."""
-    if ckpt is None:
-        return
-    todo = "pass a complete distill.py checkpoint as --ckpt"
-    prev = files.read_json(Path(ckpt) / "config.json", todo)
-    if prev.get("teacher") is not None:
-        checkpoint.check_teacher(prev, teacher, f"checkpoint {ckpt}")
-
-
 def load_models(cfg, device, load_student) -> dict:
-    """{"teacher": --model, "student": load_student(--ckpt) on it}; --ckpt's teacher checked
-    first (checkpoint.check_teacher, by check_student)."""
+    """{"teacher": --model, "student": load_student(--ckpt) on it}; the teacher that --ckpt's
+    config.json names checked against --model first (checkpoint.check_teacher)."""
     dtype = getattr(torch, cfg.dtype)
-    check_student(cfg.ckpt, cfg.model)
+    if cfg.ckpt is not None:
+        todo = "pass a complete distill.py checkpoint as --ckpt"
+        prev = files.read_json(Path(cfg.ckpt) / "config.json", todo)
+        if prev.get("teacher") is not None:
+            checkpoint.check_teacher(prev, cfg.model, f"checkpoint {cfg.ckpt}")
     models = {"teacher": model.GPT.from_pretrained(cfg.model, device=device, dtype=dtype)}
     if cfg.ckpt is not None:
         models["student"] = load_student(cfg.ckpt, device, dtype, teacher=models["teacher"])[0]
@@ -416,8 +393,7 @@ def print_results(report: dict, labels: list):
     print(f"{'task':<14} {'n':>5}" + "".join(head))
     for name in report["results"]:
         rs = [part["results"][name] for part in parts.values()]
-        cells = [f" | {fmt(r['acc']):>14} {fmt(r['acc_norm']):>8} {fmt(r['acc_stderr']):>7}"
-                 for r in rs]
+        cells = [f" | {fmt(r['acc']):>14} {fmt(r['acc_norm']):>8} {fmt(r['acc_stderr']):>7}" for r in rs]
         print(f"{name:<14} {rs[0]['n']:>5}" + "".join(cells))
 
 
