@@ -153,7 +153,7 @@ def row_kl(p, a, grad):
     S_i = sum_j a_ij clamped at float's tiny (log S_i as log_row_sum):
         KL_i = sum_j p_ij log p_ij - sum_j p_ij log a_ij + log S_i,
         dKL_i/da_ij = 1/S_i - p_ij / a_ij   (0 where a_ij or S_i is below tiny)."""
-    tiny, heads = torch.finfo(a.dtype).tiny, (0, 2, 3)
+    tiny, heads = torch.finfo(a.dtype).tiny, (0, 2, 3)                  # sum all but the heads
     S = a.sum(-1, keepdim=True)                                           # (B, H, b, 1)
     under = a < tiny if grad else None
     a.clamp_min_(tiny)
@@ -189,15 +189,16 @@ def softmax_loss_blockwise(q, k, pq, pk, block, grad_scale=None):
 @torch.no_grad()
 def l2_loss_blockwise(q, k, lq, lk, block, grad_scale=None):
     """The paper's L2 kernel loss per head, each query row over its largest teacher value m_i (ours:
-    K reaches e^30) -> (H,) float64:
+    K reaches e^30 and more, and the largest rows would swamp the rest) -> (H,) float64:
         sum_i sum_{j<=i} (K_ij - K^_ij)^2 / m_i^2,  K_ij = exp(q_i.k_j / sqrt d),
         K^_ij = sum_m exp(lq_im + lk_jm),  K^/m = c_i (Fq Fk^T)_ij,
-    Fq = exp(lq + w - u), Fk = exp(lk - w) in (0, 1], c = e^u / m capped at e^30. grad_scale:
+    Fq = exp(lq + w - u), Fk = exp(lk - w) in (0, 1], c = e^u / m capped at e^30 (a wild early
+    student: a large loss, not inf). grad_scale:
         G = -2 (K - K^) / m,  dL/dlq_im = c_i Fq_im (G Fk)_im,
         dL/dlk_jm = Fk_jm (G^T (c Fq))_jm."""
     total = torch.zeros(q.size(1), dtype=torch.float64, device=q.device)
     for s, e, logits, diag in causal_blocks(q, k, block):
-        m = logits.amax(-1, keepdim=True)                                 # (B, H, b, 1) log row max
+        m = logits.amax(-1, keepdim=True)                                 # (B, H, b, 1) log m_i
         w = lk[:, :, :e].amax(2, keepdim=True)                            # (B, H, 1, M) per feature
         u = (lq[:, :, s:e] + w).amax(-1, keepdim=True)                    # (B, H, b, 1) per query
         Fq = (lq[:, :, s:e] + w - u).exp()
@@ -238,7 +239,8 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
             else:
                 fq, fk = type(maps[0]).stacked(maps, q, kc, log=kind == "l2")  # as one map
             # the blockwise loss adds its gradient, written out, into pq.grad and pk.grad (the
-            # features cut from their graph); one backward pass then carries it on to z, alpha
+            # features, log features for l2, cut from their graph); one backward pass then
+            # carries it on to z, alpha
             pq, pk = fq.detach().requires_grad_(grad), fk.detach().requires_grad_(grad)
             if grad:
                 pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
@@ -294,7 +296,8 @@ def make_optimizer(student, cfg):
 
 @dataclass
 class Trainer:
-    """What the loop works on (optim None: nothing trains; record: config.json's record)."""
+    """What the loop works on (optim None: nothing trains; record: what each save writes to
+    config.json, resume.run_record's, but the step)."""
     cfg: DistillConfig
     teacher: model.GPT
     student: model.GPT
@@ -334,7 +337,8 @@ def student_losses(t, x, kind, scale=None):
 
 
 def step_loss(cfg, step):
-    """The loss that optimizer step step + 1 trains: --loss."""
+    """The loss that optimizer step step + 1 trains: --loss (a fork's hook:
+    experiments/direct_finetune.py ends with the direct loss)."""
     return cfg.loss
 
 
@@ -412,7 +416,8 @@ def train(t, step):
     n, t0 = 0, time.perf_counter()
     bar = tqdm(initial=step, total=end, desc="distill", unit="step", disable=not devices.is_main())
     while True:
-        if not t.metrics["val"] or step > start and (step % cfg.eval_interval == 0 or step == end):
+        fresh = not t.metrics["val"]                                # validated at once
+        if fresh or step > start and (step % cfg.eval_interval == 0 or step == end):
             v = validate(t, step)
             report.val_line(v)
             t.metrics["val"].append(v)

@@ -326,6 +326,7 @@ def document_loss(lm, doc, gold: int, device="cpu") -> torch.Tensor:
 def batch_loss(lm, docs, golds, device="cpu") -> torch.Tensor:
     """The summed document_loss of `docs`, all their requests right-padded in one forward pass."""
     windows = [harness_window(c, t, lm.config.block_size) for doc in docs for c, t in doc]
+    # targets -1 but at each continuation's tokens: -nll is a request's log-likelihood
     x, y = fast_scorer.padded(windows)                                          # (N, T), (N, T)
     scores = -lm.nll(x.to(device), y.to(device))                                # (N,)
     per_doc = scores.split([len(doc) for doc in docs])

@@ -105,7 +105,8 @@ DEN_EPS = 1e-30   # y's denominator's floor: a query no key reaches gets y = 0, 
 class PRF(nn.Module):
     """Learned positive random features (the paper's). Per head, with x~ = x / d^(1/4), m = 1..M:
         Phi(x)_m = sqrt(alpha_m / M) exp(z_m.x~ - |x~|^2 / 2),   alpha_m = exp(log_alpha_m),
-    z_m ~ N(0, I_d), so that E_z[Phi(q).Phi(k)] = exp(q.k / sqrt d) at alpha = 1 (the init).
+    z_m ~ N(0, I_d), so that E_z[Phi(q).Phi(k)] = exp(q.k / sqrt d) at alpha = 1 (the init):
+    E[e^(z.u)] = e^(|u|^2/2) at u = q~ + k~, and |q~ + k~|^2/2 - |q~|^2/2 - |k~|^2/2 = q~.k~.
     Given z (Performer): z and alpha are fixed buffers."""
     def __init__(self, n_head, head_dim, M, z=None):
         super().__init__()
@@ -152,7 +153,7 @@ def overflow_safe_prf(x, z, log_alpha, is_query, beta=KEY_SHIFT):
     far from every z_m, overflow for a long z_m. Here
         keys:    phi_m = exp(beta - |k~ - z_m|^2/2) = Phi(k)_m sqrt(M/alpha_m) e^(beta - |z_m|^2/2)
         queries: phi_m = exp(a_m - max a),  a_m = log alpha_m + z_m.q~ + |z_m|^2 / 2
-                       = Phi(q)_m sqrt(M alpha_m) e^(|z_m|^2/2) c(q)
+                       = Phi(q)_m sqrt(M alpha_m) e^(|z_m|^2/2) c(q),  c(q) = e^(|q~|^2/2 - max a)
     so phi(q).phi(k) = M e^beta c(q) Phi(q).Phi(k), a factor of the query alone.
     Keys lie in (0, e^beta], queries in (0, 1]."""
     r = x.size(-1) ** -0.25  # x~ = r x
@@ -395,7 +396,7 @@ class GPT(nn.Module):
     def hidden(self, idx, cache=None):
         """idx (B, T) -> final-normed hidden states (B, T, C); when decoding, cache.pos += T."""
         c, T = self.config, idx.size(1)
-        p0 = cache.pos if cache is not None else 0  # an int, or a tensor (a graph's)
+        p0 = cache.pos if cache is not None else 0  # an int (a tensor in bench/graphed_decode.py)
         pos = p0 + torch.arange(T, device=idx.device)  # (T,)
         x = self.wte(idx) + (self.wpe(pos) if c.family == "gpt2" else 0)  # learned positions: GPT-2
         # rotary, for all layers: angles pos_t / base^(2i / r), each i twice (T, r)
