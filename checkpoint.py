@@ -223,19 +223,15 @@ def read_features(path):
         return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {}).get("step")
 
 
-def check_dims(dims, n_layer):
-    """dims: one whole number per layer of an n_layer-layer teacher."""
-    if len(dims) != n_layer or any(isinstance(m, (list, tuple)) for m in dims):
-        first = dims[0] if dims else None
-        raise door.ModelError(f"the dims ({len(dims)}, the first {first}) are not a number per layer of "
-                         f"this {n_layer}-layer teacher; pass a checkpoint of it")
-
-
 def check_student(cfg, n_layer, feature_maps):
     """read_student's config.json dict against its teacher's n_layer and the known feature maps."""
     # a fork's cores may take other dims (a list per layer); only the fork reads its checkpoints
     if cfg.get("fork") is None:
-        check_dims(cfg["dims"], n_layer)
+        dims = cfg["dims"]
+        if len(dims) != n_layer or any(isinstance(m, (list, tuple)) for m in dims):
+            first = dims[0] if dims else None
+            raise door.ModelError(f"the dims ({len(dims)}, the first {first}) are not a number per layer "
+                                  f"of this {n_layer}-layer teacher; pass a checkpoint of it")
     if cfg["feature_map"] not in feature_maps:
         known = ", ".join(feature_maps)
         raise door.ModelError(f"unknown feature map {cfg['feature_map']!r}; choose one of {known}")
