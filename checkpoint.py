@@ -488,9 +488,7 @@ LAYER_NAMES = {
 def checkpoint_sources(cfg):
     """Our key -> (the checkpoint's keys, a function joining those tensors into ours)."""
     H, D, fam = cfg.n_head, cfg.head_dim, cfg.family
-
-    def same(w):
-        return w
+    same = lambda w: w
     # GPT-2's Conv1D weights are (in, out); GPT-NeoX's fused qkv is interleaved per head
     join = {"gpt2": dict.fromkeys(["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"], lambda w: w.t()),
             "neox": {"attn.qkv": lambda w: w.view(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)},
@@ -501,10 +499,7 @@ def checkpoint_sources(cfg):
     rules.update({f"ln_f.{pn}": ([f"{ln_f}.{pn}"], same) for pn in pnames})
     if fam == "gpt2":
         rules["wpe.weight"] = (["wpe.weight"], same)
-    if cfg.tie_embeddings:
-        rules["lm_head.weight"] = rules["wte.weight"]
-    else:
-        rules["lm_head.weight"] = ([f"{head}.weight"], same)
+    rules["lm_head.weight"] = rules["wte.weight"] if cfg.tie_embeddings else ([f"{head}.weight"], same)
     for i in range(cfg.n_layer):
         for ours, their in LAYER_NAMES[fam].items():
             for pn in pnames:
