@@ -85,6 +85,7 @@ def check_resume(cfg, path, prev):
     if new := [k for k in cfg.RESUMED if k not in args]:
         raise door.ModelError(f"{path} was started by a script without {door.flag(new[0])}; "
                               "resume it with the script that started it")
+    preset = args.get("preset", "")
     for name in cfg.RESUMED + ("decay_steps", "nproc_per_node"):
         a, b = was.get(name), now[name]
         # one directory, however spelled
@@ -92,26 +93,18 @@ def check_resume(cfg, path, prev):
             a, b = Path(a).resolve(), Path(b).resolve()
         if a is None or a == b:
             continue
-        flag = door.flag(name)
+        flag = "torchrun --nproc_per_node" if name == "nproc_per_node" else door.flag(name)
         todo = "resume it with the flags it was started with"
-        if name == "nproc_per_node":
-            flag = "torchrun --nproc_per_node"
         if name == "decay_steps":
             todo = f"pass --decay-steps {a} to keep its schedule's length"
-        elif args.get("preset", "") != cfg.preset:
-            check_preset(path, args.get("preset", ""), cfg.preset, flag, a, b)
+        elif preset != cfg.preset:
+            # a flag that --preset set, not one typed: name --preset
+            how = "with" if preset else "without"
+            raise door.ModelError(f"{path} was started {how} --preset {preset or cfg.preset}, so its {flag} "
+                                  f"was {a!r}, not {b!r}; resume it {how} --preset {preset or cfg.preset}")
         raise door.ModelError(f"{path} was started with {flag} {was[name]!r}, not {now[name]!r}; "
                               f"{todo}")
     check_same_files(cfg, path, prev)
-
-
-def check_preset(path, was, now, flag, a, b):
-    """--resume: a flag that differs because --preset does, refused naming --preset (the flag was
-    not typed)."""
-    preset = f"--preset {was or now}"
-    how = "with" if was else "without"
-    raise door.ModelError(f"{path} was started {how} {preset}, so its {flag} was {a!r}, not "
-                            f"{b!r}; resume it {how} {preset}")
 
 
 def check_same_tokens(cfg, prev, meta):
