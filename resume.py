@@ -124,18 +124,16 @@ def token_files(data):
     """--data's train.bin and val.bin -> {name: {"bytes": its size, "sha256": its hash}, or None
     where it is not a file}: what config.json records of them (read in 1 MiB chunks; 4 MB, two
     million tokens, take about 10 ms)."""
-    found = {}
+    found = dict.fromkeys(TOKEN_FILES)
     for name in TOKEN_FILES:
         path = Path(data) / name
-        found[name] = None
-        if not path.is_file():
-            continue
-        digest, size = hashlib.sha256(), 0
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-                size += len(chunk)
-        found[name] = {"bytes": size, "sha256": digest.hexdigest()}
+        if path.is_file():
+            digest, size = hashlib.sha256(), 0
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+                    size += len(chunk)
+            found[name] = {"bytes": size, "sha256": digest.hexdigest()}
     return found
 
 
