@@ -167,7 +167,6 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
     metadata), which the readers check. The folder's other files stay."""
     state = {"optimizer": optim.state_dict() if optim else None, "step": config["step"],
              "train_rng": gen.get_state(), "torch_rng": torch.get_rng_state()}
-    metadata = {"step": str(config["step"])}
     # a link stays, and its target is written
     out = Path(cfg.out_dir).resolve()
     made = not out.exists()
@@ -175,21 +174,19 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
         out.mkdir(parents=True, exist_ok=True)
         with files.atomic_files([out / name for name in files.CHECKPOINT_FILES]) as tmp:
             features = checkpoint.feature_state(student)
-            tmp[0].write_bytes(safetensors.torch.save(features, metadata=metadata))
+            tmp[0].write_bytes(safetensors.torch.save(features, metadata={"step": str(config["step"])}))
             tmp[1].write_text(json.dumps(metrics) + "\n")
             torch.save(state, tmp[2])
             tmp[3].write_text(json.dumps(config, indent=2) + "\n")
     # a full disk; torch.save's is a RuntimeError
     except (OSError, RuntimeError, SafetensorError) as e:
-        todo = "make room, then run it again"
         # a folder this save made goes, empty (its files went)
         if made and out.exists():
             out.rmdir()
+        todo = "make room, then run it again"
         if files.is_checkpoint(out):
-            todo = ("the checkpoint saved before is whole: make room, then add --resume to "
-                    "continue from it")
-        why = str(e).strip()[:80]
-        raise door.ModelError(f"saving into {cfg.out_dir} failed ({why}); {todo}") from None
+            todo = "the checkpoint saved before is whole: make room, then add --resume to continue from it"
+        raise door.ModelError(f"saving into {cfg.out_dir} failed ({str(e).strip()[:80]}); {todo}") from None
 
 
 def restore(cfg, optim, gen):
