@@ -252,8 +252,7 @@ def load_features(student, sd, where):
 
 
 def check_features(mine, sd, where):
-    """A features file's tensors sd against the student's own (`mine`, feature_state's): the
-    same keys of the same shapes (a set-equality check) and dtypes, all finite."""
+    """A features file's tensors sd against the student's own: keys, shapes, dtypes, all finite."""
     missing = sorted(mine.keys() - sd.keys())
     extra = sorted(sd.keys() - mine.keys())
     shape = [f"{k} {list(sd[k].shape)}, not {list(v.shape)}" for k, v in mine.items()
@@ -275,9 +274,8 @@ def check_features(mine, sd, where):
 
 
 def check_settings(values, config_class, where):
-    """The settings config.json records (values: {field: value}) of the types config_class's
-    fields declare (bool, int, float: also an int, str), or a ModelError naming the first that is
-    not (an edited config.json: "center_keys": "no")."""
+    """A ModelError naming the first setting config.json records that is not of its field's type
+    (an int may stand for a float)."""
     hints = get_type_hints(config_class)
     for name, v in values.items():
         hint = hints.get(name)
@@ -359,8 +357,7 @@ def gguf_layout(cfg, n_tensors):
 
 
 def open_llama_gguf(path):
-    """A GGUF file -> ({name: its gguf.ReaderTensor}, gguf_config's dict, gguf_layout's), once
-    checked to hold a plain llama model of the sizes in its metadata."""
+    """A GGUF file -> (its tensors by name, gguf_config's, gguf_layout's), once checked as plain llama."""
     tensors, meta = open_gguf(path)
     arch = meta("general.architecture", "unknown")
     scaling = meta("llama.rope.scaling.type", "none")
@@ -418,8 +415,7 @@ NEEDS["llama"] = NEEDS["gpt_neox"]
 
 
 def check_hf_config(d, name):
-    """Refuse a config.json that model.py cannot compute: another model_type, a key it needs
-    missing, rope scaling, another activation."""
+    """Refuse a config.json that model.py cannot compute: model_type, keys, rope scaling, activation."""
     mt = d.get("model_type")
     if mt not in NEEDS:
         raise door.ModelError(f"{name}: model_type {mt!r} is not supported; supported model types are "
@@ -509,8 +505,7 @@ def checkpoint_sources(cfg):
 
 
 def convert_state_dict(cfg, sd, name, shapes):
-    """Checkpoint state dict -> ours, after checks that its keys are those expected (bar buffers, a
-    tied head), its weights floating-point, and ours of the model's `shapes`."""
+    """Checkpoint state dict -> ours, checked (keys bar buffers and a tied head, dtypes, `shapes`)."""
     # hub gpt2 files lack the prefix; transformers' have it
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     rules = checkpoint_sources(cfg)

@@ -162,9 +162,8 @@ def check_same_files(cfg, path, prev):
 
 
 def save_checkpoint(cfg, student, optim, gen, config, metrics):
-    """The checkpoint's files (files.CHECKPOINT_FILES) into --out-dir, each whole, config.json
-    last: all of this save or all of the one before; each records the step (the features in their
-    metadata), which the readers check. The folder's other files stay."""
+    """The checkpoint's files (files.CHECKPOINT_FILES) into --out-dir, each whole, config.json last:
+    all of this save or all of the one before; each records the step (the features in metadata)."""
     state = {"optimizer": optim.state_dict() if optim else None, "step": config["step"],
              "train_rng": gen.get_state(), "torch_rng": torch.get_rng_state()}
     # a link stays, and its target is written
@@ -190,8 +189,7 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
 
 
 def restore(cfg, optim, gen):
-    """--resume: the optimizer, data position and torch RNG of --out-dir's -> (step, metrics);
-    a fresh run's (0, no metrics) without --resume."""
+    """--resume: --out-dir's optimizer state, data position and torch RNG -> (step, metrics)."""
     if not cfg.resume:
         return 0, {"history": [], "val": []}
     out, todo = Path(cfg.out_dir), "the checkpoint is damaged; pass --overwrite to start again"
@@ -221,8 +219,7 @@ def restore(cfg, optim, gen):
 
 
 def run_record(cfg, dims, layer_dof, meta, step):
-    """config.json: the student that load_student reads (teacher, dims, settings), and its run
-    (its script's fork, its flags, its token files by size and hash)."""
+    """config.json: the student that load_student reads (teacher, dims, settings) and its run."""
     data = {"dir": cfg.data, "tokens": meta.get("tokens"), "files": token_files(cfg.data),
             "source": meta.get("source"), "tokenizer": meta["tokenizer"].get("model")}
     # a local teacher is known by its fingerprint, wherever it lies
