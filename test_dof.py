@@ -19,7 +19,7 @@ import checkpoint
 import distill
 import dof
 import door
-import model as M
+import model
 from model import (
     GPT,
     PRF,
@@ -86,7 +86,7 @@ def hf_llama(**kw):
 def assert_parity(hf, path, T=64, new_tokens=20):
     """fp32 logits within 1e-4 of transformers', and greedy generation identical."""
     torch.manual_seed(1)
-    m = M.GPT.from_pretrained(path)
+    m = model.GPT.from_pretrained(path)
     idx = torch.randint(0, hf.config.vocab_size, (2, T))
     with torch.no_grad():
         ref, ours = hf(idx).logits, m(idx)
@@ -164,9 +164,9 @@ def test_sharded_checkpoint(tmp_path):
 def test_kv_cache_prefill_in_pieces_equals_full_forward(tmp_path):
     save_hf(hf_llama(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
                      intermediate_size=128, vocab_size=500, max_position_embeddings=128), tmp_path)
-    m = M.GPT.from_pretrained(tmp_path)
+    m = model.GPT.from_pretrained(tmp_path)
     idx = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(0))
-    cache = M.Cache(m.config.n_layer)
+    cache = model.Cache(m.config.n_layer)
     with torch.no_grad():
         full = m(idx)
         parts = torch.cat([m(idx[:, a:b], cache=cache) for a, b in [(0, 17), (17, 18), (18, 40)]], dim=1)
@@ -391,7 +391,7 @@ def test_overflow_safe_features_are_raw_features_times_the_documented_factors():
     log_phi = fm.log_features(x)                                                  # (B, H, T, M)
     log_alpha, half_z2 = fm.log_alpha[:, None], 0.5 * fm.z.square().sum(-1)[:, None]  # (H, 1, M)
     key = fm(x, is_query=False).log() - log_phi
-    torch.testing.assert_close(key, (0.5 * (math.log(n) - log_alpha) + M.KEY_SHIFT - half_z2).expand_as(key))
+    torch.testing.assert_close(key, (0.5 * (math.log(n) - log_alpha) + model.KEY_SHIFT - half_z2).expand_as(key))
     a = log_alpha + x @ fm.z.mT / d ** 0.25 + half_z2
     log_c = 0.5 * x.square().sum(-1, keepdim=True) / d ** 0.5 - a.amax(-1, keepdim=True)   # (B, H, T, 1)
     query = fm(x, is_query=True).log() - log_phi
@@ -508,7 +508,7 @@ def test_key_mean_buffer_centres_keys_and_is_saved():
 
 def test_unknown_feature_map_is_a_clear_error():
     with pytest.raises(door.ModelError, match="unknown feature map 'cosformer'; choose one of prf, "):
-        checkpoint.check_student({"dims": [8, 8], "feature_map": "cosformer"}, 2, M.FEATURE_MAPS)
+        checkpoint.check_student({"dims": [8, 8], "feature_map": "cosformer"}, 2, model.FEATURE_MAPS)
 
 
 @pytest.mark.parametrize("family", ["llama", "neox"])
@@ -521,16 +521,16 @@ def test_linearized_generation_equals_full_forward_greedy(family):
                     n_embd=64, head_dim=16, block_size=256, rotary_dim=16 if family == "llama" else 8,
                     parallel_residual=family == "neox", tie_embeddings=False, mlp_hidden=128,
                     bias=family == "neox")
-    model = GPT(cfg).eval().linearize([8, 24], chunk_size=16)
+    student = GPT(cfg).eval().linearize([8, 24], chunk_size=16)
     prompt = torch.randint(0, 300, (1, 21))
     idx = prompt
     with torch.no_grad():
         for _ in range(40):                                  # crosses chunk boundaries at 32, 48
-            idx = torch.cat((idx, model(idx)[:, -1:].argmax(-1)), dim=1)
-    assert torch.equal(model.generate(prompt, 40), idx)
+            idx = torch.cat((idx, student(idx)[:, -1:].argmax(-1)), dim=1)
+    assert torch.equal(student.generate(prompt, 40), idx)
     cache = Cache(cfg.n_layer)                               # the decoding state: S and s per layer, no KV cache
     with torch.no_grad():
-        model(idx, cache=cache)
+        student(idx, cache=cache)
     assert [sorted(c) for c in cache] == [["S", "s"]] * 2 and cache[0]["S"].shape == (1, 4, 8, 16)
 
 
@@ -543,16 +543,16 @@ def test_bf16_autocast_runs_features_and_scan_in_fp32(fmap):
     torch.manual_seed(0)
     cfg = GPTConfig(family="llama", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=128, head_dim=32,
                     block_size=256, rotary_dim=32, tie_embeddings=False, mlp_hidden=256, bias=False)
-    model = GPT(cfg).eval().linearize([32, 48], feature_map=fmap, chunk_size=16)
-    for core in model.cores():  # trained-looking keys: centred by a non-zero key mean
+    student = GPT(cfg).eval().linearize([32, 48], feature_map=fmap, chunk_size=16)
+    for core in student.cores():  # trained-looking keys: centred by a non-zero key mean
         core.key_mean.normal_(0, 0.5)
     seen = []
     hooks = [core.register_forward_hook(lambda m, args, y: seen.append((m, args[:3], y)))
-             for core in model.cores()]
+             for core in student.cores()]
     idx, cache = torch.randint(0, 300, (2, 100)), Cache(cfg.n_layer)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        model(idx[:, :99], cache=cache)                      # prefill: the chunked scan
-        model(idx[:, 99:], cache=cache)                      # one token: the recurrent step
+        student(idx[:, :99], cache=cache)                    # prefill: the chunked scan
+        student(idx[:, 99:], cache=cache)                    # one token: the recurrent step
     for h in hooks:
         h.remove()
     assert len(seen) == 2 * cfg.n_layer
@@ -810,7 +810,7 @@ def match_all(pool, points, tol=1e-4):
 
 def test_collect_qk_gpt2_equals_transformers_queries_and_keys(tmp_path):
     hf = tiny_gpt2(tmp_path)
-    m = M.GPT.from_pretrained(tmp_path)
+    m = model.GPT.from_pretrained(tmp_path)
     idx = torch.randint(0, 50257, (2, 24))
     with torch.no_grad():
         x0 = hf.transformer.wte(idx) + hf.transformer.wpe(torch.arange(24))
@@ -837,7 +837,7 @@ def test_collect_qk_llama_gqa_after_rotary(tmp_path):
                                       hidden_size=64, intermediate_size=96, vocab_size=300,
                                       max_position_embeddings=128)).eval()
     hf.save_pretrained(tmp_path)
-    m = M.GPT.from_pretrained(tmp_path)
+    m = model.GPT.from_pretrained(tmp_path)
     idx = torch.randint(0, 300, (1, 20))
     full = dof.collect_qk(m, [idx], J=40)
     mu = dof.key_means(m, [idx])                                   # (L, H, D): KV head h // 2's mean key
@@ -859,7 +859,7 @@ def test_collect_qk_llama_gqa_after_rotary(tmp_path):
 def test_collect_qk_sample_is_uniform_over_the_stream(tmp_path):
     """Queries and keys of early and late batches are equally likely to be kept."""
     tiny_gpt2(tmp_path)
-    m = M.GPT.from_pretrained(tmp_path)
+    m = model.GPT.from_pretrained(tmp_path)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 50257, (1, 50), generator=g) for _ in range(20)]     # 2000 points per head
     first = dof.collect_qk(m, batches[:1], J=100)                 # the points of batch 0
@@ -870,7 +870,7 @@ def test_collect_qk_sample_is_uniform_over_the_stream(tmp_path):
 
 def test_collect_qk_bad_input(tmp_path):
     tiny_gpt2(tmp_path)
-    m = M.GPT.from_pretrained(tmp_path)
+    m = model.GPT.from_pretrained(tmp_path)
     with pytest.raises(IndexError):                               # a failing forward pass leaves no hooks behind
         dof.collect_qk(m, [torch.full((1, 4), 10 ** 6)], J=1)
     assert all(not b.attn.core._forward_pre_hooks for b in m.h)
@@ -996,7 +996,7 @@ def test_l2_loss_blocks_equal_the_plain_kernel_error():
     value = distill.layer_losses([core], [(q, k)], "l2", query_block=16, scale=1.0)[0]
     g_fast = grads(core)
     core.zero_grad()
-    kc = M.repeat_kv(k, 4) - core.key_mean[:, None]
+    kc = model.repeat_kv(k, 4) - core.key_mean[:, None]
     kern = torch.exp(q @ kc.mT / 4.0)                       # exp(q.(k - mu) / sqrt(16)): the centred keys' kernel
     z, alpha, m_feat = core.feature_map.z, core.feature_map.log_alpha.exp(), core.feature_map.M
     phi = lambda x: (alpha / m_feat).sqrt()[:, None] * torch.exp(x @ z.mT / 2.0 - x.square().sum(-1, keepdim=True) / 8)
@@ -1015,16 +1015,16 @@ def test_nll_is_the_per_sequence_cross_entropy_in_fp32():
     ignored, written out here from the full logits; under bf16 autocast it is fp32 and close to the fp32 value."""
     from model import GPTConfig
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=500, n_layer=1, n_head=2, n_kv_head=2, n_embd=32, head_dim=16,
-                          block_size=64, mlp_hidden=64)).eval()
+    gpt = GPT(GPTConfig(vocab_size=500, n_layer=1, n_head=2, n_kv_head=2, n_embd=32, head_dim=16,
+                        block_size=64, mlp_hidden=64)).eval()
     x, y = torch.randint(0, 500, (3, 40)), torch.randint(0, 500, (3, 40))
     y[0, :5] = -1                                          # ignored targets stay ignored
     with torch.no_grad():
-        logp = torch.log_softmax(model(x).double(), -1)
+        logp = torch.log_softmax(gpt(x).double(), -1)
         ref = torch.stack([-sum(logp[b, t, y[b, t]] for t in range(40) if y[b, t] >= 0) for b in range(3)])
-        nll = model.nll(x, y)
+        nll = gpt.nll(x, y)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            low = model.nll(x, y)
+            low = gpt.nll(x, y)
     assert nll.shape == (3,) and torch.allclose(nll.double(), ref, rtol=1e-5)
     assert low.dtype == torch.float32 and torch.allclose(low.double(), ref, rtol=2e-2)
 
@@ -1033,7 +1033,7 @@ def test_key_means_are_the_mean_of_the_teachers_keys_from_transformers(tmp_path)
     """dof.key_means over two batches: each layer's keys of GPT-2 computed by transformers, averaged over every
     token of both batches, per head."""
     hf = tiny_gpt2(tmp_path)
-    m = M.GPT.from_pretrained(tmp_path)
+    m = model.GPT.from_pretrained(tmp_path)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 50257, (2, 24), generator=g), torch.randint(0, 50257, (3, 10), generator=g)]
     with torch.no_grad():
@@ -1046,13 +1046,13 @@ def test_key_means_are_the_mean_of_the_teachers_keys_from_transformers(tmp_path)
 
 def test_generate_runs_one_forward_pass_per_new_token_within_gpt2s_positions():
     """One forward pass for the prompt, then one per new token, up to GPT-2's last learned position."""
-    cfg = M.GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, block_size=64)
-    model, calls = GPT(cfg).eval(), []
-    hidden = model.hidden
-    model.hidden = lambda *a, **k: calls.append(a[0].size(1)) or hidden(*a, **k)
-    out = model.generate(torch.zeros(1, 5, dtype=torch.long), 4)
+    cfg = model.GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, block_size=64)
+    gpt, calls = GPT(cfg).eval(), []
+    hidden = gpt.hidden
+    gpt.hidden = lambda *a, **k: calls.append(a[0].size(1)) or hidden(*a, **k)
+    out = gpt.generate(torch.zeros(1, 5, dtype=torch.long), 4)
     assert out.shape == (1, 9) and calls == [5, 1, 1, 1]                # the prompt, then one token each
-    assert model.generate(out[:, :5], 60).shape == (1, 65)              # the last token needs no position: 64 of 64
+    assert gpt.generate(out[:, :5], 60).shape == (1, 65)              # the last token needs no position: 64 of 64
 
 
 # ==================================================================================================================
@@ -1061,8 +1061,8 @@ def test_generate_runs_one_forward_pass_per_new_token_within_gpt2s_positions():
 def small_pair(seed=0):
     """A random 2-layer GPT-2-family teacher (frozen, as distill.distil makes it) and its student of 4 PRF features."""
     torch.manual_seed(seed)
-    cfg = M.GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, block_size=32,
-                      mlp_hidden=32)
+    cfg = model.GPTConfig(vocab_size=50, n_layer=2, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, block_size=32,
+                          mlp_hidden=32)
     teacher = GPT(cfg).eval().requires_grad_(False)
     return teacher, teacher.linearize([4, 4], chunk_size=8)
 
@@ -1071,12 +1071,12 @@ def test_kv_cache_is_preallocated_and_doubles_its_capacity_when_full():
     """A softmax teacher decoding 20 tokens one at a time after a 3-token prompt: its KV cache holds the prompt, then
     doubles when full (capacity 3, then 6 from the 4th token, 12 from the 7th, 24 from the 13th: a few allocations,
     not one a token), and the logits are those of one forward pass over the 23 tokens."""
-    (model, _), idx, cache = small_pair(), torch.randint(0, 50, (1, 23)), M.Cache(2)
+    (teacher, _), idx, cache = small_pair(), torch.randint(0, 50, (1, 23)), model.Cache(2)
     with torch.no_grad():
-        full, parts = model(idx), [model(idx[:, :3], cache)]
+        full, parts = teacher(idx), [teacher(idx[:, :3], cache)]
         caps = [{c["k"].size(2) for c in cache}]
         for t in range(3, 23):
-            parts.append(model(idx[:, t:t + 1], cache))
+            parts.append(teacher(idx[:, t:t + 1], cache))
             caps.append({c["k"].size(2) for c in cache} | {c["v"].size(2) for c in cache})
     assert caps == [{3}] + [{6}] * 3 + [{12}] * 6 + [{24}] * 11
     assert (torch.cat(parts, 1) - full).abs().max() < 1e-5
@@ -1088,9 +1088,10 @@ def test_kv_cache_attention_runs_without_cudnns_sdpa_and_the_full_pass_with_it(m
     seen, sdpa = [], F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",
                         lambda *a, **kw: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or sdpa(*a, **kw))
-    (model, _), idx, cache = small_pair(), torch.randint(0, 50, (1, 6)), M.Cache(2)
+    (teacher, _), idx, cache = small_pair(), torch.randint(0, 50, (1, 6)), model.Cache(2)
     with torch.no_grad():
-        full, parts = model(idx), [model(idx[:, :3], cache)] + [model(idx[:, t:t + 1], cache) for t in range(3, 6)]
+        full = teacher(idx)
+        parts = [teacher(idx[:, :3], cache)] + [teacher(idx[:, t:t + 1], cache) for t in range(3, 6)]
     assert seen == [True] * 2 + [False] * 8 and torch.backends.cuda.cudnn_sdp_enabled()
     assert (torch.cat(parts, 1) - full).abs().max() < 1e-5
 
@@ -1106,8 +1107,9 @@ def test_linear_student_decodes_each_new_token_by_the_recurrent_step(monkeypatch
     with torch.no_grad():
         for _ in range(5):
             idx = torch.cat((idx, student(idx)[:, -1:].argmax(-1)), 1)
-    scans, steps, scan, step = [], [], M.causal_linear_attention, M.linear_attention_step
-    monkeypatch.setattr(M, "causal_linear_attention", lambda q, *a, **k: scans.append(q.size(2)) or scan(q, *a, **k))
-    monkeypatch.setattr(M, "linear_attention_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    scans, steps, scan, step = [], [], model.causal_linear_attention, model.linear_attention_step
+    monkeypatch.setattr(model, "causal_linear_attention",
+                        lambda q, *a, **k: scans.append(q.size(2)) or scan(q, *a, **k))
+    monkeypatch.setattr(model, "linear_attention_step", lambda *a, **k: steps.append(1) or step(*a, **k))
     assert torch.equal(student.generate(prompt, 5), idx)
     assert scans == [6, 6] and len(steps) == 2 * 4

@@ -21,9 +21,9 @@ import datafiles
 import distill
 import dof
 import door
-import evaluate as E
+import evaluate
 import forks
-import model as M
+import model
 import tasks
 from conftest import EVAL, N_POS, ROOT, cli, distill_args, load_script, script_env
 from model import GPT, LinearAttention, repeat_kv
@@ -44,18 +44,18 @@ def test_graphed_decoder_equals_decoding_through_models_cache(device, linear, co
     (torch.compile'd, fullgraph) step. GPT-2 is refused."""
     import graphed_decode
     torch.manual_seed(0)
-    cfg = M.GPTConfig(family="llama", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
-                      block_size=256, rotary_dim=16, tie_embeddings=False, mlp_hidden=128, bias=False)
-    model = GPT(cfg).eval()
-    model = (model.linearize([8, 24], chunk_size=16) if linear else model).to(device)
+    cfg = model.GPTConfig(family="llama", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
+                          block_size=256, rotary_dim=16, tie_embeddings=False, mlp_hidden=128, bias=False)
+    gpt = GPT(cfg).eval()
+    gpt = (gpt.linearize([8, 24], chunk_size=16) if linear else gpt).to(device)
     idx = torch.randint(0, 300, (2, 30), device=device)
-    ours, ref = M.Cache(cfg.n_layer), M.Cache(cfg.n_layer)
+    ours, ref = model.Cache(cfg.n_layer), model.Cache(cfg.n_layer)
     with torch.no_grad():
-        model(idx[:, :21], cache=ours), model(idx[:, :21], cache=ref)
-        expected = [model(idx[:, t:t + 1], cache=ref) for t in range(21, 30)]
-    decoder = graphed_decode.GraphedDecoder(model, ours, idx[:, 20:21], steps=9, graph=device == "cuda",
+        gpt(idx[:, :21], cache=ours), gpt(idx[:, :21], cache=ref)
+        expected = [gpt(idx[:, t:t + 1], cache=ref) for t in range(21, 30)]
+    decoder = graphed_decode.GraphedDecoder(gpt, ours, idx[:, 20:21], steps=9, graph=device == "cuda",
                                             compile=compiled)
-    assert (decoder.forward is model) != compiled
+    assert (decoder.forward is gpt) != compiled
     assert (decoder.graph is not None) == (device == "cuda")
     addresses = [{name: x.data_ptr() for name, x in layer.items()} for layer in ours]
     for t, want in zip(range(21, 30), expected):
@@ -63,9 +63,10 @@ def test_graphed_decoder_equals_decoding_through_models_cache(device, linear, co
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (t, (got - want).abs().max())
     assert ours.pos.item() == ref.pos == 30 and sorted(ours[0]) == (["S", "pos", "s"] if linear else ["k", "pos", "v"])
     assert [{name: x.data_ptr() for name, x in layer.items()} for layer in ours] == addresses
-    gpt2 = GPT(M.GPTConfig(family="gpt2", vocab_size=300, n_layer=1, n_head=2, n_embd=16, head_dim=8, block_size=64))
+    gpt2 = GPT(model.GPTConfig(family="gpt2", vocab_size=300, n_layer=1, n_head=2, n_embd=16, head_dim=8,
+                               block_size=64))
     with pytest.raises(door.ModelError, match="^GPT-2's learned positions .* decode GPT-2 with model.generate$"):
-        graphed_decode.GraphedDecoder(gpt2, M.Cache(1), idx[:, :1].cpu(), graph=False)
+        graphed_decode.GraphedDecoder(gpt2, model.Cache(1), idx[:, :1].cpu(), graph=False)
 
 
 def test_bench_heads_table_times_both_layouts_at_the_same_total(tmp_path, capsys):
@@ -204,12 +205,12 @@ def test_bench_decode_compile_adds_a_compiled_column_per_decoder(monkeypatch, ca
     from model import GPTConfig
     tiny = dict(vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, head_dim=16, mlp_hidden=64)
     monkeypatch.setattr(bench, "GPTConfig", lambda **kw: GPTConfig(**{**kw, **tiny}))
-    monkeypatch.setattr(bench, "decode_ms", lambda model, ctx, steps, device, batch: float(ctx * batch))
+    monkeypatch.setattr(bench, "decode_ms", lambda gpt, ctx, steps, device, batch: float(ctx * batch))
     calls = []
 
-    def graphed_ms(model, ctx, steps, device, compile=False, batch=1):    # the linear state 1 ms faster
+    def graphed_ms(gpt, ctx, steps, device, compile=False, batch=1):    # the linear state 1 ms faster
         calls.append((ctx, compile, batch))
-        return ctx / 2 + (not isinstance(model.h[0].attn.core, LinearAttention)), 1e-3 * len(calls)
+        return ctx / 2 + (not isinstance(gpt.h[0].attn.core, LinearAttention)), 1e-3 * len(calls)
     monkeypatch.setattr(bench, "graphed_ms", graphed_ms)
     bench.main(["--T", "--decode-ctx", "8", "16", "--decode-compile", "--decode-batch", "2", "--M", "4", "--threads",
                 "1"])
@@ -248,7 +249,7 @@ def test_bench_decoding_heads_and_step_times_leave_out_the_warm_up(tmp_path, mon
     rows = [r.split(" | ")[-2:] for r in capsys.readouterr().out.splitlines() if r.startswith("| 16 |")]
     assert rows == [["1000", "2000 |"], ["3000", "4000 |"], ["3.00x", "2.00x |"]], rows
     monkeypatch.setattr(bench, "time", FakeClock([1.0, 9.0, 2.0]))
-    cfg = M.GPTConfig(n_layer=1, n_head=2, n_kv_head=2, n_embd=16, vocab_size=64, block_size=32)
+    cfg = model.GPTConfig(n_layer=1, n_head=2, n_kv_head=2, n_embd=16, vocab_size=64, block_size=32)
     r = bench.step_row(distill, "softmax", T=16, budget=4, repeats=3, device="cpu", config=cfg)
     assert r["ms"] == 2000.0 and r["ops"] >= sum(n for _, n in r["top"]) > len(r["top"]), r
 
@@ -258,10 +259,10 @@ def test_bench_decode_ops_count_one_token_after_the_prefill_and_a_warm_up_token(
     first token after a prefill also grows the KV cache)."""
     import bench  # bench/bench.py
     torch.manual_seed(0)
-    model = GPT(M.GPTConfig(family="neox", n_layer=2, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, rotary_dim=4,
-                            vocab_size=64, block_size=32, mlp_hidden=32)).eval()
-    for m in (model, model.linearize([4, 4])):
-        cache, tok = M.Cache(2), torch.zeros(1, 1, dtype=torch.long)
+    gpt = GPT(model.GPTConfig(family="neox", n_layer=2, n_head=2, n_kv_head=2, n_embd=16, head_dim=8, rotary_dim=4,
+                              vocab_size=64, block_size=32, mlp_hidden=32)).eval()
+    for m in (gpt, gpt.linearize([4, 4])):
+        cache, tok = model.Cache(2), torch.zeros(1, 1, dtype=torch.long)
         with torch.no_grad():
             m.hidden(torch.zeros(1, 8, dtype=torch.long), cache)
             m(tok, cache=cache)
@@ -411,18 +412,18 @@ def test_heads_refuses_data_of_another_tokenizer_and_reports_one_draw_without_an
     assert "nan" not in out
 
 
-def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, student, tmp_path, capsys):
+def test_bench_scorer_times_both_rates_and_runs_as_a_script(tiny_gpt, enc, ckpt, student, tmp_path, capsys):
     """bench/bench_scorer.py: harness tokens (a window's worth for a truncated request) over the fast scorer's
     time against the plain forward rate; run as a script it finds the core from bench/; a bad option is one
     sentence and exit code 2."""
     import door
     bs = load_script("bench/bench_scorer.py")
     torch.manual_seed(0)
-    rows = bs.bench(model, enc, {"arc_easy": tasks.load_task("arc_easy", E.arc, EVAL, 4)}, batch_size=4)
+    rows = bs.bench(tiny_gpt, enc, {"arc_easy": tasks.load_task("arc_easy", evaluate.arc, EVAL, 4)}, batch_size=4)
     assert rows["arc_easy"]["harness_tok_per_s"] > 0 and rows["arc_easy"]["plain_forward_tok_per_s"] > 0
     assert rows["all"]["harness_tokens"] == rows["arc_easy"]["harness_tokens"]
     assert "plain fwd tok/s" in capsys.readouterr().out
-    ctx, cont = E.encode_pair(enc, " ".join(f"word{i}" for i in range(200)), " the end of it")
+    ctx, cont = evaluate.encode_pair(enc, " ".join(f"word{i}" for i in range(200)), " the end of it")
     assert bs.harness_tokens([[(ctx, cont)]], N_POS) == N_POS and bs.harness_tokens([[([1, 2], [3])]], N_POS) == 2
     r = cli("bench/bench_scorer.py", "--model", ckpt, "--tasks", "piqa", "--data-dir", EVAL, "--limit", 2,
             "--device", "cpu", "--output", tmp_path / "bench.json")
@@ -442,7 +443,7 @@ def test_bench_scorer_times_both_rates_and_runs_as_a_script(model, enc, ckpt, st
     assert e.value.code == 0 and "--rounds" in capsys.readouterr().out
 
 
-def test_bench_scorer_plain_rate_is_no_wider_than_the_tokens_it_covers(model, monkeypatch):
+def test_bench_scorer_plain_rate_is_no_wider_than_the_tokens_it_covers(tiny_gpt, monkeypatch):
     """The plain forward rate runs batches of at most ceil(tokens / length) rows, and counts the tokens it ran (a
     --batch-size of 10^9 had allocated 10^9 rows, 10^5 had run for minutes, to time 20 tokens)."""
     bs = load_script("bench/bench_scorer.py")
@@ -457,7 +458,7 @@ def test_bench_scorer_plain_rate_is_no_wider_than_the_tokens_it_covers(model, mo
     assert bs.plain_forward_rate(Counted(), 25, 10, 16) == 3 * 10 / 2.0           # one batch of 3 rows, in 2 s
     assert shapes == [(1, 8), (3, 10)]
     monkeypatch.undo()
-    assert bs.plain_forward_rate(model, 20, 10, 10 ** 9) > 0
+    assert bs.plain_forward_rate(tiny_gpt, 20, 10, 10 ** 9) > 0
 
 
 # ==================================================================================================================
@@ -578,47 +579,49 @@ def test_gpu_check_stopped_while_a_distillation_runs_kills_it(tmp_path, monkeypa
 def test_spearman_gives_tied_values_their_mean_rank():
     """bench/allocation.py's rank correlation: ties (dims of 32 recur) share a rank, so the order in which tied
     layers come plays no part."""
-    import allocation as A
-    assert A.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == A.spearman([1, 2, 2, 3], [1, 3, 2, 4])
-    assert A.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(np.corrcoef([0, 1.5, 1.5, 3], [0, 1, 2, 3])[0, 1])
+    import allocation
+    assert allocation.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == allocation.spearman([1, 2, 2, 3], [1, 3, 2, 4])
+    assert allocation.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(
+        np.corrcoef([0, 1.5, 1.5, 3], [0, 1, 2, 3])[0, 1])
 
 
 def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core(setup, tmp_path):
     """bench/allocation.py --rule dof-raw: dims allocated from the uncentred kernel's DoF although the keys are
     centred (the checkpoint records the rule as its alloc, and no fork: it is the core's student), resumed with the
     same flags, not by distill.py (which lacks --rule); --predict writes the predictors and trains nothing."""
-    import allocation as A
+    import allocation
     d, ckpt, data = setup
     flags = ["--rule", "dof-raw", "--center-keys", "--budget", "8", "--decay-steps", "4"]
-    A.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "2"))
+    allocation.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "2"))
     teacher = GPT.from_pretrained(ckpt)
     calib = dof.calibration_batches(datafiles.read_tokens(data / "train.bin"), 2, 4, 64, 0, "cpu")
     settings = distill.DistillConfig(budget=8, J=256, out_dir="x")
     want, raw, _ = dof.choose_dims(teacher, calib, settings)                        # no key means: uncentred
     cfg = json.loads((tmp_path / "raw" / "config.json").read_text())
     assert cfg["dims"] == want and cfg["alloc"] == "dof-raw" and cfg["dof"] == pytest.approx(raw)
-    assert cfg["fork"] is None and distill.DistillConfig is not A.AllocationConfig      # the core's student; no leak
+    # the core's student; no leak
+    assert cfg["fork"] is None and distill.DistillConfig is not allocation.AllocationConfig
     with pytest.raises(door.ModelError, match=r"raw was started with --\S+ '?\w+'?, which this script lacks; resume it "
                                          r"with the script that started it"):
         distill.main(distill_args(ckpt, data, tmp_path / "raw", "--center-keys", "--budget", "8", "--decay-steps",
                                   "4", "--max-steps", "4", "--resume"))                # distill.py lacks --rule
     assert want != dof.choose_dims(teacher, calib, settings, dof.key_means(teacher, calib))[0]
     with pytest.raises(door.ModelError, match=r"raw was started with --rule 'dof-raw', not 'entropy'; resume it with"):
-        A.main(distill_args(ckpt, data, tmp_path / "raw", *flags[2:], "--rule", "entropy", "--max-steps", "4",
-                            "--resume"))
-    A.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "4", "--resume"))
+        allocation.main(distill_args(ckpt, data, tmp_path / "raw", *flags[2:], "--rule", "entropy", "--max-steps", "4",
+                                     "--resume"))
+    allocation.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "4", "--resume"))
     assert json.loads((tmp_path / "raw" / "config.json").read_text())["step"] == 4
     with pytest.raises(door.ModelError, match=r"--predict \S+meta.json would replace a file this run reads"):
-        A.main(distill_args(ckpt, data, tmp_path / "none", "--predict", data / "meta.json"))
+        allocation.main(distill_args(ckpt, data, tmp_path / "none", "--predict", data / "meta.json"))
     with pytest.raises(SystemExit) as e:                                               # stops before training
-        A.main(distill_args(ckpt, data, tmp_path / "none", "--predict", tmp_path / "p.json"))
+        allocation.main(distill_args(ckpt, data, tmp_path / "none", "--predict", tmp_path / "p.json"))
     assert e.value.code == 0
     P = json.loads((tmp_path / "p.json").read_text())["predictors"]
     assert "entropy" in P and all(len(v) == 4 for v in P.values()) and not (tmp_path / "none").exists()
     (tmp_path / "busy").mkdir()                          # an out-dir --predict never writes is not refused, nor locked
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     with pytest.raises(SystemExit) as e:
-        A.main(distill_args(ckpt, data, tmp_path / "busy", "--predict", tmp_path / "q.json"))
+        allocation.main(distill_args(ckpt, data, tmp_path / "busy", "--predict", tmp_path / "q.json"))
     assert e.value.code == 0 and json.loads((tmp_path / "q.json").read_text())["predictors"] == P
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("busy")) == ["busy"]
     assert [p.name for p in (tmp_path / "busy").iterdir()] == ["notes.txt"]
@@ -626,35 +629,35 @@ def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core
 
 def test_allocation_curves_damaged_or_not_positive_are_one_sentence(tmp_path):
     """bench/allocation.py --rule measured reads the curve runs through the checked reader."""
-    import allocation as A
+    import allocation
     (tmp_path / "fix-m4-s0.json").write_text('{"args": {"budget": 4')
     with pytest.raises(door.ModelError, match=r"fix-m4-s0.json is damaged or truncated"):
-        A.load_curves(tmp_path)
+        allocation.load_curves(tmp_path)
     for m, kl in ((4, [0.0, 0.1]), (8, [0.1, 0.1])):
         (tmp_path / f"fix-m{m}-s0.json").write_text(json.dumps({"args": {"budget": m}, "val": [{"attn_kl": kl}]}))
     with pytest.raises(door.ModelError, match=r"or a KL that is not a list of finite positive numbers"):   # log KL: no 0
-        A.load_curves(tmp_path)
+        allocation.load_curves(tmp_path)
     for kl8, kl4 in ((0.5, 0.5), (0.5, [0.2, 0.1]), ([0.1, 0.1], [float("inf"), 0.1])):   # an IndexError; dims of inf
         for m, kl in ((8, kl8), (4, kl4)):
             (tmp_path / f"fix-m{m}-s0.json").write_text(json.dumps({"args": {"budget": m}, "val": [{"attn_kl": kl}]}))
         with pytest.raises(door.ModelError, match=r"lacks its budget or held-out KL \(ValueError\)|or a KL that is not a "
                                              r"list of finite positive numbers"):
-            A.load_curves(tmp_path)
+            allocation.load_curves(tmp_path)
     (tmp_path / "fix-m4-s0.json").write_text(json.dumps({"args": {"budget": 4}, "val": [{"attn_kl": [0.2, 0.1]}]}))
-    assert A.load_curves(tmp_path)[0].tolist() == [4, 8]
+    assert allocation.load_curves(tmp_path)[0].tolist() == [4, 8]
     (tmp_path / "fix-m4-s1.json").write_text(json.dumps({"args": {"budget": 4}, "val": [{"attn_kl": [0.2, 0.1]}]}))
     with pytest.raises(door.ModelError, match=r"fewer than two fix-m\*.json curve runs of distinct finite budgets"):   # 0 / 0
-        A.load_curves(tmp_path)
+        allocation.load_curves(tmp_path)
     (tmp_path / "fix-m4-s1.json").write_text(json.dumps({"args": {"budget": float("inf")}, "val": [{"attn_kl": [
         0.1, 0.05]}]}))
     with pytest.raises(door.ModelError, match=r"fewer than two fix-m\*.json curve runs of distinct finite budgets"):
-        A.load_curves(tmp_path)                                                      # it had given dims of 208, 16 ...
+        allocation.load_curves(tmp_path)                                             # it had given dims of 208, 16 ...
     (tmp_path / "fix-m4-s1.json").unlink()
     with pytest.raises(door.ModelError, match=r"^--curves \S+nowhere is not a folder; pass the --curves of docs/exp"):
-        A.load_curves(tmp_path / "nowhere")
+        allocation.load_curves(tmp_path / "nowhere")
     (tmp_path / "fix-m4-s0.json").write_text(json.dumps({"val": []}))
     with pytest.raises(door.ModelError, match=r"lacks its budget or held-out KL \(KeyError\)"):
-        A.load_curves(tmp_path)
+        allocation.load_curves(tmp_path)
 
 
 # ==================================================================================================================
@@ -666,15 +669,15 @@ def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untraine
     batches), qk-norm mean |q~| times mean |k~|, prf-var the mean of sum_j p_ij |q~_i + k~_j|^2; dof-max above dof-mean
     layer by layer; untrained-kl is the layerwise softmax loss of a student of M = budget drawn from --seed with its
     keys centred by the key means."""
-    import allocation as A
+    import allocation
     d, ckpt, data = setup
     teacher = GPT.from_pretrained(ckpt)
     L, H = teacher.config.n_layer, teacher.config.n_head
     calib = dof.calibration_batches(datafiles.read_tokens(data / "train.bin"), 2, 2, 64, 0, "cpu")
-    with forks.replaced(A.REPLACE):
+    with forks.replaced(allocation.REPLACE):
         cfg = door.parse_config(distill.DistillConfig, ["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"])
-    assert type(cfg) is A.AllocationConfig and distill.DistillConfig is not A.AllocationConfig
-    P = A.predictors(cfg, teacher, calib)
+    assert type(cfg) is allocation.AllocationConfig and distill.DistillConfig is not allocation.AllocationConfig
+    P = allocation.predictors(cfg, teacher, calib)
     mask, mu = torch.ones(64, 64, dtype=torch.bool).tril(), dof.key_means(teacher, calib)
     ent, qk, var = np.zeros((3, L))
     for idx in calib:
@@ -807,12 +810,12 @@ def test_long_context_scores_the_teacher_a_window_and_a_student_and_tabulates_th
         long_context.main([str(a) for a in [*flags, "--what", what, "--out", tmp_path / "r.json"]])
         records.append(json.loads((tmp_path / "r.json").read_text()))
     teacher, baseline, student = records
-    c = M.GPT.from_pretrained(ckpt).config
+    c = model.GPT.from_pretrained(ckpt).config
     assert baseline["cache_bytes"] == c.n_layer * 10 * 2 * c.n_kv_head * c.head_dim * 4 and teacher["cache_bytes"] is None
     assert student["window"] == 8 and student["sinks"] == 2 and set(student["passkey"]) == {"80"}
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
     with forks.replaced({**window.REPLACE, (forks, "FORK"): "experiments/window.py"}):
-        net = E.load_student(out)[0]
-    assert student["loss"]["64"] == pytest.approx(E.perplexity(net, tokens, 64)["loss"], rel=1e-6)
+        net = evaluate.load_student(out)[0]
+    assert student["loss"]["64"] == pytest.approx(evaluate.perplexity(net, tokens, 64)["loss"], rel=1e-6)
     table = long_context.tables(records)["gap"].splitlines()
     assert len(table) == 2 + 3 + 2 and f"{student['loss']['32'] - teacher['loss']['32']:+.3f}" in table[-3]

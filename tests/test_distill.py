@@ -32,10 +32,10 @@ import devices
 import distill
 import dof
 import door
-import evaluate as E
+import evaluate
 import files
 import forks
-import model as M
+import model
 import report
 import resume
 from conftest import (
@@ -285,13 +285,13 @@ def test_atomic_path_leaves_the_old_file_and_no_tmp_when_the_writer_fails(tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and path.read_text() == "whole"
 
 
-@pytest.mark.parametrize("tokenizer", ["gpt2-tokenizer", pytest.param("smollm2-135m", marks=needs_smollm2)])
-def test_prepare_text_pieces_give_the_ids_of_the_whole_text(tokenizer):
+@pytest.mark.parametrize("tokenizer_name", ["gpt2-tokenizer", pytest.param("smollm2-135m", marks=needs_smollm2)])
+def test_prepare_text_pieces_give_the_ids_of_the_whole_text(tokenizer_name):
     """tokenize_text's ~1 MB pieces equal one encode_ordinary call on text whose paragraphs end in blank lines and
     trailing spaces (a cut after "a\\n\\n" had made its "\\n\\n" one token)."""
     from tokenizer import load_tokenizer
     prep = text_prepare()
-    enc = load_tokenizer(TOK if tokenizer == "gpt2-tokenizer" else tokenizer)
+    enc = load_tokenizer(TOK if tokenizer_name == "gpt2-tokenizer" else tokenizer_name)
     words = TEXT.read_text(encoding="utf-8").split()[:4000]
     ends = ("\n\n", "  \n", "\n", ".\n\n\n", "\n \n")
     text = "".join(" ".join(words[i:i + 40]) + ends[i // 40 % 5] for i in range(0, 4000, 40))
@@ -306,11 +306,11 @@ def test_wikipedia_max_tokens_count_end_of_text_and_stop_after_the_article_that_
     wiki = load_script("data/wikipedia/prepare.py")
     enc = types.SimpleNamespace(name="ord", n_vocab=65536, eot_token=65535, encode_ordinary_batch=lambda texts,
                                 num_threads=1: [[ord(c) for c in t] for t in texts])
-    files = {k: types.SimpleNamespace(ids=(ids := []), write=ids.extend) for k in ("train", "val")}
+    split_files = {k: types.SimpleNamespace(ids=(ids := []), write=ids.extend) for k in ("train", "val")}
     bar = types.SimpleNamespace(n=0, update=lambda k: None, set_postfix=lambda **k: None)
     cfg = types.SimpleNamespace(seed=0, fraction=1.0, batch_docs=16, val_fraction=0.0, max_tokens=10, num_threads=1)
-    assert wiki.write_articles(cfg, enc, iter(["abcd"] * 10), files, bar) == (2, 2)
-    assert files["train"].ids == [97, 98, 99, 100, 65535] * 2 and files["val"].ids == []
+    assert wiki.write_articles(cfg, enc, iter(["abcd"] * 10), split_files, bar) == (2, 2)
+    assert split_files["train"].ids == [97, 98, 99, 100, 65535] * 2 and split_files["val"].ids == []
 
 
 def test_prepare_wikipedia_stream_selection_and_cap(setup, tmp_path, monkeypatch):
@@ -382,7 +382,7 @@ def test_trained_student_beats_untrained_on_held_out_attention(trained, setup):
     v0, v1 = m["val"][0], m["val"][-1]
     assert v0["step"] == 0 and v1["step"] == 50
     assert all(b < a for a, b in zip(v0["attn_kl"], v1["attn_kl"])), (v0["attn_kl"], v1["attn_kl"])
-    student, cfg = M.load_student(out)
+    student, cfg = model.load_student(out)
     sd = features(out)
     for l, blk in enumerate(student.h):
         for n, t in blk.attn.core.state_dict().items():
@@ -401,7 +401,7 @@ def test_l2_loss_student_beats_untrained_on_held_out_attention(setup, tmp_path):
     assert all(last < first for first, last in zip(m["history"][0]["loss"], m["history"][-1]["loss"]))
     # the last validation, recomputed plainly from the saved student: val.bin's two windows of generator seed + 1,
     # their mean next-token loss and, per layer, the mean KL(p_i || p^_i) over the queries of both
-    student, teacher = M.load_student(out)[0], GPT.from_pretrained(ckpt)
+    student, teacher = model.load_student(out)[0], GPT.from_pretrained(ckpt)
     gen, tokens = torch.Generator().manual_seed(1), datafiles.read_tokens(data / "val.bin")
     val = [datafiles.get_batch(tokens, 4, 64, gen, "cpu") for _ in range(2)]
     with torch.no_grad():
@@ -500,7 +500,7 @@ def script_config(script):
     config = next((v for k, v in vars(mod).items() if k.endswith("Config") and v.__module__ == mod.__name__),
                   distill.DistillConfig)
     if hasattr(mod, "REPLACE"):                                         # fla_scan.py's config is evaluate.py's
-        command = ["evaluate"] if issubclass(config, E.EvalConfig) else []
+        command = ["evaluate"] if issubclass(config, evaluate.EvalConfig) else []
         mod.main = lambda argv: forks.fork(mod.__file__, mod.REPLACE, command + argv)
     return mod, config
 
@@ -899,11 +899,11 @@ def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setu
     lines = r.stdout.splitlines()
     at = lines.index("greedy continuations of 'The history of the city':")
     with torch.no_grad():
-        for line, name, model in zip(lines[at + 1:at + 3], ("teacher", "student"),
-                                     (GPT.from_pretrained(ckpt), M.load_student(out)[0])):
+        for line, name, gpt in zip(lines[at + 1:at + 3], ("teacher", "student"),
+                                   (GPT.from_pretrained(ckpt), model.load_student(out)[0])):
             ids = idx
             for _ in range(30):                  # greedy by the whole forward pass at every step: no decoding cache
-                ids = torch.cat((ids, model(ids)[:, -1:].argmax(-1)), 1)
+                ids = torch.cat((ids, gpt(ids)[:, -1:].argmax(-1)), 1)
             assert line == f"  {name}: {enc.decode(ids[0, idx.size(1):].tolist())!r}"
 
 
@@ -1230,7 +1230,7 @@ def test_init_from_a_checkpoint_holding_only_what_load_student_needs(setup, tmp_
     src = tmp_path / "made"
     src.mkdir()
     from safetensors.torch import save_file
-    save_file(M.feature_state(student), str(src / "features.safetensors"))
+    save_file(model.feature_state(student), str(src / "features.safetensors"))
     (src / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [6] * 4, "feature_map": "prf",
                                                  "chunk_size": 16}))
     distill.main(distill_args(ckpt, data, tmp_path / "run", "--init-from", src, "--max-steps", "2"))
@@ -1573,8 +1573,8 @@ def test_make_student_draws_the_initial_features_from_seed():
         student, dims, layer_dof = distill.make_student(distill.DistillConfig(dims="4,4", seed=seed, out_dir="x"),
                                                         teacher, None)
         torch.manual_seed(seed)
-        want = M.feature_state(teacher.linearize([4, 4]))
-        made[seed] = M.feature_state(student)
+        want = model.feature_state(teacher.linearize([4, 4]))
+        made[seed] = model.feature_state(student)
         assert dims == [4, 4] and layer_dof is None and made[seed].keys() == want.keys()
         assert all(torch.equal(made[seed][k], want[k]) for k in want)
     assert not torch.equal(made[0]["h.0.attn.core.feature_map.z"], made[1]["h.0.attn.core.feature_map.z"])

@@ -356,13 +356,13 @@ def test_allocation_table_pairs_seeds_and_gives_shares_only_of_a_clear_gain():
     noisy = X.allocation_table(fix + by_dof + [rec("Measured", s, 5.0 + s, 0.80 + s / 100 + e)
                                                for s, e in ((1, 0.01), (2, -0.02), (3, 0.005))])
     assert "| -0.0200 ± 0.0058 | – |" in noisy and "is within two standard errors of zero" in noisy
-    import allocation as A  # the curves' prediction for each run's dims
+    import allocation  # the curves' prediction for each run's dims
     curves = ROOT / "docs" / "results" / "curves"
-    Ms, KL = A.load_curves(curves)
-    dims = {"Fix": [32] * KL.shape[1], "Measured": A.measured_dims(Ms, KL, 32)}
+    Ms, KL = allocation.load_curves(curves)
+    dims = {"Fix": [32] * KL.shape[1], "Measured": allocation.measured_dims(Ms, KL, 32)}
     table = X.allocation_table([{**rec(r, s, 5.0, 0.8), "dims": dims[r]} for r in dims for s in (1, 2)],
                                curves_dir=curves)
-    want = A.expected_kl(Ms, KL, dims["Measured"]) - A.expected_kl(Ms, KL, dims["Fix"])
+    want = allocation.expected_kl(Ms, KL, dims["Measured"]) - allocation.expected_kl(Ms, KL, dims["Fix"])
     assert want < 0 and table.splitlines()[2].endswith(f"| {want:+.4f} |"), table
 
 
@@ -374,9 +374,9 @@ def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, t
     runs = X.tiny_grid(str(ckpt), str(data))
     res, scratch = tmp_path / "results", tmp_path / "scratch"
     X.run_grid(runs, jobs=2, results=res, scratch=scratch)
-    files = sorted((res / "tiny").glob("*.json"))
-    assert [f.stem for f in files] == sorted(r.name for r in runs)
-    recs = [json.loads(f.read_text()) for f in files]
+    result_files = sorted((res / "tiny").glob("*.json"))
+    assert [f.stem for f in result_files] == sorted(r.name for r in runs)
+    recs = [json.loads(f.read_text()) for f in result_files]
     for rec in recs:
         assert rec["args"]["args"]["seed"] == rec["seed"] and rec["args"]["args"]["budget"] == 4
         assert len(rec["dims"]) == 4 and [v["step"] for v in rec["val"]] == [0, 2, 4] and rec["seconds"] > 0
@@ -385,9 +385,9 @@ def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, t
     by = {(r["group"], r["seed"]): r for r in recs}
     for s in (0, 1):   # paired: seed s validates on the same windows under both allocations
         assert by[("4/Fix", s)]["val"][0]["teacher_loss"] == by[("4/DoF", s)]["val"][0]["teacher_loss"]
-    mtimes = [f.stat().st_mtime_ns for f in files]
+    mtimes = [f.stat().st_mtime_ns for f in result_files]
     X.run_grid(runs, jobs=2, results=res, scratch=scratch)
-    assert [f.stat().st_mtime_ns for f in files] == mtimes
+    assert [f.stat().st_mtime_ns for f in result_files] == mtimes
     doc = tmp_path / "results.md"
     doc.write_text("text\n<!-- begin tiny:summary -->\nstale\n<!-- end tiny:summary -->\nmore\n"
                    "<!-- begin tiny:paired -->\n<!-- end tiny:paired -->\nend\n")

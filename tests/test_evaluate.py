@@ -19,9 +19,9 @@ import checkpoint
 import datafiles
 import devices
 import door
-import evaluate as E
+import evaluate
 import fast_scorer
-import model as M
+import model
 import tasks
 from conftest import EVAL, N_POS, ROOT, TOK, WIKITEXT, edit_json, script_env, snapshot, torchrun
 from model import GPT
@@ -47,7 +47,7 @@ def hf_tok():
 
 def load_task(name, *args):
     """A task's prompts: its documents read by tasks.py, made prompts by evaluate.py's function."""
-    return tasks.load_task(name, E.TASKS[name], *args)
+    return tasks.load_task(name, evaluate.TASKS[name], *args)
 
 
 def first(task, n=1):
@@ -79,7 +79,7 @@ def test_prompt_arc():
     assert p.gold == 2
     # answerKey "1".."4" and 3 or 5 choices occur in ARC: the gold is the answerKey's place among the labels
     doc = {"question": "q", "choices": {"text": ["x", "y", "z"], "label": ["1", "2", "3"]}, "answerKey": "3"}
-    assert E.arc(doc).gold == 2 and len(E.arc(doc).requests) == 3
+    assert evaluate.arc(doc).gold == 2 and len(evaluate.arc(doc).requests) == 3
 
 
 def test_prompt_logiqa():
@@ -133,7 +133,7 @@ def test_prompt_wsc273():
     # possessive pronoun: the harness appends 's to every option, even one that already has it
     text = "The man ran. He fell."                      # a pronoun that starts a sentence: the option as it is
     doc = {"text": text, "pronoun": "He", "pronoun_loc": 13, "options": ["The man", "The dog"], "label": 0}
-    assert E.wsc273(doc).requests == [("The man ran. The man", "  fell."), ("The man ran. The dog", "  fell.")]
+    assert evaluate.wsc273(doc).requests == [("The man ran. The man", "  fell."), ("The man ran. The dog", "  fell.")]
     p = first("wsc273", 74)
     assert p.requests == [("Emma's mother had died long ago, and Emma's's",
                            "  place had been taken by an excellent woman as governess."),
@@ -149,15 +149,15 @@ def test_every_document_loads():
 
 
 def test_encode_pair_whitespace_rule(enc):
-    assert E.encode_pair(enc, "Hello", " world") == ([15496], [995])
+    assert evaluate.encode_pair(enc, "Hello", " world") == ([15496], [995])
     # trailing whitespace of the context moves onto the continuation: "Hello " + "world" scores " world"
-    assert E.encode_pair(enc, "Hello ", "world") == ([15496], [995])
+    assert evaluate.encode_pair(enc, "Hello ", "world") == ([15496], [995])
     # continuation tokens are the whole string's tokens beyond the context's, not tokens(continuation): they differ
     # where BPE merges across the boundary ("34 apples" is [2682, 22514]; "4 apples" alone would be [19, 22514])
-    ctx, cont = E.encode_pair(enc, "Answer:", " A")
+    ctx, cont = evaluate.encode_pair(enc, "Answer:", " A")
     assert ctx == [33706, 25] and cont == [317]
-    assert enc.encode("34 apples") == [2682, 22514] and E.encode_pair(enc, "3", "4 apples") == ([18], [22514])
-    assert E.encode_pair(enc, "a<|endoftext|>", " b") == ([64, 50256], [275])    # a special token's text: its id
+    assert enc.encode("34 apples") == [2682, 22514] and evaluate.encode_pair(enc, "3", "4 apples") == ([18], [22514])
+    assert evaluate.encode_pair(enc, "a<|endoftext|>", " b") == ([64, 50256], [275])  # a special token's text: its id
 
 
 def hf_encode_pair(hf_tok, context, continuation):
@@ -175,18 +175,18 @@ def test_encode_pair_matches_hf_tokenizer(enc, hf_tok):
     for task in tasks.ALL_TASKS:
         for p in load_task(task, EVAL, 10):
             for c, t in p.requests:
-                assert E.encode_pair(enc, c, t) == hf_encode_pair(hf_tok, c, t), (task, c, t)
+                assert evaluate.encode_pair(enc, c, t) == hf_encode_pair(hf_tok, c, t), (task, c, t)
                 n += 1
     assert n > 150
 
 
 def test_harness_window():
     # (ctx + cont)[-(L+1):][:-1]: left-truncated, last token dropped; the last len(cont) positions are scored
-    inp, targets = E.harness_window(list(range(10)), [10, 11], 5)
+    inp, targets = evaluate.harness_window(list(range(10)), [10, 11], 5)
     assert inp == [6, 7, 8, 9, 10] and targets == [(3, 10), (4, 11)]
-    inp, targets = E.harness_window([1, 2], [3], 5)
+    inp, targets = evaluate.harness_window([1, 2], [3], 5)
     assert inp == [1, 2] and targets == [(1, 3)]
-    inp, targets = E.harness_window([1], [2, 3, 4, 5, 6], 5)          # a continuation as long as the context
+    inp, targets = evaluate.harness_window([1], [2, 3, 4, 5, 6], 5)   # a continuation as long as the context
     assert inp == [1, 2, 3, 4, 5] and targets == [(0, 2), (1, 3), (2, 4), (3, 5), (4, 6)]
     with pytest.raises(door.ModelError, match=r"^a request with an empty context cannot be scored as the harness"):
         tasks.check_requests([[([], [3, 4])]], 5)                     # its first target would be read at position -1
@@ -194,7 +194,7 @@ def test_harness_window():
 
 def tokenized(enc, prompts):
     """Every request of every document as (context tokens, continuation tokens)."""
-    return [[E.encode_pair(enc, c, t) for c, t in p.requests] for p in prompts]
+    return [[evaluate.encode_pair(enc, c, t) for c, t in p.requests] for p in prompts]
 
 
 def naive_loglikelihood(logits_of, ctx_tokens, cont_tokens):
@@ -208,7 +208,7 @@ def naive_loglikelihood(logits_of, ctx_tokens, cont_tokens):
     return sum(float(r[t]) for r, t in rows), all(int(r.argmax()) == t for r, t in rows)
 
 
-def test_every_scorer_equals_a_naive_transformers_computation(model, enc, hf_model):
+def test_every_scorer_equals_a_naive_transformers_computation(tiny_gpt, enc, hf_model):
     """--plain (one forward pass per request), the default fast scorer, and the fast scorer without shared prefixes
     (LM head at scored positions only), each against transformers' model on the window written out in the test:
     log-likelihoods within fp32 noise, the same is_greedy, the same acc and acc_norm, on 4 documents of every task."""
@@ -217,16 +217,17 @@ def test_every_scorer_equals_a_naive_transformers_computation(model, enc, hf_mod
     for task in tasks.ALL_TASKS:
         prompts = load_task(task, EVAL, 4)
         docs = tokenized(enc, prompts)
-        windows = [[E.harness_window(c, t, N_POS) for c, t in doc] for doc in docs]
-        scorers = {"plain": E.score_requests(model, docs, plain=True), "fast": E.score_requests(model, docs, 4),
-                   "unshared": score_windows(model, windows, batch_size=3, share_prefix=False)}
+        windows = [[evaluate.harness_window(c, t, N_POS) for c, t in doc] for doc in docs]
+        scorers = {"plain": evaluate.score_requests(tiny_gpt, docs, plain=True),
+                   "fast": evaluate.score_requests(tiny_gpt, docs, 4),
+                   "unshared": score_windows(tiny_gpt, windows, batch_size=3, share_prefix=False)}
         for d, (doc, p) in enumerate(zip(docs, prompts)):
             naive = [naive_loglikelihood(lambda x: hf_model(x).logits, c, t) for c, t in doc]
             for name, scored in scorers.items():
                 worst = max([worst] + [abs(a - b) for (a, _), (b, _) in zip(naive, scored[d])])
                 assert [g for _, g in scored[d]] == [g for _, g in naive], (task, name)
-                assert (E.doc_metrics([ll for ll, _ in scored[d]], p.gold, p.choices) ==
-                        E.doc_metrics([ll for ll, _ in naive], p.gold, p.choices)), (task, name)
+                assert (evaluate.doc_metrics([ll for ll, _ in scored[d]], p.gold, p.choices) ==
+                        evaluate.doc_metrics([ll for ll, _ in naive], p.gold, p.choices)), (task, name)
             n += len(doc)
     assert worst < 1e-4, worst
     assert n > 80
@@ -240,11 +241,11 @@ def test_every_scorer_on_a_linear_student(enc, ckpt):
     docs = tokenized(enc, load_task("arc_easy", EVAL, 2) + load_task("wsc273", EVAL, 2))
     naive = [[naive_loglikelihood(lambda x: student(x), c, t)[0] for c, t in doc] for doc in docs]
     for plain in (False, True):
-        for ref, res in zip(naive, E.score_requests(student, docs, batch_size=3, plain=plain), strict=True):
+        for ref, res in zip(naive, evaluate.score_requests(student, docs, batch_size=3, plain=plain), strict=True):
             assert [ll for ll, _ in res] == pytest.approx(ref, abs=1e-3)
 
 
-def test_is_greedy_needs_every_continuation_token_to_be_the_argmax(model, hf_model):
+def test_is_greedy_needs_every_continuation_token_to_be_the_argmax(tiny_gpt, hf_model):
     """A two-token continuation whose first token is not transformers' argmax and whose second is: not greedy, in
     every scorer (a scorer that kept the last token's verdict would say greedy); both argmaxes: greedy."""
     from fast_scorer import score_windows
@@ -254,13 +255,13 @@ def test_is_greedy_needs_every_continuation_token_to_be_the_argmax(model, hf_mod
         other = (first + 1) % 50257
         after = [hf_model(torch.tensor([ctx + [t]])).logits[0, -1].argmax().item() for t in (first, other)]
     docs = [[(ctx, [other, after[1]]), (ctx, [first, after[0]])]]
-    windows = [[E.harness_window(c, t, N_POS) for c, t in doc] for doc in docs]
-    for res in (E.score_requests(model, docs, plain=True), E.score_requests(model, docs, 2),
-                score_windows(model, windows, batch_size=1, share_prefix=False)):
+    windows = [[evaluate.harness_window(c, t, N_POS) for c, t in doc] for doc in docs]
+    for res in (evaluate.score_requests(tiny_gpt, docs, plain=True), evaluate.score_requests(tiny_gpt, docs, 2),
+                score_windows(tiny_gpt, windows, batch_size=1, share_prefix=False)):
         assert [g for _, g in res[0]] == [False, True]
 
 
-def test_a_continuation_as_long_as_the_context_is_scored_and_one_token_longer_is_refused(model, hf_model):
+def test_a_continuation_as_long_as_the_context_is_scored_and_one_token_longer_is_refused(tiny_gpt, hf_model):
     """The boundary of check_requests: a continuation of exactly the model's 128 positions fills the whole window
     (its first token is predicted at position 0, from the context's last token) and every scorer gives transformers'
     sum; 129 tokens cannot be scored (the first would have nothing before it) and are refused."""
@@ -268,76 +269,79 @@ def test_a_continuation_as_long_as_the_context_is_scored_and_one_token_longer_is
     tasks.check_requests([[(ctx, cont)]], N_POS)                                   # accepted: no error
     naive = naive_loglikelihood(lambda x: hf_model(x).logits, ctx, cont)
     for plain in (False, True):
-        [[(ll, greedy)]] = E.score_requests(model, [[(ctx, cont)]], plain=plain)
+        [[(ll, greedy)]] = evaluate.score_requests(tiny_gpt, [[(ctx, cont)]], plain=plain)
         assert ll == pytest.approx(naive[0], rel=1e-5) and greedy == naive[1]
     with pytest.raises(door.ModelError, match=f"^a continuation of {N_POS + 1} tokens cannot be scored: it needs 1 to "
                                               f"{N_POS}, the model's context length$"):
         tasks.check_requests([[(ctx, cont + [13])]], N_POS)
 
 
-def test_a_row_that_is_the_prefix_of_another_keeps_a_token_of_its_own(model):
+def test_a_row_that_is_the_prefix_of_another_keeps_a_token_of_its_own(tiny_gpt):
     """Choices " x" and " x y" after one context: the first row's tokens all begin the second's; the shared prefix
     stops a token short of the shorter row (it must keep one to score), and every scorer gives the plain scores."""
     from fast_scorer import score_windows
     docs = [[([464, 2068, 7586], [21831]), ([464, 2068, 7586], [21831, 18045, 625])]]
-    windows = [[E.harness_window(c, t, N_POS) for c, t in doc] for doc in docs]
-    plain = E.score_requests(model, docs, plain=True)
-    for res in (E.score_requests(model, docs, 2), score_windows(model, windows, batch_size=1, share_prefix=True)):
+    windows = [[evaluate.harness_window(c, t, N_POS) for c, t in doc] for doc in docs]
+    plain = evaluate.score_requests(tiny_gpt, docs, plain=True)
+    for res in (evaluate.score_requests(tiny_gpt, docs, 2),
+                score_windows(tiny_gpt, windows, batch_size=1, share_prefix=True)):
         assert [ll for ll, _ in res[0]] == pytest.approx([ll for ll, _ in plain[0]], abs=1e-4)
 
 
-def test_truncation_like_the_harness(model, enc, hf_model):
+def test_truncation_like_the_harness(tiny_gpt, enc, hf_model):
     """A context longer than the model's 128 positions is cut from the left, to the last 129 tokens minus one."""
     context = " ".join(f"word{i}" for i in range(200))
-    ctx, cont = E.encode_pair(enc, context, " the end of it")
+    ctx, cont = evaluate.encode_pair(enc, context, " the end of it")
     assert len(ctx) > 2 * N_POS
     for plain in (False, True):
-        [[(ll, _)]] = E.score_requests(model, [[(ctx, cont)]], plain=plain)
+        [[(ll, _)]] = evaluate.score_requests(tiny_gpt, [[(ctx, cont)]], plain=plain)
         assert abs(ll - naive_loglikelihood(lambda x: hf_model(x).logits, ctx, cont)[0]) < 1e-4
 
 
 def test_acc_norm_divides_by_choice_characters():
     # acc picks the higher log-likelihood; acc_norm divides by len(choice) without the " " delimiter:
     # -3/1 < -5/2, so choice 1 wins (with the delimiter counted it would be -3/2 > -5/3: choice 0)
-    assert E.doc_metrics([-3.0, -5.0], 1, ["a", "bb"]) == (0.0, 1.0)
-    assert E.doc_metrics([-3.0, -5.0], 0, ["a", "bb"]) == (1.0, 0.0)
-    assert E.doc_metrics([-3.0, -5.0], 0, None) == (1.0, None)
+    assert evaluate.doc_metrics([-3.0, -5.0], 1, ["a", "bb"]) == (0.0, 1.0)
+    assert evaluate.doc_metrics([-3.0, -5.0], 0, ["a", "bb"]) == (1.0, 0.0)
+    assert evaluate.doc_metrics([-3.0, -5.0], 0, None) == (1.0, None)
     # characters, as the harness's len(str), not UTF-8 bytes: "é" is 1 character (-3/1 < -5/2) but 2 bytes (-3/2)
-    assert E.doc_metrics([-3.0, -5.0], 1, ["\u00e9", "ab"]) == (0.0, 1.0)
+    assert evaluate.doc_metrics([-3.0, -5.0], 1, ["\u00e9", "ab"]) == (0.0, 1.0)
 
 
 def test_ties_go_to_the_first():
-    assert E.doc_metrics([-1.0, -1.0], 0, ["x", "y"]) == (1.0, 1.0)
-    assert E.doc_metrics([-1.0, -1.0], 1, ["x", "y"]) == (0.0, 0.0)
+    assert evaluate.doc_metrics([-1.0, -1.0], 0, ["x", "y"]) == (1.0, 1.0)
+    assert evaluate.doc_metrics([-1.0, -1.0], 1, ["x", "y"]) == (0.0, 0.0)
 
 
 def test_stderr_by_hand_and_pooled_stderr_by_the_law_of_total_variance(monkeypatch):
     """The stderr on values worked out by hand; MMLU's pooled stderr also by an independent route: the pooled
     within-subject variance from the raw values, total minus between-subject sum of squares; evaluate_task pools
     acc's by the prompts' subjects."""
-    assert E.stderr([1.0, 0.0, 1.0, 1.0]) == pytest.approx(0.25)  # mean 3/4, squares 3/4, / 3 = 1/4: sqrt / sqrt 4
-    assert E.stderr([1.0, 0.0]) == pytest.approx(0.5)             # the fewest values with one: sqrt(1/2) / sqrt 2
-    assert E.stderr([1.0]) is None                                 # the harness says N/A
+    # mean 3/4, squares 3/4, / 3 = 1/4: sqrt / sqrt 4
+    assert evaluate.stderr([1.0, 0.0, 1.0, 1.0]) == pytest.approx(0.25)
+    assert evaluate.stderr([1.0, 0.0]) == pytest.approx(0.5)  # the fewest values with one: sqrt(1/2) / sqrt 2
+    assert evaluate.stderr([1.0]) is None                                 # the harness says N/A
     # a = 1 0 1 (mean 2/3, squares 2/3) and b = 0 0 1 1 (mean 1/2, squares 1): within 5/3 over 7 - 2, / 7 = 1/21
-    assert E.stderr([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0], list("aaabbbb")) == pytest.approx(math.sqrt(1 / 21))
+    assert evaluate.stderr([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0], list("aaabbbb")) == pytest.approx(math.sqrt(1 / 21))
     accs = [1, 0, 1, 0, 0, 1, 1]                                   # the same, as the scores of two-choice prompts
-    monkeypatch.setattr(E, "score_requests", lambda *a: [[(-1.0, False), (-2.0 if x else -0.5, False)] for x in accs])
+    monkeypatch.setattr(evaluate, "score_requests",
+                        lambda *a: [[(-1.0, False), (-2.0 if x else -0.5, False)] for x in accs])
     enc = types.SimpleNamespace(encode=lambda text, **k: [ord(c) for c in text])
-    prompts = [E.Prompt([("q", " A"), ("q", " B")], 0, None, g) for g in "aaabbbb"]
-    result, samples = E.evaluate_task(None, enc, prompts, E.EvalConfig(device="cpu"))
+    prompts = [evaluate.Prompt([("q", " A"), ("q", " B")], 0, None, g) for g in "aaabbbb"]
+    result, samples = evaluate.evaluate_task(None, enc, prompts, evaluate.EvalConfig(device="cpu"))
     assert [d["acc"] for d in samples] == accs and result["acc_stderr"] == pytest.approx(math.sqrt(1 / 21))
     rng = np.random.default_rng(0)
     xs, groups = rng.integers(0, 2, 300).astype(float), rng.integers(0, 7, 300)
     between = sum((groups == g).sum() * (xs[groups == g].mean() - xs.mean()) ** 2 for g in range(7))
     within = len(xs) * xs.var() - between
-    assert E.stderr(list(xs), list(groups)) == pytest.approx(math.sqrt(within / (len(xs) - 7) / len(xs)))
+    assert evaluate.stderr(list(xs), list(groups)) == pytest.approx(math.sqrt(within / (len(xs) - 7) / len(xs)))
     # a subject with one question (N/A in the harness, e.g. under --limit): the stderr over all questions instead
-    assert E.stderr([1.0, 0.0, 1.0, 1.0], list("aaab")) == E.stderr([1.0, 0.0, 1.0, 1.0])
+    assert evaluate.stderr([1.0, 0.0, 1.0, 1.0], list("aaab")) == evaluate.stderr([1.0, 0.0, 1.0, 1.0])
 
 
 def evaluate_cli(*args):
     """evaluate.py's main in-process on the CPU (the default, auto, would take a GPU and bf16 where there is one)."""
-    return E.main(["--device", "cpu", *map(str, args)])
+    return evaluate.main(["--device", "cpu", *map(str, args)])
 
 
 def test_cli_results_json(ckpt, tmp_path, capsys):
@@ -483,8 +487,8 @@ def test_cli_student_next_to_teacher(ckpt, student, tmp_path, capsys):
     assert list(r["student"]["results"]) == ["arc_easy", "winogrande"]
     s = r["student"]["samples"]["arc_easy"][1]
     assert s["loglikelihoods"] != r["samples"]["arc_easy"][1]["loglikelihoods"]
-    reloaded, enc = M.load_student(student)[0], load_tokenizer(ckpt)
-    naive = [naive_loglikelihood(lambda x: reloaded(x), *E.encode_pair(enc, c, t))[0] for c, t in s["requests"]]
+    reloaded, enc = model.load_student(student)[0], load_tokenizer(ckpt)
+    naive = [naive_loglikelihood(lambda x: reloaded(x), *evaluate.encode_pair(enc, c, t))[0] for c, t in s["requests"]]
     assert s["loglikelihoods"] == pytest.approx(naive, abs=1e-3)
 
 
@@ -494,15 +498,15 @@ def test_a_checkpoint_with_a_dim_short_is_refused(ckpt, student, tmp_path):
     edit_json(bad / "config.json", dims=[8])
     with pytest.raises(door.ModelError, match=r"^the dims \(1, the first 8\) are not a number per layer of this 2-layer "
                                          r"teacher; pass a checkpoint"):
-        M.load_student(bad)
+        model.load_student(bad)
 
 
-def without_timings(report):
-    for part in (report, report.get("student", {})):
+def without_timings(results_json):
+    for part in (results_json, results_json.get("student", {})):
         for result in part.get("results", {}).values():
             result.pop("seconds")
-    report.pop("world_size"), report["config"].pop("output")
-    return report
+    results_json.pop("world_size"), results_json["config"].pop("output")
+    return results_json
 
 
 def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, student, tmp_path):
@@ -510,7 +514,7 @@ def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, student
     --ppl windows; rank 0 writes results.json equal to one process's, bit for bit, apart from timings and world_size."""
     args = ["--model", ckpt, "--ckpt", student, "--tasks", "all", "--data-dir", EVAL, "--limit", "5", "--batch-size",
             "3", "--ppl", WIKITEXT, "--ppl-max-tokens", "700", "--ppl-context", "64", "--device", "cpu"]
-    E.main([*map(str, args), "--output", str(tmp_path / "one.json")])
+    evaluate.main([*map(str, args), "--output", str(tmp_path / "one.json")])
     assert not torch.distributed.is_initialized()  # one process: no process group
     r = torchrun("evaluate.py", *args, "--output", tmp_path / "two.json")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -520,18 +524,18 @@ def test_torchrun_two_processes_write_the_one_process_results_json(ckpt, student
     assert without_timings(two) == without_timings(one)
 
 
-def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monkeypatch):
+def test_shares_of_every_scorer_merge_to_the_one_process_scores(tiny_gpt, enc, monkeypatch):
     """Three simulated ranks: each scores only its share (None elsewhere), the shares cover every request once,
     and put together they are the one-process scores exactly, for the fast scorer and for --plain."""
     docs = tokenized(enc, load_task("piqa", EVAL, 4) + load_task("mmlu", EVAL, 4) +
                      load_task("winogrande", EVAL, 3))
     for plain in (False, True):
-        one, shares = E.score_requests(model, docs, batch_size=2, plain=plain), []
+        one, shares = evaluate.score_requests(tiny_gpt, docs, batch_size=2, plain=plain), []
         monkeypatch.setattr(devices, "all_gather", lambda share: shares.append(share) or [share, one])  # each share
         for rank in range(3):
             monkeypatch.setattr(devices, "get_rank", lambda: rank)
             monkeypatch.setattr(devices, "get_world_size", lambda: 3)
-            E.score_requests(model, docs, batch_size=2, plain=plain)
+            evaluate.score_requests(tiny_gpt, docs, batch_size=2, plain=plain)
         monkeypatch.undo()
         for d, doc in enumerate(docs):
             for k in range(len(doc)):
@@ -541,9 +545,9 @@ def test_shares_of_every_scorer_merge_to_the_one_process_scores(model, enc, monk
 
 
 @pytest.mark.parametrize("context", [None, 50, 2])                    # 2: the last window is one token
-def test_perplexity_equals_transformers(model, enc, hf_model, context):
+def test_perplexity_equals_transformers(tiny_gpt, enc, hf_model, context):
     tokens = datafiles.read_tokens(str(WIKITEXT), enc, 300, special=True)
-    r = E.perplexity(model, tokens, context)
+    r = evaluate.perplexity(tiny_gpt, tokens, context)
     L, nll = context or N_POS, 0.0
     with torch.no_grad():
         for s in range(0, 299, L):  # windows of L inputs predicting the next L tokens; the last is shorter
@@ -551,16 +555,16 @@ def test_perplexity_equals_transformers(model, enc, hf_model, context):
             y = torch.tensor(tokens[s + 1:min(s + L, 299) + 1].astype("int64"))
             nll += float(F.cross_entropy(hf_model(x).logits[0], y, reduction="sum"))
     assert r["tokens"] == 299 and r["context"] == L and r["loss"] == pytest.approx(nll / 299, abs=1e-4)
-    assert E.perplexity(model, tokens[:60], context)["context"] == min(L, 59)   # a file shorter than a window
+    assert evaluate.perplexity(tiny_gpt, tokens[:60], context)["context"] == min(L, 59)  # a file shorter than a window
     assert r["ppl"] == pytest.approx(math.exp(r["loss"]))
 
 
-def test_perplexity_of_a_loss_past_float_range_is_inf(model, monkeypatch):
+def test_perplexity_of_a_loss_past_float_range_is_inf(tiny_gpt, monkeypatch):
     """A mean loss above 709.8 nats (a diverged student's) has a perplexity beyond float: inf, not an OverflowError
     after the whole pass."""
-    monkeypatch.setattr(model, "nll", lambda x, y: torch.full((x.size(0),), 800.0 * x.size(1)))
+    monkeypatch.setattr(tiny_gpt, "nll", lambda x, y: torch.full((x.size(0),), 800.0 * x.size(1)))
     with pytest.warns(RuntimeWarning, match="overflow"):
-        r = E.perplexity(model, np.arange(300, dtype=np.uint16), 50)
+        r = evaluate.perplexity(tiny_gpt, np.arange(300, dtype=np.uint16), 50)
     assert r["loss"] == pytest.approx(800.0) and r["ppl"] == math.inf
 
 
@@ -610,7 +614,7 @@ def test_a_moved_teacher_serves_its_student_and_another_model_at_its_path_is_ref
     results = [json.loads((tmp_path / f).read_text())["ppl"] for f in ("moved.json", "here.json")]
     assert results[0] == results[1] and results[0]["student"]["loss"] != results[0]["teacher"]["loss"]
     nudge(shutil.copytree(ckpt, old) / "model.safetensors")
-    monkeypatch.setattr(M.GPT, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(model.GPT, "from_pretrained", lambda *a, **k: pytest.fail("a model was loaded"))
     before, _ = snapshot(tmp_path), capsys.readouterr()
     code, err = evaluate_exit(capsys, "--model", old, "--ckpt", s, *flags, "--output", tmp_path / "other.json")
     assert code == 2 and err == (f"error: the teacher at {old} has changed since checkpoint {s} was distilled from it "
@@ -665,7 +669,7 @@ def test_bad_option_is_one_sentence_before_any_work(flags, sentence, ckpt, tmp_p
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "val.bin")
     before = sorted(tmp_path.rglob("*"))
     monkeypatch.setattr(tasks, "load_task", lambda *a: pytest.fail("a task was read"))
-    monkeypatch.setattr(E, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
     flags = [tmp_path / f if str(f).endswith((".bin", ".txt", ".json", "folder")) else f for f in flags]
     code, err = evaluate_exit(capsys, "--model", ckpt, "--data-dir", EVAL, "--tasks", "piqa",
                               "--output", tmp_path / "r.json", *flags)
@@ -703,7 +707,7 @@ def test_output_in_a_read_only_folder_fails_before_any_work(ckpt, tmp_path, caps
             break
     else:
         pytest.skip("every folder tried accepts a new file")
-    monkeypatch.setattr(E, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
     code, err = evaluate_exit(capsys, "--model", ckpt, "--data-dir", EVAL, "--tasks", "piqa",
                               "--output", folder / "results.json")
     assert code == 2 and re.fullmatch(rf"error: cannot write --output {folder}/results.json: {folder} is not "
@@ -837,8 +841,8 @@ def test_every_process_refuses_a_request_that_another_process_scores():
 
 def test_cli_ppl_scores_each_model_with_the_context_and_special_tokens_given(ckpt, student, enc, tmp_path):
     """evaluate.py --ppl FILE --ppl-context 50 --ckpt: each model's own loss, on FILE encoded as the tasks' text (a
-    special token's text is the special token), in windows of --ppl-context tokens: E.perplexity's on those tokens,
-    bit for bit."""
+    special token's text is the special token), in windows of --ppl-context tokens: evaluate.perplexity's on those
+    tokens, bit for bit."""
     text = tmp_path / "t.txt"
     text.write_text(WIKITEXT.read_text(encoding="utf-8")[:1500] + "<|endoftext|>" + "The end of it.")
     out = tmp_path / "r.json"
@@ -847,21 +851,21 @@ def test_cli_ppl_scores_each_model_with_the_context_and_special_tokens_given(ckp
     r = json.loads(out.read_text())["ppl"]
     tokens = datafiles.read_tokens(text, enc, special=True)
     assert 50256 in tokens.tolist()
-    for name, m in (("teacher", GPT.from_pretrained(ckpt)), ("student", M.load_student(student)[0])):
-        want = E.perplexity(m, tokens, 50, batch_size=3)
+    for name, m in (("teacher", GPT.from_pretrained(ckpt)), ("student", model.load_student(student)[0])):
+        want = evaluate.perplexity(m, tokens, 50, batch_size=3)
         assert r[name]["tokens"] == len(tokens) - 1 and r[name]["context"] == 50, (name, r[name])
         assert r[name]["loss"] == want["loss"], name                         # the same windows, batches and sums
     assert r["student"]["loss"] != r["teacher"]["loss"]          # near-uniform tiny models: apart in the 6th digit
 
 
-def test_perplexity_does_not_depend_on_the_batch_size(model, enc):
-    """E.perplexity with 1, 2 or 3 windows per forward pass scores every window of the file, as 64 a pass does
-    (300 tokens: windows of 128, 50 and 7 tokens, the last shorter)."""
+def test_perplexity_does_not_depend_on_the_batch_size(tiny_gpt, enc):
+    """evaluate.perplexity with 1, 2 or 3 windows per forward pass scores every window of the file, as 64 a pass
+    does (300 tokens: windows of 128, 50 and 7 tokens, the last shorter)."""
     tokens = datafiles.read_tokens(str(WIKITEXT), enc, 300, special=True)
     for context in (None, 50, 7):
-        want = E.perplexity(model, tokens, context, batch_size=64)
+        want = evaluate.perplexity(tiny_gpt, tokens, context, batch_size=64)
         for b in (1, 2, 3):
-            got = E.perplexity(model, tokens, context, batch_size=b)
+            got = evaluate.perplexity(tiny_gpt, tokens, context, batch_size=b)
             assert got["tokens"] == want["tokens"] == 299 and got["loss"] == pytest.approx(want["loss"], rel=1e-6), (
                 context, b)
 
@@ -874,11 +878,11 @@ def test_task_files_with_crlf_line_ends_and_blank_lines_of_spaces_are_read(tmp_p
     assert load_task("piqa", tmp_path) == load_task("piqa", EVAL, 3)
 
 
-def test_speed_times_the_second_prefill_and_decodes_to_the_context(model, monkeypatch):
+def test_speed_times_the_second_prefill_and_decodes_to_the_context(tiny_gpt, monkeypatch):
     """A clock that the warm-up prefill moves 5 s, the timed prefill 2 s and generation 7 s: prefill_s 2, generate_s
     7; --speed-tokens at the context (door.validate refuses more), n tokens in all: the first, then n - 1 decoded (the last is
     not fed back), so the forward passes see n, n, then 1 token n - 1 times."""
-    clock, hidden, generate, calls = [0.0], model.hidden, model.generate, []
+    clock, hidden, generate, calls = [0.0], tiny_gpt.hidden, tiny_gpt.generate, []
     monkeypatch.setattr(devices, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def timed_hidden(*a, **k):
@@ -889,9 +893,9 @@ def test_speed_times_the_second_prefill_and_decodes_to_the_context(model, monkey
     def timed_generate(*a, **k):
         clock[0] += 7.0
         return generate(*a, **k)
-    monkeypatch.setattr(model, "hidden", timed_hidden)
-    monkeypatch.setattr(model, "generate", timed_generate)
-    n = model.config.block_size
-    r = E.speed(model, n)
+    monkeypatch.setattr(tiny_gpt, "hidden", timed_hidden)
+    monkeypatch.setattr(tiny_gpt, "generate", timed_generate)
+    n = tiny_gpt.config.block_size
+    r = evaluate.speed(tiny_gpt, n)
     assert r == {"tokens": n, "prefill_s": 2.0, "generate_s": 7.0}
     assert calls == [n, n] + [1] * (n - 1)

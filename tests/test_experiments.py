@@ -22,12 +22,12 @@ import direct_finetune
 import distill
 import dof
 import door
-import evaluate as E
+import evaluate
 import fla_scan
 import forks
 import hedgehog
 import leverage
-import model as M
+import model
 import per_head
 from conftest import FAST, cli, distill_args, edit_json, features
 from model import LinearAttention, causal_linear_attention, linear_attention_reference, repeat_kv
@@ -41,19 +41,19 @@ def distill_config(argv):
 
 
 # every name a fork may set (common.FORK apart)
-CORE_NAMES = [(M, "FEATURE_MAPS"), (M, "LinearAttention"), (M, "causal_linear_attention"),
+CORE_NAMES = [(model, "FEATURE_MAPS"), (model, "LinearAttention"), (model, "causal_linear_attention"),
               (distill, "DistillConfig"), (distill, "make_student"), (distill, "layer_losses"),
               (distill, "step_loss"), (distill, "softmax_loss_blockwise"), (distill, "l2_loss_blockwise"),
-              (E, "EvalConfig"), (E, "load_student")]
+              (evaluate, "EvalConfig"), (evaluate, "load_student")]
 
 
 @pytest.fixture(autouse=True)
 def forks_do_not_leak():
     """Each test leaves the core's names (and FEATURE_MAPS' entries) as it found them, and no fork running."""
     before = {key: getattr(*key) for key in CORE_NAMES}
-    maps = dict(M.FEATURE_MAPS)
+    maps = dict(model.FEATURE_MAPS)
     yield
-    assert {key: getattr(*key) for key in CORE_NAMES} == before and M.FEATURE_MAPS == maps
+    assert {key: getattr(*key) for key in CORE_NAMES} == before and model.FEATURE_MAPS == maps
     assert forks.FORK is None
 
 
@@ -80,12 +80,13 @@ def refusal(what, fork, teacher):
 def test_replaced_sets_a_forks_names_inside_and_the_cores_after():
     """common.replaced: per_head's classes and functions inside, the core's after, also when the block raises."""
     with forks.replaced(per_head.REPLACE):
-        assert M.LinearAttention is per_head.GroupedLinearAttention and distill.make_student is per_head.make_student
-        assert distill.DistillConfig is per_head.PerHeadConfig and E.load_student is per_head.load_student
+        assert model.LinearAttention is per_head.GroupedLinearAttention
+        assert distill.make_student is per_head.make_student
+        assert distill.DistillConfig is per_head.PerHeadConfig and evaluate.load_student is per_head.load_student
     with pytest.raises(ZeroDivisionError), forks.replaced(hedgehog.REPLACE):
-        assert "hedgehog" in M.FEATURE_MAPS
+        assert "hedgehog" in model.FEATURE_MAPS
         raise ZeroDivisionError
-    assert M.LinearAttention is per_head.CoreLinearAttention and "hedgehog" not in M.FEATURE_MAPS
+    assert model.LinearAttention is per_head.CoreLinearAttention and "hedgehog" not in model.FEATURE_MAPS
 
 
 # ==================================================================================================================
@@ -383,7 +384,7 @@ def test_core_and_forks_start_every_process_from_rank_0s_dims_and_features(setup
     pass and draws may differ across devices): here a process other than rank 0 (common.is_main false), handed rank
     0's dims by common.broadcast, and every feature tensor of its student handed to it to be filled with rank 0's."""
     d, ckpt, data = setup
-    teacher = M.GPT.from_pretrained(ckpt)
+    teacher = model.GPT.from_pretrained(ckpt)
     calib = dof.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), 2, 2, 64, 0, "cpu")
     L, H = teacher.config.n_layer, teacher.config.n_head
     heads = ([[3] + [5] * (H - 1)] * L, [[1.0] * H] * L)                            # per-head dims and DoF
@@ -400,7 +401,7 @@ def test_core_and_forks_start_every_process_from_rank_0s_dims_and_features(setup
         with forks.replaced(replace):
             cfg = distill_config(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", alloc, "--J", "64"])
             student, dims, N = distill.make_student(cfg, teacher, calib)
-        assert {t.data_ptr() for t in M.feature_state(student).values()} <= set(filled)
+        assert {t.data_ptr() for t in model.feature_state(student).values()} <= set(filled)
         assert (dims, N) == rank0
 
 
@@ -419,13 +420,13 @@ def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkp
     assert dims.shape == (4, 4) and dims.sum() == 6 * 4 * 4 and dims.min() >= 1 and len(set(dims.ravel())) > 1
     assert np.array(cfg["dof"]).shape == (4, 4) and cfg["fork"] == "experiments/per_head.py"
     with forked("per_head", per_head.REPLACE):
-        student, _ = M.load_student(out)
+        student, _ = model.load_student(out)
     assert [c.dims for c in student.cores()] == cfg["dims"]
     assert sum(g.feature_map.z.shape[0] * g.M for c in student.cores() for g in c.groups) == 6 * 4 * 4
     with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
-        M.load_student(out)
+        model.load_student(out)
     with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
-        E.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
+        evaluate.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
     with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
         distill.main(distill_args(ckpt, data, tmp_path / "plain", "--init-from", out))
     with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
@@ -440,7 +441,7 @@ def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkp
     ppl = json.loads((tmp_path / "ppl.json").read_text())["ppl"]
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
     with forked("per_head", per_head.REPLACE):
-        assert ppl["student"] == pytest.approx(E.perplexity(M.load_student(out)[0], tokens), rel=1e-6)
+        assert ppl["student"] == pytest.approx(evaluate.perplexity(model.load_student(out)[0], tokens), rel=1e-6)
     assert ppl["student"]["loss"] != ppl["teacher"]["loss"]
     distill.main(distill_args(ckpt, data, tmp_path / "plain", "--budget", "6", "--max-steps", "0"))
     plain = str(tmp_path / "plain")
@@ -457,7 +458,7 @@ def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkp
     with pytest.raises(door.ModelError, match=r"^per-head dims need 4 whole numbers of at least 1 a layer for 4 layers, "
                                          r"got 4 of \[1, 2, 3\]; pass the --out-dir of a per_head.py run$"), \
             forked("per_head", per_head.REPLACE):
-        E.load_student(short)
+        evaluate.load_student(short)
     shutil.copytree(ckpt, tmp_path / "other")                         # the fork's resume makes the core's checks
     nudge(tmp_path / "other" / "model.safetensors")                    # another model, by one value
     r = cli("experiments/per_head.py", "--model", tmp_path / "other", "--data", data, "--budget", 6, "--max-steps", 6,
@@ -528,11 +529,11 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
 def test_fla_scan_needs_a_student_on_cuda(ckpt, monkeypatch):
     """experiments/fla_scan.py refuses, before any work (its EvalConfig's checks), a run whose student scan FLA's
     CUDA kernel cannot take; so does its command line, with one sentence."""
-    monkeypatch.setattr(E, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(evaluate, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
     for flags in (["--ckpt", "some-run", "--device", "cpu"], ["--device", "auto"]):     # the CPU; no student
         with pytest.raises(door.ModelError, match=r"^experiments/fla_scan.py runs a student's scan on CUDA: it needs"), \
                 forks.replaced(fla_scan.REPLACE):
-            E.main(["--model", str(ckpt), "--tasks", "piqa", *flags])
+            evaluate.main(["--model", str(ckpt), "--tasks", "piqa", *flags])
     r = cli("experiments/fla_scan.py", "evaluate", "--model", ckpt, "--ckpt", "some-run", "--device", "cpu")
     assert r.returncode == 2 and r.stderr == ("error: experiments/fla_scan.py runs a student's scan on CUDA: it needs "
                                               "--ckpt, a CUDA --device and flash-linear-attention (pip install "
@@ -562,7 +563,7 @@ def test_fork_students_centre_each_head_by_its_own_key_mean_and_draw_leverage_fe
     from that head's J calibration points, keys centred as the student centres them, from --seed's generator, layer
     by layer and head by head."""
     d, ckpt, data = setup
-    teacher = M.GPT.from_pretrained(ckpt)
+    teacher = model.GPT.from_pretrained(ckpt)
     calib = dof.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), 2, 2, 64, 0, "cpu")
     mu = dof.key_means(teacher, calib)                                                    # (L, H, D)
     monkeypatch.setattr(per_head, "per_head_dims", lambda *a: ([[5, 3, 5, 3]] * 4, [[1.0] * 4] * 4))   # heads 1, 3
@@ -632,7 +633,7 @@ def test_hedgehog_features_are_non_negative_of_m_a_head(m):
 def test_hedgehog_projection_trains_at_lr_z(ckpt):
     """make_optimizer's groups: Hedgehog's `proj` (no name ending in alpha) gets --lr-z, and there is no --lr-alpha
     group."""
-    teacher = M.GPT.from_pretrained(ckpt).requires_grad_(False)                      # as distill.py's
+    teacher = model.GPT.from_pretrained(ckpt).requires_grad_(False)                  # as distill.py's
     with forks.replaced(hedgehog.REPLACE):
         student = teacher.linearize([4] * teacher.config.n_layer, "hedgehog")
         cfg = distill.DistillConfig(model=str(ckpt), feature_map="hedgehog", lr_z=0.03, lr_alpha=0.5)

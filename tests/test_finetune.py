@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import door
-import evaluate as E
+import evaluate
 import tasks
 from conftest import DATA, load_script, torchrun
 from model import GPT
@@ -17,65 +17,65 @@ TRAIN = DATA / "train"  # the first 40 documents of ARC-Easy's training and vali
 
 
 def cfg_for(ckpt):
-    return E.EvalConfig(model=str(ckpt), device="cpu", batch_size=6)
+    return evaluate.EvalConfig(model=str(ckpt), device="cpu", batch_size=6)
 
 
 def fine_tune(ckpt, enc, prompts, epochs, docs_per_step):
     """One task's fine-tuning settings: trained and scored on the same prompts."""
-    return E.FineTune(cfg_for(ckpt), enc, "cpu", {"train": prompts, "eval": prompts}, epochs, docs_per_step)
+    return evaluate.FineTune(cfg_for(ckpt), enc, "cpu", {"train": prompts, "eval": prompts}, epochs, docs_per_step)
 
 
 def arc(n, split="train"):
-    return tasks.load_task("arc_easy", E.arc, TRAIN, n, split)
+    return tasks.load_task("arc_easy", evaluate.arc, TRAIN, n, split)
 
 
-def test_batched_loss_and_its_gradient_equal_the_plain_per_document_form(model, enc):
+def test_batched_loss_and_its_gradient_equal_the_plain_per_document_form(tiny_gpt, enc):
     """All requests of a batch in one right-padded forward pass: the plain form's summed loss and gradient."""
     prompts = arc(5)  # 3 to 5 choices, windows of different lengths
-    docs, golds = E.tokenize(enc, prompts), [p.gold for p in prompts]
-    params = list(model.parameters())
-    plain = sum(E.document_loss(model, doc, gold) for doc, gold in zip(docs, golds))
+    docs, golds = evaluate.tokenize(enc, prompts), [p.gold for p in prompts]
+    params = list(tiny_gpt.parameters())
+    plain = sum(evaluate.document_loss(tiny_gpt, doc, gold) for doc, gold in zip(docs, golds))
     plain_grads = torch.autograd.grad(plain, params)
-    batched = E.batch_loss(model, docs, golds)
+    batched = evaluate.batch_loss(tiny_gpt, docs, golds)
     batched_grads = torch.autograd.grad(batched, params)
     torch.testing.assert_close(batched, plain, rtol=1e-5, atol=1e-5)
     for b, p in zip(batched_grads, plain_grads):
         torch.testing.assert_close(b, p, rtol=1e-4, atol=1e-6)
 
 
-def test_the_loss_ranks_the_scores_the_scorer_gives(model, enc):
+def test_the_loss_ranks_the_scores_the_scorer_gives(tiny_gpt, enc):
     """document_loss is the cross-entropy of exactly the log-likelihoods that acc ranks."""
     prompt = arc(1)[0]
-    doc = E.tokenize(enc, [prompt])[0]
-    lls = [E.loglikelihood(model, c, t)[0] for c, t in doc]
+    doc = evaluate.tokenize(enc, [prompt])[0]
+    lls = [evaluate.loglikelihood(tiny_gpt, c, t)[0] for c, t in doc]
     expected = torch.nn.functional.cross_entropy(torch.tensor(lls), torch.tensor(prompt.gold))
     with torch.no_grad():
-        got = E.document_loss(model, doc, prompt.gold)
+        got = evaluate.document_loss(tiny_gpt, doc, prompt.gold)
     assert float(got) == pytest.approx(float(expected), rel=1e-5)
 
 
-def test_fine_tuned_on_its_eval_set_a_tiny_model_reaches_accuracy_one(ckpt, model, enc):
+def test_fine_tuned_on_its_eval_set_a_tiny_model_reaches_accuracy_one(ckpt, tiny_gpt, enc):
     """Trained on 8 documents and scored on the same 8: about chance before, every one right after."""
     prompts = arc(8)
-    zero_shot = E.evaluate_task(model, enc, prompts, cfg_for(ckpt))[0]["acc"]
-    result = E.finetune(fine_tune(ckpt, enc, prompts, 5, 4), model, 3e-2)
+    zero_shot = evaluate.evaluate_task(tiny_gpt, enc, prompts, cfg_for(ckpt))[0]["acc"]
+    result = evaluate.finetune(fine_tune(ckpt, enc, prompts, 5, 4), tiny_gpt, 3e-2)
     assert zero_shot < 0.5 and result["stopped"] is None
     assert result["epochs"][-1]["eval"]["acc"] == 1.0
     assert result["epochs"][-1]["loss"] < result["epochs"][0]["loss"]
 
 
-def test_fine_tuning_is_seeded(ckpt, model, enc):
+def test_fine_tuning_is_seeded(ckpt, tiny_gpt, enc):
     prompts = arc(4)
-    runs = [E.finetune(fine_tune(ckpt, enc, prompts, 1, 2), model, 1e-3) for _ in range(2)]
+    runs = [evaluate.finetune(fine_tune(ckpt, enc, prompts, 1, 2), tiny_gpt, 1e-3) for _ in range(2)]
     for r in runs:
         r["epochs"][0].pop("train_seconds")
         r["epochs"][0]["eval"].pop("seconds")
     assert runs[0] == runs[1]
 
 
-def test_a_non_finite_loss_stops_its_grid_point_with_one_sentence(ckpt, model, enc, capsys):
+def test_a_non_finite_loss_stops_its_grid_point_with_one_sentence(ckpt, tiny_gpt, enc, capsys):
     prompts = arc(4)
-    result = E.finetune(fine_tune(ckpt, enc, prompts, 3, 2), model, 1e30)
+    result = evaluate.finetune(fine_tune(ckpt, enc, prompts, 3, 2), tiny_gpt, 1e30)
     assert re.fullmatch(r"lr 1e\+30: the loss is (nan|inf) in epoch 1; stopped", result["stopped"])
     assert result["stopped"] in capsys.readouterr().out and result["epochs"] == []
 
@@ -92,12 +92,13 @@ def history(*accs):
 
 
 def test_the_papers_rule_and_the_validation_rule_on_a_hand_made_history():
-    r = E.rules(history((0.5, 0.8), (0.7, 0.6), (0.6, 0.9)))
+    r = evaluate.rules(history((0.5, 0.8), (0.7, 0.6), (0.6, 0.9)))
     assert r["paper"] == {"epoch": 2, "acc": 0.7}                # the best epoch on the scored split
     assert r["validation"] == {"epoch": 3, "acc": 0.6}           # chosen on validation, reported on the scored split
-    assert E.rules(history(0.6, 0.6, 0.5)) == {"paper": {"epoch": 1, "acc": 0.6}}  # ties: the first; no validation
-    assert E.rules(history(0.4)) == {"paper": {"epoch": 1, "acc": 0.4}}            # MMLU's one epoch: the last
-    assert E.rules([]) == {}
+    # ties: the first; no validation
+    assert evaluate.rules(history(0.6, 0.6, 0.5)) == {"paper": {"epoch": 1, "acc": 0.6}}
+    assert evaluate.rules(history(0.4)) == {"paper": {"epoch": 1, "acc": 0.4}}            # MMLU's one epoch: the last
+    assert evaluate.rules([]) == {}
 
 
 def test_the_grid_picks_the_lr_whose_teacher_accuracy_is_best_and_reuses_it_for_the_student(ckpt, monkeypatch):
@@ -111,10 +112,11 @@ def test_the_grid_picks_the_lr_whose_teacher_accuracy_is_best_and_reuses_it_for_
         if accs is None:
             return {"lr": lr, "epochs": [], "stopped": f"lr {lr:g}: the loss is nan in epoch 1; stopped"}
         return {"lr": lr, "epochs": history(*accs), "stopped": None}
-    monkeypatch.setattr(E, "finetune", fake)
-    cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=2, finetune_lr="1e-5,5e-5,1e-4,5e-4")
+    monkeypatch.setattr(evaluate, "finetune", fake)
+    cfg = evaluate.EvalConfig(model=str(ckpt), finetune_epochs=2, finetune_lr="1e-5,5e-5,1e-4,5e-4")
     lrs, epochs, docs_per_step = tasks.finetune_settings(cfg, "gpt2", "arc_easy")
-    out = E.finetune_task(E.FineTune(cfg, None, "cpu", {}, epochs, docs_per_step), models, "arc_easy", lrs)
+    ft = evaluate.FineTune(cfg, None, "cpu", {}, epochs, docs_per_step)
+    out = evaluate.finetune_task(ft, models, "arc_easy", lrs)
     assert out["teacher"]["lr"] == 5e-5 and out["student"]["lr"] == 5e-5
     assert [point["lr"] for point in out["teacher"]["grid"]] == [1e-5, 5e-5, 1e-4, 5e-4]
     assert out["student"]["rules"]["paper"] == {"epoch": 2, "acc": 0.5}
@@ -126,11 +128,11 @@ def test_a_grid_whose_every_rate_diverges_stops_the_run_with_one_sentence(ckpt, 
     out of the table."""
     def fake(ft, lm, lr, desc=None):
         return {"lr": lr, "epochs": [], "stopped": f"lr {lr:g}: the loss is nan in epoch 1; stopped"}
-    monkeypatch.setattr(E, "finetune", fake)
-    cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=2)
-    ft = E.FineTune(cfg, None, "cpu", {}, 2, 4)
+    monkeypatch.setattr(evaluate, "finetune", fake)
+    cfg = evaluate.EvalConfig(model=str(ckpt), finetune_epochs=2)
+    ft = evaluate.FineTune(cfg, None, "cpu", {}, 2, 4)
     with pytest.raises(door.ModelError) as e:
-        E.finetune_task(ft, {"teacher": object(), "student": object()}, "arc_easy", [1e-5, 1e-3])
+        evaluate.finetune_task(ft, {"teacher": object(), "student": object()}, "arc_easy", [1e-5, 1e-3])
     assert str(e.value) == ("arc_easy: every learning rate tried (1e-05, 0.001) made the teacher's loss non-finite; "
                             "pass lower rates with --finetune-lr")
 
@@ -141,7 +143,7 @@ def test_a_diverging_grid_ends_the_command_with_exit_2_and_writes_nothing(ckpt, 
             "--finetune-batch-size", "2", "--finetune-epochs", "1", "--finetune-lr", "1e30,1e31",
             "--output", str(tmp_path / "r.json")]
     with pytest.raises(SystemExit) as e:
-        door.run_main(lambda: E.main(args))
+        door.run_main(lambda: evaluate.main(args))
     err = capsys.readouterr().err                                       # after the progress bars, one sentence
     assert e.value.code == 2 and err.count("error") == 1 and err.splitlines()[-1] == (
         "error: arc_easy: every learning rate tried (1e+30, 1e+31) made the teacher's loss non-finite; pass lower "
@@ -150,11 +152,11 @@ def test_a_diverging_grid_ends_the_command_with_exit_2_and_writes_nothing(ckpt, 
 
 
 def test_defaults_follow_the_papers_tables_8_and_9_and_the_flags_win(ckpt):
-    cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=3)
+    cfg = evaluate.EvalConfig(model=str(ckpt), finetune_epochs=3)
     assert tasks.finetune_settings(cfg, "gpt2", "arc_easy") == ([1e-4], 3, 64)
     assert tasks.finetune_settings(cfg, "neox", "mmlu") == ([5e-6], 1, 32)            # MMLU: one epoch
     assert tasks.finetune_settings(cfg, "llama", "piqa") == ([1e-5], 3, 32)           # llama: ours
-    cfg = E.EvalConfig(model=str(ckpt), finetune_epochs=2, finetune_lr="1e-3,1e-4", finetune_batch_size=5)
+    cfg = evaluate.EvalConfig(model=str(ckpt), finetune_epochs=2, finetune_lr="1e-3,1e-4", finetune_batch_size=5)
     assert tasks.finetune_settings(cfg, "gpt2", "mmlu") == ([1e-3, 1e-4], 1, 5)
 
 
@@ -162,15 +164,15 @@ def test_each_epoch_draws_a_new_order_of_the_training_documents(ckpt, enc, monke
     """Every epoch takes each document once, in an order of its own (seeded by --seed and the epoch): an order drawn
     once and reused had shown the model the same batches every epoch."""
     prompts = arc(8)
-    tokenized = E.tokenize(enc, prompts)
+    tokenized = evaluate.tokenize(enc, prompts)
     seen = []
 
     def step(ft, lm, optim, docs, golds):
         seen.extend(tokenized.index(doc) for doc in docs)
         return 1.0
-    monkeypatch.setattr(E, "train_step", step)
-    monkeypatch.setattr(E, "score_epoch", lambda ft, lm, epoch, *a: {"epoch": epoch, "eval": {"acc": 0.5}})
-    E.finetune(fine_tune(ckpt, enc, prompts, 3, 3), torch.nn.Linear(1, 1), 1e-3)
+    monkeypatch.setattr(evaluate, "train_step", step)
+    monkeypatch.setattr(evaluate, "score_epoch", lambda ft, lm, epoch, *a: {"epoch": epoch, "eval": {"acc": 0.5}})
+    evaluate.finetune(fine_tune(ckpt, enc, prompts, 3, 3), torch.nn.Linear(1, 1), 1e-3)
     orders = [tuple(seen[i:i + 8]) for i in (0, 8, 16)]
     assert len(seen) == 24 and all(sorted(o) == list(range(8)) for o in orders)
     assert len(set(orders)) == 3, orders
@@ -184,7 +186,7 @@ def test_the_students_fine_tune_leaves_the_teacher_bit_identical(ckpt, enc):
     before = {k: t.clone() for k, t in teacher.state_dict().items()}
     student_before = {k: t.clone() for k, t in student.state_dict().items()}
     prompts = arc(4)
-    result = E.finetune(fine_tune(ckpt, enc, prompts, 1, 2), student, 1e-2)
+    result = evaluate.finetune(fine_tune(ckpt, enc, prompts, 1, 2), student, 1e-2)
     assert result["stopped"] is None
     for k, t in teacher.state_dict().items():
         assert torch.equal(t, before[k]), k
@@ -194,10 +196,10 @@ def test_the_students_fine_tune_leaves_the_teacher_bit_identical(ckpt, enc):
 
 def test_the_command_line_writes_both_models_zero_shot_and_fine_tuned(ckpt, student, tmp_path, capsys):
     out = tmp_path / "r.json"
-    E.main(["--device", "cpu", "--model", str(ckpt), "--ckpt", str(student), "--tasks", "arc_easy,wsc273",
-            "--data-dir", str(DATA / "eval"), "--limit", "3", "--train-dir", str(TRAIN), "--finetune-limit", "4",
-            "--finetune-epochs", "2", "--finetune-lr", "1e-4,1e-3", "--finetune-batch-size", "2",
-            "--output", str(out)])
+    evaluate.main(["--device", "cpu", "--model", str(ckpt), "--ckpt", str(student), "--tasks", "arc_easy,wsc273",
+                   "--data-dir", str(DATA / "eval"), "--limit", "3", "--train-dir", str(TRAIN), "--finetune-limit", "4",
+                   "--finetune-epochs", "2", "--finetune-lr", "1e-4,1e-3", "--finetune-batch-size", "2",
+                   "--output", str(out)])
     printed = capsys.readouterr().out
     assert "wsc273 has no training split: it is scored zero-shot" in printed
     r = json.loads(out.read_text())
@@ -238,7 +240,7 @@ def test_torchrun_two_processes_equal_one(ckpt, student, tmp_path):
     args = ["--model", ckpt, "--ckpt", student, "--tasks", "arc_easy", "--data-dir", DATA / "eval", "--limit", "4",
             "--train-dir", TRAIN, "--finetune-limit", "5", "--finetune-epochs", "2", "--finetune-lr", "1e-3",
             "--finetune-batch-size", "3", "--device", "cpu"]
-    E.main([*map(str, args), "--output", str(tmp_path / "one.json")])
+    evaluate.main([*map(str, args), "--output", str(tmp_path / "one.json")])
     r = torchrun("evaluate.py", *args, "--output", tmp_path / "two.json")
     assert r.returncode == 0, r.stderr[-3000:]
     one, two = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
@@ -300,10 +302,10 @@ def test_bad_fine_tuning_input_is_one_sentence_before_any_work(flags, sentence, 
     bad_train_dir(tmp_path)
     (tmp_path / "empty").mkdir()
     before = sorted(tmp_path.rglob("*"))
-    monkeypatch.setattr(E, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
     flags = [str(tmp_path / f) if f in ("nowhere", "empty", "bad") else f for f in flags]
     with pytest.raises(SystemExit) as e:
-        door.run_main(lambda: E.main(["--device", "cpu", "--model", str(ckpt), "--tasks", "arc_easy",
+        door.run_main(lambda: evaluate.main(["--device", "cpu", "--model", str(ckpt), "--tasks", "arc_easy",
                                         "--data-dir", str(DATA / "eval"), "--output", str(tmp_path / "r.json"),
                                         *flags]))
     err = capsys.readouterr().err
@@ -319,10 +321,11 @@ def test_without_a_train_dir_the_hubs_training_and_validation_splits_are_read(mo
         return "the hub", tasks.read_jsonl(TRAIN / "arc_easy_train.jsonl", name)
     monkeypatch.setattr(tasks, "hub_documents", hub)
     scored = arc(2)
-    splits = tasks.load_training(E.EvalConfig(finetune_epochs=1, limit=3), {"arc_easy": scored, "wsc273": []},
-                                 E.TASKS)
+    splits = tasks.load_training(evaluate.EvalConfig(finetune_epochs=1, limit=3), {"arc_easy": scored, "wsc273": []},
+                                 evaluate.TASKS)
     assert asked == [("arc_easy", "train"), ("arc_easy", "validation")]
     assert list(splits) == ["arc_easy"] and splits["arc_easy"]["eval"] is scored
     assert len(splits["arc_easy"]["train"]) == 40 and len(splits["arc_easy"]["validation"]) == 3
     assert capsys.readouterr().out == "wsc273 has no training split: it is scored zero-shot\n"
-    assert tasks.load_training(E.EvalConfig(), {"arc_easy": scored}, E.TASKS) == {}      # zero-shot: nothing read
+    # zero-shot: nothing read
+    assert tasks.load_training(evaluate.EvalConfig(), {"arc_easy": scored}, evaluate.TASKS) == {}

@@ -20,7 +20,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import door
-import model as M
+import model
 from checkpoint import check_features, check_settings, check_teacher, fingerprint, locate, read_gguf
 from conftest import DATA, PROXY_VARIABLES, ROOT, WIKITEXT, edit_json, needs_smollm2
 from test_dof import SMALL, SMALL_NEOX, hf_gpt2, hf_neox, randomize, save_hf  # the method's test helpers
@@ -29,7 +29,7 @@ from tokenizer import load_tokenizer
 # ==================================================================================================================
 # model.py and checkpoint.py: checkpoint loading, bad input, the hub
 
-def files(path):
+def file_stats(path):
     """`path` and every file below it, with sizes and modification times: what a failed load must leave as it was."""
     p = Path(path)
     return {f: (f.stat().st_size, f.stat().st_mtime_ns) for f in [p, *sorted(p.rglob("*"))] if f.exists()}
@@ -37,11 +37,11 @@ def files(path):
 
 def load_error(path):
     """The one-line ModelError that loading `path` ends in; the files there are left as they were."""
-    before = files(path)
+    before = file_stats(path)
     with pytest.raises(door.ModelError) as e:
-        M.GPT.from_pretrained(str(path))
+        model.GPT.from_pretrained(str(path))
     msg = str(e.value)
-    assert "\n" not in msg and "Traceback" not in msg and files(path) == before
+    assert "\n" not in msg and "Traceback" not in msg and file_stats(path) == before
     return msg
 
 
@@ -205,20 +205,21 @@ def test_fingerprint_is_what_a_teacher_is_not_where_it_lies(teachers, tmp_path, 
     assert (fingerprint(copy) == fingerprint(src)) is same
 
 
-def teacher_check(teachers, tmp_path, recorded, model):
+def teacher_check(teachers, tmp_path, recorded, model_arg):
     """check_teacher of a checkpoint of teachers/gpt2 as config.json records it (`recorded`: the teacher's path
-    "old", with or without its fingerprint, or a hub id) against --model `model` ("old", "moved", "other" or a hub
+    "old", with or without its fingerprint, or a hub id) against --model `model_arg` ("old", "moved", "other" or a hub
     id): "moved" is a copy of the teacher, "other" and "old" (as --model) are it with one value changed."""
     shutil.copytree(teachers / "gpt2", tmp_path / "moved")
     nudge(shutil.copytree(teachers / "gpt2", tmp_path / "other") / "model.safetensors")
-    if model == "old":                                                 # the teacher changed where it lies
+    if model_arg == "old":                                             # the teacher changed where it lies
         nudge(shutil.copytree(teachers / "gpt2", tmp_path / "old", dirs_exist_ok=True) / "model.safetensors")
     prev = {"teacher": str(tmp_path / "old")}
     if recorded == "fingerprint":
         prev["teacher_fingerprint"] = fingerprint(teachers / "gpt2")
     elif recorded != "path":
         prev["teacher"] = recorded
-    check_teacher(prev, model if model in ("gpt2", "smollm2-135m") else str(tmp_path / model), "checkpoint S")
+    check_teacher(prev, model_arg if model_arg in ("gpt2", "smollm2-135m") else str(tmp_path / model_arg),
+                  "checkpoint S")
 
 
 TEACHER_CHECKS = [   # config.json's teacher, --model, the sentence (None: accepted)
@@ -237,17 +238,18 @@ TEACHER_CHECKS = [   # config.json's teacher, --model, the sentence (None: accep
 ]
 
 
-@pytest.mark.parametrize("recorded, model, sentence", TEACHER_CHECKS, ids=[f"{a}-{b}" for a, b, _ in TEACHER_CHECKS])
-def test_a_checkpoint_s_teacher_is_checked_by_fingerprint_where_it_has_one(teachers, tmp_path, recorded, model,
+@pytest.mark.parametrize("recorded, model_arg, sentence", TEACHER_CHECKS,
+                         ids=[f"{a}-{b}" for a, b, _ in TEACHER_CHECKS])
+def test_a_checkpoint_s_teacher_is_checked_by_fingerprint_where_it_has_one(teachers, tmp_path, recorded, model_arg,
                                                                              sentence):
     """A fingerprinted checkpoint takes a moved copy of its teacher and refuses another model, naming both; an older
     one without a fingerprint and a hub id are compared by path and name as before."""
     (tmp_path / "old").mkdir()
     if sentence is None:
-        teacher_check(teachers, tmp_path, recorded, model)
+        teacher_check(teachers, tmp_path, recorded, model_arg)
     else:
         with pytest.raises(door.ModelError, match=sentence):
-            teacher_check(teachers, tmp_path, recorded, model)
+            teacher_check(teachers, tmp_path, recorded, model_arg)
 
 
 CHECKPOINT_TENSORS = [   # the dtype a features file's tensor is written in, the sentence (None: accepted)
@@ -266,7 +268,7 @@ def test_checkpoint_tensors_of_another_dtype_are_refused(dtype, sentence):
     bool ones had loaded, cast, and changed the loss; float64 ones had loaded as though written by distill.py)."""
     from test_dof import small_pair
     _, student = small_pair()
-    mine = M.feature_state(student)
+    mine = model.feature_state(student)
     k = next(iter(mine))
     sd = dict(mine, **{k: mine[k].to(dtype)})
     if sentence is None:
@@ -408,7 +410,7 @@ def hub_without_repos(monkeypatch, tmp_path):
 def test_hub_id_the_hub_does_not_have(hub_without_repos):
     """A hub that answers but lacks the repository: one sentence saying to check the id, for the teacher and for its
     tokenizer, and no file fetched."""
-    for load in (M.GPT.from_pretrained, load_tokenizer):
+    for load in (model.GPT.from_pretrained, load_tokenizer):
         with pytest.raises(door.ModelError, match=r"^could not fetch 'no-org/no-model' from the Hugging Face hub \(\w+\); "
                                              r"check the id and your internet connection, or pass a local directory$"):
             load("no-org/no-model")
@@ -429,7 +431,7 @@ def test_hub_id_offline_with_only_its_tokenizer_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     assert load_tokenizer("gpt2").n_vocab == 50257                    # what is cached is used
     with pytest.raises(door.ModelError, match=r"^could not fetch 'gpt2': the Hugging Face hub cannot be reached"):
-        M.GPT.from_pretrained("gpt2")
+        model.GPT.from_pretrained("gpt2")
 
 
 # ==================================================================================================================
@@ -468,8 +470,9 @@ def wiki():
 
 @pytest.fixture(scope="module")
 def eval_texts():
-    files = sorted((DATA / "eval").glob("*.jsonl"))
-    return [s for f in files for line in f.read_text(encoding="utf-8").splitlines() for s in _strings(json.loads(line))]
+    eval_files = sorted((DATA / "eval").glob("*.jsonl"))
+    return [s for f in eval_files for line in f.read_text(encoding="utf-8").splitlines()
+            for s in _strings(json.loads(line))]
 
 
 def _lines(text):
@@ -750,11 +753,11 @@ def test_damaged_tokenizer_files_are_one_sentence(tmp_path, damage):
     else:
         shutil.copy(NEOX_JSON, d / "tokenizer.json")
     spoil(d)
-    before = files(d)
+    before = file_stats(d)
     with pytest.raises(door.ModelError) as e:
         load_tokenizer(d)
     assert re.search(words, str(e.value)) and "\n" not in str(e.value), str(e.value)
-    assert files(d) == before
+    assert file_stats(d) == before
 
 
 def test_unsupported_pre_tokenizer(tmp_path):
@@ -871,12 +874,12 @@ def hf_to_gguf_names(n_layer):
     return m
 
 
-def write_llama_gguf(path, model, convert=None, extra=None):
+def write_llama_gguf(path, llama, convert=None, extra=None):
     """Write an HF LlamaForCausalLM as a GGUF file the way llama.cpp's converter does (Q/K rows permuted).
 
     convert(gguf_name, array) -> (array, raw_dtype or None) may quantise a tensor; default: F32 as is.
     extra: {gguf_name: array} of further tensors to write."""
-    c = model.config
+    c = llama.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -891,7 +894,7 @@ def write_llama_gguf(path, model, convert=None, extra=None):
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
     names = hf_to_gguf_names(c.num_hidden_layers)
-    for k, v in model.state_dict().items():
+    for k, v in llama.state_dict().items():
         if k == "lm_head.weight" and c.tie_word_embeddings:
             continue
         a = v.numpy()
@@ -915,21 +918,21 @@ def tiny_llama(tied, seed=0):
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                       num_key_value_heads=2, head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-5,
                       rope_theta=50000.0, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg).eval()
+    llama = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # random norms too, so a swapped norm would show
-        for k, p in model.named_parameters():
+        for k, p in llama.named_parameters():
             if k.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
-    return model
+    return llama
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_synthetic_roundtrip(tmp_path, tied):
-    model = tiny_llama(tied)
+    llama = tiny_llama(tied)
     path = tmp_path / "tiny.gguf"
-    write_llama_gguf(path, model)
+    write_llama_gguf(path, llama)
     cfg, sd = read_gguf(str(path))
-    ref = model.state_dict()
+    ref = llama.state_dict()
     if tied:
         ref = {k: v for k, v in ref.items() if k != "lm_head.weight"}
     assert set(sd) == set(ref)
@@ -937,7 +940,7 @@ def test_synthetic_roundtrip(tmp_path, tied):
         assert sd[k].dtype == torch.float32 and sd[k].shape == ref[k].shape, k
         assert torch.equal(sd[k], ref[k]), k
     # the config rebuilds the same model
-    c = model.config
+    c = llama.config
     assert cfg["model_type"] == "llama" and cfg["tie_word_embeddings"] == tied
     for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps"]:
@@ -947,13 +950,13 @@ def test_synthetic_roundtrip(tmp_path, tied):
     again.load_state_dict(sd | ({"lm_head.weight": sd["model.embed_tokens.weight"]} if tied else {}), strict=True)
     idx = torch.randint(0, c.vocab_size, (2, 17))
     with torch.no_grad():
-        assert torch.equal(again(idx).logits, model(idx).logits)
+        assert torch.equal(again(idx).logits, llama(idx).logits)
 
 
 @pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_1"])
 def test_synthetic_quantised(tmp_path, qtype):
     """Quantised matrices come back as the gguf package's own dequantisation, un-permuted, in HF shape."""
-    model = tiny_llama(tied=False)
+    llama = tiny_llama(tied=False)
     T = gguf.GGMLQuantizationType[qtype]
     dequantised = {}  # gguf name -> what the file holds, dequantised (still llama.cpp-permuted)
 
@@ -965,10 +968,10 @@ def test_synthetic_quantised(tmp_path, qtype):
         return q, (None if T == gguf.GGMLQuantizationType.F16 else T)
 
     path = tmp_path / f"{qtype}.gguf"
-    write_llama_gguf(path, model, convert)
+    write_llama_gguf(path, llama, convert)
     _, sd = read_gguf(str(path))
-    c, names = model.config, hf_to_gguf_names(2)
-    for k, v in model.state_dict().items():
+    c, names = llama.config, hf_to_gguf_names(2)
+    for k, v in llama.state_dict().items():
         want = dequantised.get(names[k], v.numpy())
         heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}.get(k.split(".")[-2])
         if heads:  # undo the permutation independently: row r of the file is HF row perm[r]
@@ -1059,11 +1062,11 @@ def test_missing_metadata(tmp_path):
 
 def test_gguf_file_through_from_pretrained(tmp_path):
     """GPT.from_pretrained on a .gguf path gives the logits of the model that was written."""
-    model = tiny_llama(tied=False)
-    write_llama_gguf(tmp_path / "tiny.gguf", model)
+    llama = tiny_llama(tied=False)
+    write_llama_gguf(tmp_path / "tiny.gguf", llama)
     idx = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (M.GPT.from_pretrained(tmp_path / "tiny.gguf")(idx) - model(idx).logits).abs().max() < 1e-4
+        assert (model.GPT.from_pretrained(tmp_path / "tiny.gguf")(idx) - llama(idx).logits).abs().max() < 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -1073,10 +1076,10 @@ def smol():
     t0 = time.perf_counter()
     cfg, sd = read_gguf(str(SMOL))
     seconds = time.perf_counter() - t0
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    llama = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
     full = sd | ({"lm_head.weight": sd["model.embed_tokens.weight"]} if cfg["tie_word_embeddings"] else {})
-    model.load_state_dict(full, strict=True)
-    return cfg, sd, model, seconds
+    llama.load_state_dict(full, strict=True)
+    return cfg, sd, llama, seconds
 
 
 @pytest.fixture(scope="module")
@@ -1084,9 +1087,9 @@ def reference():
     """transformers' own GGUF loader (test-only; needs accelerate): the model and its tokenizer."""
     pytest.importorskip("accelerate", reason="transformers' GGUF loader needs accelerate (pip install accelerate)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(SMOL.parent, gguf_file=SMOL.name, dtype=torch.float32).eval()
+    llama = AutoModelForCausalLM.from_pretrained(SMOL.parent, gguf_file=SMOL.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(SMOL.parent, gguf_file=SMOL.name)
-    return model, tok
+    return llama, tok
 
 
 @needs_smollm2
@@ -1113,10 +1116,10 @@ def test_smol_state_dict_equals_transformers(smol, reference):
 
 @needs_smollm2
 def test_smol_logits_equal_transformers(smol, reference):
-    model, (ref, tok) = smol[2], reference
+    llama, (ref, tok) = smol[2], reference
     idx = tok(SENTENCE, return_tensors="pt").input_ids
     with torch.no_grad():
-        ours, theirs = model(idx).logits, ref(idx).logits
+        ours, theirs = llama(idx).logits, ref(idx).logits
     diff = (ours - theirs).abs().max().item()
     print(f"max |logits - transformers' GGUF loader| = {diff:.2e} (logits reach {theirs.abs().max().item():.1f})")
     assert diff < 1e-3

@@ -76,12 +76,13 @@ def test_the_fork_scores_the_untrained_window_beside_the_teacher_and_refuses_sin
             "--device", "cpu", "--output", out)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "its decoding cache holds 10 tokens a layer" in r.stdout
-    report = json.loads(out.read_text())
+    results = json.loads(out.read_text())
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
     baseline = streaming.sink_window(model.GPT.from_pretrained(ckpt), 8, 2)
-    assert report["ppl"]["window"]["loss"] == pytest.approx(evaluate.perplexity(baseline, tokens, 64)["loss"], rel=1e-6)
-    assert report["ppl"]["window"]["loss"] != pytest.approx(report["ppl"]["teacher"]["loss"], rel=1e-4)
-    assert set(report["passkey"]) == {"settings", "teacher", "window"}
+    want = evaluate.perplexity(baseline, tokens, 64)["loss"]
+    assert results["ppl"]["window"]["loss"] == pytest.approx(want, rel=1e-6)
+    assert results["ppl"]["window"]["loss"] != pytest.approx(results["ppl"]["teacher"]["loss"], rel=1e-4)
+    assert set(results["passkey"]) == {"settings", "teacher", "window"}
     r = cli("experiments/streaming.py", "evaluate", "--model", ckpt, "--window", 64, "--ppl", data / "val.bin",
             "--ppl-max-tokens", 300, "--ppl-context", 64, "--device", "cpu", "--output", out)
     ppl = json.loads(out.read_text())["ppl"]

@@ -12,9 +12,9 @@ import torch
 
 import distill
 import door
-import evaluate as E
+import evaluate
 import forks
-import model as M
+import model
 import window
 from conftest import EVAL, FAST, ROOT, cli, distill_args, features
 from test_dof import qkv, rel
@@ -42,7 +42,7 @@ def parts(core, q, k):
 def reference(core, q, k, v):
     """The plain T x T form on the core's own inputs and features."""
     q, kc, phi_q, phi_k, log_f = parts(core, q, k)
-    return window.hybrid_reference(q, kc, M.repeat_kv(v, q.size(1)), phi_q, phi_k, log_f, core.window, core.sinks)
+    return window.hybrid_reference(q, kc, model.repeat_kv(v, q.size(1)), phi_q, phi_k, log_f, core.window, core.sinks)
 
 
 @pytest.mark.parametrize("W,S", [(0, 0), (1, 0), (5, 0), (40, 0), (5, 3), (1, 1), (40, 4)])
@@ -58,7 +58,7 @@ def test_plain_form_is_the_equation_with_one_normaliser(W, S):
     i, j = torch.arange(33)[:, None], torch.arange(33)
     exact_keys = (j <= i) & ((j > i - W) | (j < S))
     a = torch.where(exact_keys, exact, 0.0) + torch.where((j <= i) & ~exact_keys, features, 0.0)
-    want = a @ M.repeat_kv(v, 4) / a.sum(-1, keepdim=True)
+    want = a @ model.repeat_kv(v, 4) / a.sum(-1, keepdim=True)
     assert rel(reference(core, q, k, v), want) < 1e-12
 
 
@@ -83,12 +83,12 @@ def test_window_zero_is_the_cores_linear_attention_bit_for_bit():
     """The chunked form at W = 0 (the scan on undelayed keys, no window) and the fork's core at W = 0, forward and
     decoding, against the core's, in fp32."""
     core = window_core(0, dtype=torch.float32)
-    plain = M.LinearAttention(4, 2, 16, 8, chunk_size=CHUNK)
+    plain = model.LinearAttention(4, 2, 16, 8, chunk_size=CHUNK)
     plain.load_state_dict(core.state_dict())
     q, k, v = qkv(2, 4, 2, 50, 16, seed=1)
     q_, kc, phi_q, phi_k, log_f = parts(core, q, k)
-    y, _ = window.hybrid_attention(q_, kc, M.repeat_kv(v, 4), phi_q, phi_k, log_f, 0, CHUNK)
-    assert torch.equal(y, M.causal_linear_attention(phi_q, phi_k, M.repeat_kv(v, 4), CHUNK))
+    y, _ = window.hybrid_attention(q_, kc, model.repeat_kv(v, 4), phi_q, phi_k, log_f, 0, CHUNK)
+    assert torch.equal(y, model.causal_linear_attention(phi_q, phi_k, model.repeat_kv(v, 4), CHUNK))
     assert torch.equal(core(q, k, v), plain(q, k, v))
     a, b = {}, {}
     for t in (slice(0, 20), slice(20, 21), slice(21, 22)):
@@ -98,7 +98,7 @@ def test_window_zero_is_the_cores_linear_attention_bit_for_bit():
 def test_a_window_wider_than_the_sequence_is_softmax_attention():
     core = window_core(64, dtype=torch.float32)
     q, k, v = qkv(2, 4, 2, 64, 16, scale=2.0, seed=2)
-    assert rel(core(q, k, v), M.SoftmaxAttention()(q, k, v)) < 1e-5
+    assert rel(core(q, k, v), model.SoftmaxAttention()(q, k, v)) < 1e-5
 
 
 @pytest.mark.parametrize("W,S", [(1, 0), (5, 0), (CHUNK, 0), (60, 0), (1, 4), (5, 4), (5, 15), (CHUNK, 2)])
@@ -164,19 +164,19 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
     assert cfg["args"]["window"] == 8 and cfg["args"]["sinks"] == 2 and cfg["fork"] == "experiments/window.py"
     kl = json.loads((out / "metrics.json").read_text())["val"][-1]["attn_kl"]
     with forked("window", window.REPLACE):
-        student, _ = E.load_student(out)
+        student, _ = evaluate.load_student(out)
         assert [(c.window, c.sinks) for c in student.cores()] == [(8, 2)] * 4
         x = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16)[:64].astype(np.int64))[None]
         cfg = door.parse_config(distill.DistillConfig, distill_args(ckpt, data, out, "--window", 8))
-        trainer = distill.Trainer(cfg, M.GPT.from_pretrained(ckpt), student, None, None, None, "cpu",
+        trainer = distill.Trainer(cfg, model.GPT.from_pretrained(ckpt), student, None, None, None, "cpu",
                                   torch.autocast("cpu", enabled=False))
         again = distill.student_losses(trainer, x, "softmax")
     assert all(map(math.isfinite, kl)) and again.min() > 0
     student, saved = forks.open_student(ROOT / "experiments" / "window.py", out, teacher=ckpt)   # in one call
     assert saved["fork"] == "experiments/window.py" and [c.window for c in student.cores()] == [8] * 4
-    assert forks.FORK is None and M.LinearAttention is not window.WindowAttention            # the core's names back
+    assert forks.FORK is None and model.LinearAttention is not window.WindowAttention        # the core's names back
     with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "window", ckpt)) + "$"):
-        E.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
+        evaluate.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
     r = cli("experiments/window.py", "--window", 4, "--model", ckpt, "--data", data, "--budget", 6,
             "--max-steps", 6, "--decay-steps", 6, "--out-dir", out, "--resume", *FAST)
     assert r.returncode == 2 and r.stderr == f"error: {out} was started with --window 8, not 4; resume it with the " \
@@ -187,10 +187,10 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
     ppl = json.loads((tmp_path / "ppl.json").read_text())["ppl"]
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
     with forked("window", window.REPLACE):
-        student = E.load_student(out)[0]
-        assert ppl["student"] == pytest.approx(E.perplexity(student, tokens), rel=1e-6)
+        student = evaluate.load_student(out)[0]
+        assert ppl["student"] == pytest.approx(evaluate.perplexity(student, tokens), rel=1e-6)
         window.set_window(student, 0)
-        assert ppl["student"]["loss"] != pytest.approx(E.perplexity(student, tokens)["loss"], rel=1e-6)
+        assert ppl["student"]["loss"] != pytest.approx(evaluate.perplexity(student, tokens)["loss"], rel=1e-6)
     distill.main(distill_args(ckpt, data, tmp_path / "plain", "--budget", "6", "--max-steps", "0"))
     r = cli("experiments/window.py", "--window", 8, "--model", ckpt, "--data", data, "--init-from",
             tmp_path / "plain", "--loss", "direct", "--max-steps", 2, "--out-dir", tmp_path / "direct", *FAST)
