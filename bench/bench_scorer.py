@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import devices  # noqa: E402
 import door  # noqa: E402
-import evaluate as E  # noqa: E402
+import evaluate  # noqa: E402
 import files  # noqa: E402
 import tasks  # noqa: E402
 from fast_scorer import score_windows  # noqa: E402
@@ -76,8 +76,8 @@ def bench(model, enc, task_prompts: dict, batch_size=16, device="cpu", rounds: i
           file=out, flush=True)
     model.hidden(torch.zeros((1, 8), dtype=torch.long, device=device))  # warm-up
     for name, prompts in task_prompts.items():
-        tokenized = [[E.encode_pair(enc, *r) for r in p.requests] for p in prompts]
-        windows = [[E.harness_window(c, t, L) for c, t in doc] for doc in tokenized]
+        tokenized = [[evaluate.encode_pair(enc, *r) for r in p.requests] for p in prompts]
+        windows = [[evaluate.harness_window(c, t, L) for c, t in doc] for doc in tokenized]
         n_tok, n_req = harness_tokens(tokenized, L), sum(len(d) for d in tokenized)
         fast, plain = math.inf, 0.0
         for _ in range(rounds):
@@ -100,10 +100,10 @@ def bench(model, enc, task_prompts: dict, batch_size=16, device="cpu", rounds: i
 
 def main(argv=None):
     cfg = door.parse_config(BenchConfig, argv, description=__doc__.strip().split("\n\n")[0])
-    prompts = {name: tasks.load_task(name, E.TASKS[name], cfg.data_dir, cfg.limit)
+    prompts = {name: tasks.load_task(name, evaluate.TASKS[name], cfg.data_dir, cfg.limit)
                for name in tasks.parse_tasks(cfg.tasks)}
     device = devices.pick_device(cfg.device, "float32")[0]
-    models, enc = E.load_models(cfg, device), load_tokenizer(cfg.model)
+    models, enc = evaluate.load_models(cfg, device), load_tokenizer(cfg.model)
     report = {}
     for label, m in models.items():
         print(f"\n{label} ({cfg.model if label == 'teacher' else cfg.ckpt}) on {device}")

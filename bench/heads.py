@@ -39,7 +39,7 @@ import distill  # noqa: E402
 import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
-import model as M  # noqa: E402
+import model  # noqa: E402
 from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
 from per_head import GroupedLinearAttention, layer_losses  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -125,8 +125,8 @@ def train(core, q, k, steps):
 
 def calibration_points(qc, kc, H, J):
     """Each head's mean calibration key mu (H, D) and J of its calibration queries and centred keys (H, J, D)."""
-    mu = M.repeat_kv(kc.mean((0, 2))[None, :, None], H)[0, :, 0]                                   # (H, D)
-    x = torch.cat((qc, M.repeat_kv(kc, H) - mu[:, None]), 2).transpose(0, 1).flatten(1, 2)        # (H, 2BT, D)
+    mu = model.repeat_kv(kc.mean((0, 2))[None, :, None], H)[0, :, 0]                               # (H, D)
+    x = torch.cat((qc, model.repeat_kv(kc, H) - mu[:, None]), 2).transpose(0, 1).flatten(1, 2)    # (H, 2BT, D)
     return mu, x[:, torch.randperm(x.size(1), generator=torch.Generator().manual_seed(0))[:J]]
 
 
@@ -140,8 +140,8 @@ def map_kl(cfg, mc, dims, kind, mu, x, calib, held):
 
 
 def measure(cfg):
-    model = M.GPT.from_pretrained(cfg.model)
-    mc = model.config
+    teacher = model.GPT.from_pretrained(cfg.model)
+    mc = teacher.config
     if max(cfg.layers) >= mc.n_layer:
         raise door.ModelError(f"{cfg.model} has layers 0-{mc.n_layer - 1}; pass --layers among them (got {cfg.layers})")
     if cfg.block_size > mc.block_size:
@@ -155,7 +155,7 @@ def measure(cfg):
     datafiles.check_tokenizer(cfg.data, lambda: load_tokenizer(cfg.model), cfg.model)          # as distill.py checks it
     calib = sequences(Path(cfg.data) / "train.bin", cfg.calib_seqs, cfg.block_size, 0, mc.vocab_size)
     held = sequences(Path(cfg.data) / "val.bin", cfg.eval_seqs, cfg.block_size, 1, mc.vocab_size)
-    qk_c, qk_h = dof.teacher_qk(model, calib), dof.teacher_qk(model, held)
+    qk_c, qk_h = dof.teacher_qk(teacher, calib), dof.teacher_qk(teacher, held)
     points = {l: calibration_points(*qk_c[l], mc.n_head, cfg.J) for l in cfg.layers}
     res = {"settings": asdict(cfg), "layers": []}
     for l in cfg.layers:

@@ -36,7 +36,7 @@ import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
 import forks  # noqa: E402
-import model as M  # noqa: E402
+import model  # noqa: E402
 import window  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def attention_mass(teacher, tokens, cfg):
     i, j = torch.arange(T)[:, None], torch.arange(T)
     out = []
     for q, k in dof.teacher_qk(teacher, x):  # (B, H or Hkv, T, D) per layer
-        k = M.repeat_kv(k, q.size(1))
+        k = model.repeat_kv(k, q.size(1))
         logits = (q @ k.mT / q.size(-1) ** 0.5).masked_fill(j > i, float("-inf"))
         p = torch.softmax(logits, -1)[:, :, 64:]  # (B, H, T - 64, T)
         row = {}
@@ -90,10 +90,10 @@ def synthetic_cache(student, ctx, cfg):
     """A Cache after ctx tokens, random contents: KV caches, linear states, or a state and a
     ring buffer."""
     c, B = student.config, cfg.batch
-    cache = M.Cache(c.n_layer)
+    cache = model.Cache(c.n_layer)
     cache.pos = ctx
     for layer, core in zip(cache, student.cores()):
-        if isinstance(core, M.SoftmaxAttention):
+        if isinstance(core, model.SoftmaxAttention):
             for name in ("k", "v"):
                 layer[name] = torch.randn(B, c.n_kv_head, ctx + cfg.steps, c.head_dim)
             layer["n"] = ctx
@@ -154,7 +154,7 @@ def forward_cost(cfg):
 def main(argv=None):
     cfg = door.parse_config(CostConfig, argv)
     torch.set_num_threads(cfg.threads)
-    teacher = M.GPT.from_pretrained(cfg.model).requires_grad_(False)
+    teacher = model.GPT.from_pretrained(cfg.model).requires_grad_(False)
     args = sys.argv[1:] if argv is None else argv
     out = {"config": vars(cfg).copy(), "torch": torch.__version__, "threads": cfg.threads,
            "command": " ".join(["python bench/window_cost.py", *args])}

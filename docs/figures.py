@@ -34,7 +34,7 @@ import distill  # noqa: E402
 import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
-import model as M  # noqa: E402
+import model  # noqa: E402
 from checkpoint import read_student  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -69,9 +69,9 @@ class FigConfig(door.Config):
 # ----------------------------------------------------------------------------------------------------------------
 # The numbers the figures show
 
-def layer_qk(model, idx):
+def layer_qk(teacher, idx):
     """idx (T,) -> per layer (q, k), each (1, H, T, D) fp32 after rotary, keys repeated to the query heads."""
-    return [(q, M.repeat_kv(k, q.size(1))) for q, k in dof.teacher_qk(model, idx[None])]
+    return [(q, model.repeat_kv(k, q.size(1))) for q, k in dof.teacher_qk(teacher, idx[None])]
 
 
 def spectrum(x, lam, relative):
@@ -93,37 +93,37 @@ def misplaced(q, k, Ms, draws, gen):
     for m in Ms:
         err = 0.0
         for _ in range(draws):
-            prf = M.PRF(1, D, m, z=torch.randn(1, m, D, generator=gen, dtype=torch.float64))
+            prf = model.PRF(1, D, m, z=torch.randn(1, m, D, generator=gen, dtype=torch.float64))
             logp, log_phat = distill.attention_rows(q, k, prf(q, is_query=True), prf(k, is_query=False))
             err += 0.5 * (log_phat.exp().tril() - logp.exp()).abs().sum(-1).mean().item()
         errors.append(err / draws)
     return errors
 
 
-def load_ckpt(ckpt, name, model):
+def load_ckpt(ckpt, name, teacher):
     """--ckpt -> (the student, its config.json dict), checked to be the student of --model (`name`, loaded as
-    `model`); None without --ckpt."""
+    `teacher`); None without --ckpt."""
     if not ckpt:
         return None
     t = read_student(ckpt)[0]["teacher"]                       # as evaluate.py: the teacher it names, not its config
     if Path(t).resolve() != Path(name).resolve():
         raise door.ModelError(f"checkpoint {ckpt} was distilled from teacher '{t}' but --model is '{name}'; pass "
                          f"--model {t}")
-    student, cfg = M.load_student(ckpt)
-    if student.config != model.config:
+    student, cfg = model.load_student(ckpt)
+    if student.config != teacher.config:
         raise door.ModelError(f"{ckpt} was distilled from {cfg['teacher']}, not from --model; pass its teacher")
     return student, cfg
 
 
-def student_cores(ckpt, model, layer, budget):
+def student_cores(ckpt, teacher, layer, budget):
     """-> {name: LinearAttention core of `layer`}: an untrained one (the checkpoint's feature map, dims and key
     centring; else PRF with `budget` features) and, given load_ckpt's (student, config), its trained one."""
-    c, cores, dims, fmap = model.config, {}, [budget] * model.config.n_layer, "prf"
+    c, cores, dims, fmap = teacher.config, {}, [budget] * teacher.config.n_layer, "prf"
     if ckpt:
         student, cfg = ckpt
         cores["trained"] = student.cores()[layer]
         dims, fmap = cfg["dims"], cfg["feature_map"]
-    fresh = M.LinearAttention(c.n_head, c.n_kv_head, c.head_dim, dims[layer], fmap)
+    fresh = model.LinearAttention(c.n_head, c.n_kv_head, c.head_dim, dims[layer], fmap)
     if ckpt:
         fresh.key_mean.copy_(cores["trained"].key_mean)
     return {"untrained": fresh, **cores}
@@ -179,13 +179,13 @@ def fig_kernel_error(plt, path, qk, x, N, heads, cfg):
     return {"M": Ms, "heads": errors, "gaussian": ref}
 
 
-def fig_attention(plt, path, model, ckpt, tokens, head, cfg):
+def fig_attention(plt, path, teacher, ckpt, tokens, head, cfg):
     from matplotlib.colors import LogNorm
     (l, h), idx = head, tokens[:cfg.window]
-    q, k = layer_qk(model, idx)[l]                                                       # (1, H, T, D)
+    q, k = layer_qk(teacher, idx)[l]                                                     # (1, H, T, D)
     maps = {}
     with torch.no_grad():
-        for name, core in student_cores(ckpt, model, l, cfg.budget).items():
+        for name, core in student_cores(ckpt, teacher, l, cfg.budget).items():
             qi, ki = core.inputs(q, k)
             logp, log_phat = distill.attention_rows(qi, ki, *core.features(qi, ki))   # (1, H, T, T) each
             maps.setdefault("teacher (softmax)", logp[0, h].exp())
@@ -259,24 +259,24 @@ def main(argv=None):
     cfg = door.parse_config(FigConfig, argv)
     plt, out = pyplot(), Path(cfg.out)
     torch.manual_seed(cfg.seed)
-    model = M.GPT.from_pretrained(cfg.model)
-    ckpt = load_ckpt(cfg.ckpt, cfg.model, model)               # checked before any work
+    teacher = model.GPT.from_pretrained(cfg.model)
+    ckpt = load_ckpt(cfg.ckpt, cfg.model, teacher)             # checked before any work
     enc = load_tokenizer(cfg.model)
     datafiles.check_tokenizer(cfg.text, enc, cfg.model, "pass a file made with this model's tokenizer (data/*/prepare.py)")
-    tokens = datafiles.read_tokens(cfg.text, enc, cfg.tokens, vocab_size=model.config.vocab_size)
+    tokens = datafiles.read_tokens(cfg.text, enc, cfg.tokens, vocab_size=teacher.config.vocab_size)
     tokens = torch.from_numpy(np.array(tokens, np.int64))     # a copy: a .bin's memory map is read-only
-    T = min(cfg.block_size, model.config.block_size)
+    T = min(cfg.block_size, teacher.config.block_size)
     if len(tokens) < 2 * T:
         raise door.ModelError(f"{cfg.text} gives {len(tokens)} tokens, fewer than 2 x --block-size = {2 * T}; give "
                          "more text (--tokens) or lower --block-size")
     if not 0 < cfg.window <= T:
         raise door.ModelError(f"--window must be between 1 and --block-size = {T}, got {cfg.window}")
     if not cfg.ckpt:                 # the attention maps' untrained student: z (H, M, D), features (H, window, M)
-        H, D = model.config.n_head, model.config.head_dim
+        H, D = teacher.config.n_head, teacher.config.head_dim
         devices.check_free_memory(4 * H * cfg.budget * (D + 2 * cfg.window + 2), "cpu",
                           f"an untrained student of --budget {cfg.budget} features", "pass a smaller --budget")
     calib, held_out = tokens[:-T], tokens[-T:]
-    x = dof.collect_qk(model, calib[:len(calib) // T * T].view(-1, T).split(1), cfg.J, cfg.seed)  # (L, H, J, D)
+    x = dof.collect_qk(teacher, calib[:len(calib) // T * T].view(-1, T).split(1), cfg.J, cfg.seed)  # (L, H, J, D)
     N = dof.degrees_of_freedom(x, cfg.lam, relative=not cfg.lam_absolute).numpy()           # (L, H)
     if not (N > 0).any():                                     # nothing to draw on a log scale
         raise door.ModelError(f"--lam {cfg.lam:g} leaves every head N = 0 (lambda far above every eigenvalue of S), so "
@@ -290,10 +290,10 @@ def main(argv=None):
         with ExitStack() as stack:                                # each figure into its .tmp, all four replaced at the
             tmp = {f: stack.enter_context(files.atomic_path(out / f)) for f in OUTPUTS}     # end: all new, or none
             fig_spectrum(plt, tmp["fig-spectrum.png"], x, N, heads, cfg)
-            errors = fig_kernel_error(plt, tmp["fig-kernel-error.png"], layer_qk(model, held_out), x, N, heads, cfg)
+            errors = fig_kernel_error(plt, tmp["fig-kernel-error.png"], layer_qk(teacher, held_out), x, N, heads, cfg)
             if not cfg.ckpt:
                 print("no --ckpt: the attention maps show the teacher and the untrained student only")
-            fig_attention(plt, tmp["fig-attention.png"], model, ckpt, tokens, heads[1], cfg)
+            fig_attention(plt, tmp["fig-attention.png"], teacher, ckpt, tokens, heads[1], cfg)
             fig_dof(plt, tmp["fig-dof.png"], N, heads, cfg)
             tmp["figures.json"].write_text(json.dumps(numbers(cfg, x, N, heads, errors)) + "\n")
     except OSError as e:                                          # a full disk: the figures stay as they were
