@@ -135,24 +135,24 @@ def tensor_sums(path):
     return sums
 
 
-def check_teacher(prev, model, where):
+def check_teacher(prev, teacher, where):
     """--model against the teacher that read_student's config prev was distilled from, before any
     work: a local teacher by its fingerprint where prev records one (so a moved or copied teacher
     serves), hub ids, smollm2-135m and older checkpoints by name (a path resolved)."""
     was = prev["teacher"]
     recorded = prev.get("teacher_fingerprint")
-    if recorded is not None and is_local(model):
-        if fingerprint(model) == recorded:
+    if recorded is not None and is_local(teacher):
+        if fingerprint(teacher) == recorded:
             return
-        if Path(str(was)).resolve() == Path(model).resolve():
-            raise door.ModelError(f"the teacher at {model} has changed since {where} was "
+        if Path(str(was)).resolve() == Path(teacher).resolve():
+            raise door.ModelError(f"the teacher at {teacher} has changed since {where} was "
                                   "distilled from it (its config or weights differ); put back the "
                                   "model it was, or distil a student of this one")
         raise door.ModelError(f"{where} was distilled from the teacher {was}, and --model "
-                              f"{model} is another model (its config or weights differ); pass "
+                              f"{teacher} is another model (its config or weights differ); pass "
                               f"--model {was} or a copy of it")
-    elif Path(str(was)).resolve() != Path(model).resolve():
-        raise door.ModelError(f"{where} was distilled from teacher '{was}' but --model is '{model}'; "
+    elif Path(str(was)).resolve() != Path(teacher).resolve():
+        raise door.ModelError(f"{where} was distilled from teacher '{was}' but --model is '{teacher}'; "
                          f"pass --model {was}")
 
 

@@ -453,14 +453,14 @@ def load_models(cfg: EvalConfig, device) -> dict:
 
 def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict:
     """Every task for every model: its results and samples (the student's apart), and a table."""
-    report = {}
+    results = {}
     for label, lm in models.items():
         for name, ps in prompts.items():
             desc = f"{label} {name}" if devices.is_main() else None
             result, samples = evaluate_task(lm, enc, ps, cfg, device, desc)
-            tasks.add_result(report, label, name, result, samples)
-    tasks.print_results(report, list(models))
-    return report
+            tasks.add_result(results, label, name, result, samples)
+    tasks.print_results(results, list(models))
+    return results
 
 
 def main(argv=None):
@@ -477,24 +477,24 @@ def main(argv=None):
     trials = passkey.make_trials(enc, passkey.lengths(cfg.passkey), cfg, config.block_size)
     for ps in [*prompts.values(), *[ps for s in training.values() for ps in s.values()]]:
         tasks.check_requests(tokenize(enc, ps), config.block_size)
-    report = {}
+    results = {}
     if cfg.ppl:
         tokens = tasks.read_ppl(cfg, enc, config.vocab_size)
-        report["ppl"] = {label: perplexity(lm, tokens, cfg.ppl_context, device, cfg.batch_size)
+        results["ppl"] = {label: perplexity(lm, tokens, cfg.ppl_context, device, cfg.batch_size)
                          for label, lm in models.items()}
-        tasks.print_ppl(cfg, report["ppl"])
+        tasks.print_ppl(cfg, results["ppl"])
     if prompts:
-        report.update(run_tasks(cfg, models, enc, prompts, device))
+        results.update(run_tasks(cfg, models, enc, prompts, device))
     if training:
         command = tasks.command_line(argv)
-        tuned = finetune_tasks(cfg, models, enc, training, device, report)
-        report["finetune"] = {"command": command, "tasks": tuned}
+        tuned = finetune_tasks(cfg, models, enc, training, device, results)
+        results["finetune"] = {"command": command, "tasks": tuned}
     if devices.is_main() and cfg.speed:  # timings: rank 0 alone
-        report["speed"] = {k: speed(lm, cfg.speed_tokens, device) for k, lm in models.items()}
-        tasks.print_speed(report["speed"])
+        results["speed"] = {k: speed(lm, cfg.speed_tokens, device) for k, lm in models.items()}
+        tasks.print_speed(results["speed"])
     if trials:
-        report["passkey"] = passkey.run(models, enc, trials, cfg, device)
-    tasks.write_report(cfg, report)
+        results["passkey"] = passkey.run(models, enc, trials, cfg, device)
+    tasks.write_report(cfg, results)
 
 
 if __name__ == "__main__":

@@ -567,22 +567,22 @@ def layer_curves_figure(Ms, KL, path, named=(0, 10, 21, 27)):
 def curve_blocks(results, figures):
     """The curves' tables: mean KL over layers against M (240 steps and 60-step probes), the measured allocation
     from each, and what the 240-step curves predict for the grid's rules."""
-    import allocation as A
-    Ms, KL = A.load_curves(Path(results) / "curves", "fix")
-    Mp, KP = A.load_curves(Path(results) / "curves", "probe")
+    import allocation
+    Ms, KL = allocation.load_curves(Path(results) / "curves", "fix")
+    Mp, KP = allocation.load_curves(Path(results) / "curves", "probe")
     rows = ["| M | " + " | ".join(str(int(m)) for m in Ms) + " |", "|---|" + "---:|" * len(Ms),
             "| mean KL, 240 steps | " + " | ".join(f"{v:.3f}" for v in KL.mean(1)) + " |",
             "| mean KL, 60-step probes | " + " | ".join(f"{v:.3f}" for v in KP.mean(1)) + " |",
             "| hardest layer (240) | " + " | ".join(f"{int(v)}" for v in KL.argmax(1)) + " |"]
-    d240, d60 = A.measured_dims(Ms, KL, 32), A.measured_dims(Mp, KP, 32)
-    fix = A.expected_kl(Ms, KL, [32] * KL.shape[1])
+    d240, d60 = allocation.measured_dims(Ms, KL, 32), allocation.measured_dims(Mp, KP, 32)
+    fix = allocation.expected_kl(Ms, KL, [32] * KL.shape[1])
     lines = [f"- measured allocation at budget 32 (240-step curves): {d240}",
-             f"- from the 60-step probes instead: {d60} (Spearman {A.spearman(d240, d60):+.2f} with the 240-step "
+             f"- from the 60-step probes instead: {d60} (Spearman {allocation.spearman(d240, d60):+.2f} with the 240-step "
              f"dims, mean |difference| {np.mean(np.abs(np.subtract(d240, d60))):.1f} features; the layers' difficulty "
-             f"at M = 32 ranks alike, Spearman {A.spearman(KL[list(Ms).index(32)], KP[list(Mp).index(32)]):+.2f})",
-             f"- mean KL the 240-step curves predict: Fix {fix:.4f}, measured {A.expected_kl(Ms, KL, d240):.4f} "
-             f"({A.expected_kl(Ms, KL, d240) - fix:+.4f}), measured from the probes "
-             f"{A.expected_kl(Ms, KL, d60):.4f} ({A.expected_kl(Ms, KL, d60) - fix:+.4f})"]
+             f"at M = 32 ranks alike, Spearman {allocation.spearman(KL[list(Ms).index(32)], KP[list(Mp).index(32)]):+.2f})",
+             f"- mean KL the 240-step curves predict: Fix {fix:.4f}, measured {allocation.expected_kl(Ms, KL, d240):.4f} "
+             f"({allocation.expected_kl(Ms, KL, d240) - fix:+.4f}), measured from the probes "
+             f"{allocation.expected_kl(Ms, KL, d60):.4f} ({allocation.expected_kl(Ms, KL, d60) - fix:+.4f})"]
     if figures:
         layer_curves_figure(Ms, KL, Path(figures) / "fig-layer-curves.png")
     return {"curves:table": "\n".join(rows), "curves:measured": "\n".join(lines)}
@@ -591,18 +591,18 @@ def curve_blocks(results, figures):
 def predictor_table(results):
     """Spearman over the layers of each cheap predictor with difficulty (KL at M = 32) and with the marginal gain
     (minus the slope of log KL in log M), and the mean KL the curves predict for dims in proportion to it."""
-    import allocation as A
+    import allocation
     import dof
-    Ms, KL = A.load_curves(Path(results) / "curves", "fix")
+    Ms, KL = allocation.load_curves(Path(results) / "curves", "fix")
     P = read(Path(results) / "allocation" / "predictors-s0.json")["predictors"]
     diff, gain = KL[list(Ms).index(32)], -A.slopes(Ms, KL)
     rows = ["| predictor (per layer) | Spearman with difficulty | Spearman with gain | mean KL predicted for dims "
-            "∝ it (Fix: %.4f) |" % A.expected_kl(Ms, KL, [32] * KL.shape[1]), "|---|---:|---:|---:|"]
+            "∝ it (Fix: %.4f) |" % allocation.expected_kl(Ms, KL, [32] * KL.shape[1]), "|---|---:|---:|---:|"]
     for name, v in P.items():
-        rows.append(f"| {name} | {A.spearman(v, diff):+.2f} | {A.spearman(v, gain):+.2f} | "
-                    f"{A.expected_kl(Ms, KL, dof.allocate(v, 32)):.4f} |")
-    rows.append(f"| *measured allocation* | | | {A.expected_kl(Ms, KL, A.measured_dims(Ms, KL, 32)):.4f} |")
-    return "\n".join(rows) + f"\n\nDifficulty and gain themselves: Spearman {A.spearman(diff, gain):+.2f}."
+        rows.append(f"| {name} | {allocation.spearman(v, diff):+.2f} | {allocation.spearman(v, gain):+.2f} | "
+                    f"{allocation.expected_kl(Ms, KL, dof.allocate(v, 32)):.4f} |")
+    rows.append(f"| *measured allocation* | | | {allocation.expected_kl(Ms, KL, allocation.measured_dims(Ms, KL, 32)):.4f} |")
+    return "\n".join(rows) + f"\n\nDifficulty and gain themselves: Spearman {allocation.spearman(diff, gain):+.2f}."
 
 
 def allocation_table(records, base="Fix", best="Measured", curves_dir=None):
@@ -613,9 +613,9 @@ def allocation_table(records, base="Fix", best="Measured", curves_dir=None):
     g = -diffs[best][:, 1] if best in diffs else np.full(2, np.nan)
     gain, gain_se = g.mean(), standard_error(g)
     clear = gain > 2 * gain_se                               # a share of a gain lost in its noise means nothing
-    import allocation as A
-    curves = A.load_curves(Path(curves_dir)) if curves_dir else None
-    predict = lambda rs: np.mean([A.expected_kl(*curves, r["dims"]) for r in rs]) if curves else float("nan")
+    import allocation
+    curves = allocation.load_curves(Path(curves_dir)) if curves_dir else None
+    predict = lambda rs: np.mean([allocation.expected_kl(*curves, r["dims"]) for r in rs]) if curves else float("nan")
     fix = predict([r for r in records if r["group"].endswith("/" + base)])
     rows = [f"| rule (allocation field) | pairs | Δ next-token loss vs {base} | Δ attention KL vs {base} | share of the "
             f"measured gain in KL | Δ KL the curves predict for these dims |", "|---|---:|---|---|---:|---:|"]
