@@ -133,10 +133,10 @@ def is_checkpoint(folder):
 
 
 @contextmanager
-def claim_out_dir(out_dir, resume=False, overwrite=False):
+def claim_out_dir(out_dir, resuming=False, overwrite=False):
     """Check --out-dir before any work (with --resume, --overwrite); hold <out_dir>.lock for the run."""
     out = Path(out_dir).resolve()
-    _check_out_dir(out_dir, out, resume, overwrite)
+    _check_out_dir(out_dir, out, resuming, overwrite)
     # under torchrun rank 0 writes, and holds the lock
     if devices.launch()[0] != 0:
         CLAIMED.clear()
@@ -147,20 +147,20 @@ def claim_out_dir(out_dir, resume=False, overwrite=False):
         yield
 
 
-def _check_out_dir(out_dir, out, resume, overwrite):
+def _check_out_dir(out_dir, out, resuming, overwrite):
     """claim_out_dir's checks of --out-dir (resolved: out)."""
     check_out(out_dir, flag="--out-dir")
     ckpt = is_checkpoint(out)
     # a save cut short leaves only its temp files
     stale = {name + ".tmp" for name in CHECKPOINT_FILES}
     full = out.is_dir() and any(p.name not in stale for p in out.iterdir())
-    if full and not resume and overwrite and not ckpt:
+    if full and not resuming and overwrite and not ckpt:
         raise door.ModelError(f"{out_dir} is not a distill.py checkpoint, so --overwrite will not "
                               "replace it; pass another --out-dir")
-    if full and not resume and not overwrite:
+    if full and not resuming and not overwrite:
         raise door.ModelError(f"{out_dir} already exists and is not empty; pass --resume to continue "
                               "it, --overwrite to replace its checkpoint, or another --out-dir")
-    if resume and not ckpt:
+    if resuming and not ckpt:
         names = ("config.json", "features.safetensors")
         lacks = " and ".join(f for f in names if not (out / f).is_file())
         todo = "pass --overwrite to start again, or another --out-dir" if full else "drop --resume"

@@ -331,11 +331,11 @@ def command_line(argv=None) -> str:
     return shlex.join(["python", "evaluate.py", *(sys.argv[1:] if argv is None else argv)])
 
 
-def write_report(cfg, report: dict):
+def write_report(cfg, results: dict):
     """--output: the report, the config and the number of processes, written by rank 0 (whose
     report holds the other processes' shares)."""
     if devices.is_main() and cfg.output:
-        everything = {**report, "config": asdict(cfg), "world_size": devices.get_world_size()}
+        everything = {**results, "config": asdict(cfg), "world_size": devices.get_world_size()}
         files.write_text_atomic(cfg.output, json.dumps(everything, indent=1, ensure_ascii=False))
         print(f"wrote {cfg.output}")
 
@@ -348,10 +348,10 @@ def sample(i: int, prompt, scores: list, acc: float, acc_norm: float | None) -> 
             "gold": prompt.gold, "acc": acc, "acc_norm": acc_norm}
 
 
-def add_result(report: dict, label: str, name: str, result: dict, samples: list):
+def add_result(results: dict, label: str, name: str, result: dict, samples: list):
     """A model's result and samples on task `name` in the report: the teacher's at its top, another
-    model's in report[label]."""
-    part = report if label == "teacher" else report.setdefault(label, {})
+    model's in results[label]."""
+    part = results if label == "teacher" else results.setdefault(label, {})
     part.setdefault("results", {})[name] = result
     part.setdefault("samples", {})[name] = samples
 
@@ -384,14 +384,14 @@ def print_speed(speeds: dict):
               f"decoding {r['generate_s']:.3f} s")
 
 
-def print_results(report: dict, labels: list):
-    """Each task's n and, for each model (the teacher's in report, another's in report[label]),
+def print_results(results: dict, labels: list):
+    """Each task's n and, for each model (the teacher's in results, another's in results[label]),
     its acc, acc_norm and acc's stderr."""
     fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
-    parts = {label: report if label == "teacher" else report[label] for label in labels}
+    parts = {label: results if label == "teacher" else results[label] for label in labels}
     head = [f" | {label + ' acc':>14} {'acc_norm':>8} {'stderr':>7}" for label in parts]
     print(f"{'task':<14} {'n':>5}" + "".join(head))
-    for name in report["results"]:
+    for name in results["results"]:
         rs = [part["results"][name] for part in parts.values()]
         cells = [f" | {fmt(r['acc']):>14} {fmt(r['acc_norm']):>8} {fmt(r['acc_stderr']):>7}" for r in rs]
         print(f"{name:<14} {rs[0]['n']:>5}" + "".join(cells))

@@ -122,7 +122,7 @@ def _read_tokenizer_json(p):
     """A tokenizer.json: a BPE whose pre-tokenizer is ByteLevel, Digits + ByteLevel, or Split(regex)
     + ByteLevel(use_regex=false); bad content: a ValueError, KeyError, ..."""
     spec = files.read_json(p, "re-download the tokenizer files", dict)
-    model = spec.get("model") or {}
+    bpe = spec.get("model") or {}
     pre = spec.get("pre_tokenizer") or {}
     norm = (spec.get("normalizer") or {}).get("type")
     steps = (pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]) or [{}]
@@ -140,15 +140,15 @@ def _read_tokenizer_json(p):
     else:
         pattern = None
     options = ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback")
-    opts = [*filter(model.get, options), *filter(last.get, ["add_prefix_space"])]
+    opts = [*filter(bpe.get, options), *filter(last.get, ["add_prefix_space"])]
     norms = (None, "NFC", "NFD", "NFKC", "NFKD")
-    if model.get("type") != "BPE" or opts or norm not in norms or not pattern:
-        raise ValueError(f"model {model.get('type')!r}, normalizer {norm!r}, pre-tokenizer "
+    if bpe.get("type") != "BPE" or opts or norm not in norms or not pattern:
+        raise ValueError(f"model {bpe.get('type')!r}, normalizer {norm!r}, pre-tokenizer "
                          f"{list(kinds)}, options {opts}")
     extra = spec.get("added_tokens") or []
     specials = {t["content"]: t["id"] for t in extra if bool(t.get("special"))}
     added = {t["content"]: t["id"] for t in extra if not bool(t.get("special"))}
-    return _byte_level_bpe(p.stem, model["vocab"], model.get("merges", []), pattern,
+    return _byte_level_bpe(p.stem, bpe["vocab"], bpe.get("merges", []), pattern,
                            specials=specials, added=added, normalizer=norm)
 
 
