@@ -595,7 +595,7 @@ def predictor_table(results):
     import dof
     Ms, KL = allocation.load_curves(Path(results) / "curves", "fix")
     P = read(Path(results) / "allocation" / "predictors-s0.json")["predictors"]
-    diff, gain = KL[list(Ms).index(32)], -A.slopes(Ms, KL)
+    diff, gain = KL[list(Ms).index(32)], -allocation.slopes(Ms, KL)
     rows = ["| predictor (per layer) | Spearman with difficulty | Spearman with gain | mean KL predicted for dims "
             "∝ it (Fix: %.4f) |" % allocation.expected_kl(Ms, KL, [32] * KL.shape[1]), "|---|---:|---:|---:|"]
     for name, v in P.items():
