@@ -91,7 +91,6 @@ class EvalConfig(door.Config):
     passkey_trials: int = door.opt(20, "passkey trials a length, depths spread evenly", min=1)
 
 
-# --------------------------------------------------------------------------------------------------
 # Tasks: one prompt function each, the harness's requests for one document.
 
 @dataclass
@@ -164,7 +163,6 @@ TASKS = {"piqa": piqa, "arc_easy": arc, "arc_challenge": arc, "logiqa": logiqa, 
          "winogrande": winogrande, "wsc273": wsc273}
 
 
-# --------------------------------------------------------------------------------------------------
 # One document scored as the harness scores it; a task's metrics as lm_eval/api/metrics.py has them.
 
 def encode_pair(enc, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -230,7 +228,6 @@ def stderr(xs, groups=None) -> float | None:
     return math.sqrt(sum((k - 1) * s ** 2 * k for k, s in zip(n, se)) / (sum(n) - len(n)) / sum(n))
 
 
-# --------------------------------------------------------------------------------------------------
 # A task's documents: one request at a time (--plain), or batched with shared prefixes.
 
 def score_requests(lm, tokenized, batch_size=16, device="cpu", desc=None, plain=False):
@@ -265,7 +262,6 @@ def evaluate_task(lm, enc, prompts, cfg: EvalConfig, device="cpu", desc=None):
     return result, samples
 
 
-# --------------------------------------------------------------------------------------------------
 # Next-token loss on a file, and speed.
 
 @torch.inference_mode()
@@ -302,7 +298,6 @@ def speed(lm, n_tokens: int = 1000, device="cpu") -> dict:
     return {"tokens": n_tokens, "prefill_s": prefill_s, "generate_s": generate_s}
 
 
-# --------------------------------------------------------------------------------------------------
 # Fine-tuning on each task first, the paper's protocol (Sec. 4.2, App. C): every weight trained on
 # the multiple-choice cross-entropy of the scores acc ranks; accuracy after each epoch.
 
@@ -443,7 +438,6 @@ def finetune_tasks(cfg: EvalConfig, models: dict, enc, training: dict, device, z
     return out
 
 
-# --------------------------------------------------------------------------------------------------
 # The command line.
 
 def load_models(cfg: EvalConfig, device) -> dict:

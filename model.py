@@ -455,9 +455,6 @@ class GPT(nn.Module):
         return gpt.to(device=device, dtype=dtype).eval()
 
 
-feature_state = checkpoint.feature_state  # what distill.py saves: the cores' tensors
-
-
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
     """A distill.py checkpoint -> (the student, config.json's dict): teacher (a GPT, a name or path;
     by default config.json's) linearised with the saved dims and features."""

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import checkpoint  # noqa: E402
 import devices  # noqa: E402
 import distill  # noqa: E402
 import dof  # noqa: E402
 import door  # noqa: E402
 import forks  # noqa: E402
-from model import feature_state  # noqa: E402
 
 
 def prf_log(x, z):
@@ -120,7 +120,7 @@ def make_student(cfg, teacher, calib, prev=None):
         gen = torch.Generator().manual_seed(cfg.seed)
         for core, xl in zip(student.cores(), x.cpu()):
             init_leverage(core, xl, cfg.lam, cfg.lam_relative, cfg.pool, gen)
-        devices.broadcast(None, list(feature_state(student).values()))
+        devices.broadcast(None, list(checkpoint.feature_state(student).values()))
     return student, dims, N
 
 

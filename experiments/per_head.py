@@ -119,7 +119,7 @@ def make_student(cfg, teacher, calib, prev=None):
     for core, m in zip(student.cores(), [] if mu is None else mu):
         for c, hs in zip(core.groups, core.heads):
             c.key_mean.copy_(m[hs])
-    devices.broadcast(None, list(model.feature_state(student).values()))
+    devices.broadcast(None, list(checkpoint.feature_state(student).values()))
     return student, dims, N
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import model
+import checkpoint
 from model import GPT
 from tokenizer import load_tokenizer
 
@@ -168,7 +168,7 @@ def student(ckpt, tmp_path_factory):
     torch.manual_seed(0)
     linear = GPT.from_pretrained(ckpt).linearize([8, 8], chunk_size=16)
     d = tmp_path_factory.mktemp("student")
-    save_file(model.feature_state(linear), str(d / "features.safetensors"))
+    save_file(checkpoint.feature_state(linear), str(d / "features.safetensors"))
     (d / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [8, 8], "feature_map": "prf",
                                                "chunk_size": 16}))
     return d

@@ -1230,7 +1230,7 @@ def test_init_from_a_checkpoint_holding_only_what_load_student_needs(setup, tmp_
     src = tmp_path / "made"
     src.mkdir()
     from safetensors.torch import save_file
-    save_file(model.feature_state(student), str(src / "features.safetensors"))
+    save_file(checkpoint.feature_state(student), str(src / "features.safetensors"))
     (src / "config.json").write_text(json.dumps({"teacher": str(ckpt), "dims": [6] * 4, "feature_map": "prf",
                                                  "chunk_size": 16}))
     distill.main(distill_args(ckpt, data, tmp_path / "run", "--init-from", src, "--max-steps", "2"))
@@ -1573,8 +1573,8 @@ def test_make_student_draws_the_initial_features_from_seed():
         student, dims, layer_dof = distill.make_student(distill.DistillConfig(dims="4,4", seed=seed, out_dir="x"),
                                                         teacher, None)
         torch.manual_seed(seed)
-        want = model.feature_state(teacher.linearize([4, 4]))
-        made[seed] = model.feature_state(student)
+        want = checkpoint.feature_state(teacher.linearize([4, 4]))
+        made[seed] = checkpoint.feature_state(student)
         assert dims == [4, 4] and layer_dof is None and made[seed].keys() == want.keys()
         assert all(torch.equal(made[seed][k], want[k]) for k in want)
     assert not torch.equal(made[0]["h.0.attn.core.feature_map.z"], made[1]["h.0.attn.core.feature_map.z"])

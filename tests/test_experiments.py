@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import compiled
 import devices
 import direct_finetune
@@ -401,7 +402,7 @@ def test_core_and_forks_start_every_process_from_rank_0s_dims_and_features(setup
         with forks.replaced(replace):
             cfg = distill_config(["--model", ckpt, "--data", data, "--budget", "4", "--alloc", alloc, "--J", "64"])
             student, dims, N = distill.make_student(cfg, teacher, calib)
-        assert {t.data_ptr() for t in model.feature_state(student).values()} <= set(filled)
+        assert {t.data_ptr() for t in checkpoint.feature_state(student).values()} <= set(filled)
         assert (dims, N) == rank0
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import checkpoint
 import door
 import model
 from checkpoint import check_features, check_settings, check_teacher, fingerprint, locate, read_gguf
@@ -268,7 +269,7 @@ def test_checkpoint_tensors_of_another_dtype_are_refused(dtype, sentence):
     bool ones had loaded, cast, and changed the loss; float64 ones had loaded as though written by distill.py)."""
     from test_dof import small_pair
     _, student = small_pair()
-    mine = model.feature_state(student)
+    mine = checkpoint.feature_state(student)
     k = next(iter(mine))
     sd = dict(mine, **{k: mine[k].to(dtype)})
     if sentence is None:
