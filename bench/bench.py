@@ -231,14 +231,14 @@ def speed_and_memory_lines(rows):
               + (" (at most linear in T)" if per_token[-1] <= 1.25 * min(per_token) else " (NOT linear in T)"))
 
 
-def prefilled(model, ctx, device, batch=1):
+def prefilled(gpt, ctx, device, batch=1):
     """A decoding Cache after a prefill of batch x ctx random tokens and one decoded token a sequence (the warm-up),
     and those tokens (batch, 1)."""
-    cache = Cache(model.config.n_layer)
-    idx = torch.randint(0, model.config.vocab_size, (batch, ctx), device=device)
-    model.hidden(idx, cache)                                         # prefill, without the (ctx, V) logits
+    cache = Cache(gpt.config.n_layer)
+    idx = torch.randint(0, gpt.config.vocab_size, (batch, ctx), device=device)
+    gpt.hidden(idx, cache)                                           # prefill, without the (ctx, V) logits
     tok = idx[:, -1:]
-    model(tok, cache=cache)                                          # warm-up step
+    gpt(tok, cache=cache)                                            # warm-up step
     return cache, tok
 
 
@@ -253,34 +253,34 @@ def mean_ms(fn, calls, device):
 
 
 @torch.no_grad()
-def decode_ms(model, ctx, steps, device, batch=1):
+def decode_ms(gpt, ctx, steps, device, batch=1):
     """Mean ms per decoding step (a token for each of `batch` sequences) after a prefill of ctx tokens, through the
     decoding Cache: a KV cache for softmax attention, the fixed (M x D) state for linear attention."""
-    cache, tok = prefilled(model, ctx, device, batch)
-    return mean_ms(lambda: model(tok, cache=cache), steps, device)
+    cache, tok = prefilled(gpt, ctx, device, batch)
+    return mean_ms(lambda: gpt(tok, cache=cache), steps, device)
 
 
 @torch.no_grad()
-def graphed_ms(model, ctx, steps, device, compile=False, check=4, batch=1):
+def graphed_ms(gpt, ctx, steps, device, compile=False, check=4, batch=1):
     """Mean ms per step of GraphedDecoder (its step torch.compile'd if `compile`) after a prefill of batch x ctx tokens
     (as decode_ms), and the largest difference of its first `check` logits from model.Cache's for the same tokens,
     over the largest logit."""
-    cache, tok = prefilled(model, ctx, device, batch)
+    cache, tok = prefilled(gpt, ctx, device, batch)
     ref = copy.deepcopy(cache)
-    want = torch.cat([model(tok, cache=ref).float() for _ in range(check)])
-    decoder = GraphedDecoder(model, cache, tok, steps=check + steps, graph=device.startswith("cuda"), compile=compile)
+    want = torch.cat([gpt(tok, cache=ref).float() for _ in range(check)])
+    decoder = GraphedDecoder(gpt, cache, tok, steps=check + steps, graph=device.startswith("cuda"), compile=compile)
     got = torch.cat([decoder(tok).float() for _ in range(check)])
     err = ((got - want).abs().max() / want.abs().max()).item()
     return mean_ms(lambda: decoder(tok), steps, device), err
 
 
 @torch.no_grad()
-def decode_ops(model, device):
+def decode_ops(gpt, device):
     """Aten ops of one decoded token after a prefill of 8 tokens and one decoded token (about one kernel launch
     each on a GPU)."""
-    cache, tok = prefilled(model, 8, device)
+    cache, tok = prefilled(gpt, 8, device)
     with OpCount() as count:
-        model(tok, cache=cache)
+        gpt(tok, cache=cache)
     return sum(count.ops.values())
 
 
@@ -314,8 +314,8 @@ def decode_table(cfg, device):
     for ctx in cfg.decode_ctx:
         res.append((ctx, decode_ms(softmax, ctx, cfg.decode_steps, device, B),
                     decode_ms(linear, ctx, cfg.decode_steps, device, B)))
-        for model in (softmax, linear) if cfg.decode_compile else ():     # the first row compiles, untimed
-            ms, err = graphed_ms(model, ctx, cfg.decode_steps, device, compile=True, batch=B)
+        for gpt in (softmax, linear) if cfg.decode_compile else ():       # the first row compiles, untimed
+            ms, err = graphed_ms(gpt, ctx, cfg.decode_steps, device, compile=True, batch=B)
             res[-1], errs = res[-1] + (ms,), errs + [err]
         print(f"| {ctx} | {' | '.join(f'{ms:.1f}' for ms in res[-1][1:])} |")
     lin = [r[2] for r in res]
@@ -419,35 +419,37 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def step_row(distill, loss, T=1024, budget=64, repeats=3, device="cpu", config=None, per_head=None, stack="auto"):
+def step_row(distill_module, loss, T=1024, budget=64, repeats=3, device="cpu", config=None, per_head_fork=None,
+             stack="auto"):
     """One distill.train_step of `loss` at the GPT-2-124M shape (or `config`; random weights, `budget` features in
     every layer, one sequence of T tokens) -> {"ops": aten ops of the step, "top": the commonest, "ms": median of
     `repeats`}, after a warm-up step. Only the API of distill.py is used, so another version of it can be measured
-    alike. per_head: experiments/per_head.py, whose names (its grouped cores and their losses) are set for the
+    alike. per_head_fork: experiments/per_head.py, whose names (its grouped cores and their losses) are set for the
     measurement and whose cores get dims budget/2 and 3 budget/2 on alternate heads; stack: distill.py's --stack
     (yes: the layout a GPU runs, no: a CPU's), where that version has it."""
-    with forks.replaced(per_head.REPLACE) if per_head else contextlib.nullcontext():
-        return measure_step(distill, loss, T, budget, repeats, device, config, per_head is not None, stack)
+    with forks.replaced(per_head_fork.REPLACE) if per_head_fork else contextlib.nullcontext():
+        return measure_step(distill_module, loss, T, budget, repeats, device, config, per_head_fork is not None,
+                            stack)
 
 
-def measure_step(distill, loss, T, budget, repeats, device, config, per_head, stack):
+def measure_step(distill_module, loss, T, budget, repeats, device, config, per_head_dims, stack):
     """step_row's measurement, the fork's names (if any) already set."""
     # the model.py beside that distill.py (older versions import GPT from it)
-    mod = distill.model if hasattr(distill, "model") else sys.modules[distill.GPT.__module__]
+    mod = distill_module.model if hasattr(distill_module, "model") else sys.modules[distill_module.GPT.__module__]
     torch.manual_seed(0)
     teacher = mod.GPT(config or mod.GPTConfig()).to(device).eval().requires_grad_(False)
     L, H = teacher.config.n_layer, teacher.config.n_head
-    if per_head:
+    if per_head_dims:
         student = teacher.linearize([[budget // 2 if h % 2 else budget * 3 // 2 for h in range(H)]] * L)
     else:
         student = teacher.linearize([budget] * L) or teacher    # older versions swapped the cores in place
-    layout = {"stack": stack} if "stack" in distill.DistillConfig.__dataclass_fields__ else {}
-    cfg = distill.DistillConfig(loss=loss, batch_size=1, block_size=T, max_steps=100, warmup_steps=0, device=device,
-                                **layout)
-    optim, gen = distill.make_optimizer(student, cfg), torch.Generator().manual_seed(0)
+    layout = {"stack": stack} if "stack" in distill_module.DistillConfig.__dataclass_fields__ else {}
+    cfg = distill_module.DistillConfig(loss=loss, batch_size=1, block_size=T, max_steps=100, warmup_steps=0,
+                                       device=device, **layout)
+    optim, gen = distill_module.make_optimizer(student, cfg), torch.Generator().manual_seed(0)
     data = np.random.default_rng(0).integers(0, teacher.config.vocab_size, 50_000).astype(np.uint16)
-    trainer = distill.Trainer(cfg, teacher, student, optim, gen, data, device)
-    step = lambda: distill.train_step(trainer, 10)
+    trainer = distill_module.Trainer(cfg, teacher, student, optim, gen, data, device)
+    step = lambda: distill_module.train_step(trainer, 10)
     step()
     with OpCount() as count:
         step()

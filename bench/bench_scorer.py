@@ -53,28 +53,28 @@ def harness_tokens(tokenized, max_len: int) -> int:
 
 
 @torch.inference_mode()
-def plain_forward_rate(model, n_tokens: int, seq_len: int, batch_size: int, device="cpu") -> float:
-    """Tokens per second of model(x) (full logits) on full (rows, seq_len) batches covering n_tokens tokens: rows is
+def plain_forward_rate(gpt, n_tokens: int, seq_len: int, batch_size: int, device="cpu") -> float:
+    """Tokens per second of gpt(x) (full logits) on full (rows, seq_len) batches covering n_tokens tokens: rows is
     batch_size, or fewer where fewer cover them (no batch wider than the tokens it stands for)."""
     rows = max(1, min(batch_size, math.ceil(n_tokens / seq_len)))
     n_batches = max(1, math.ceil(n_tokens / (rows * seq_len)))
-    x = torch.randint(0, int(model.config.vocab_size), (rows, seq_len), device=device)
-    model(x[:1, :8])  # warm-up
+    x = torch.randint(0, int(gpt.config.vocab_size), (rows, seq_len), device=device)
+    gpt(x[:1, :8])  # warm-up
     devices.sync(device)
     t0 = time.perf_counter()
     for _ in range(n_batches):
-        model(x)
+        gpt(x)
     devices.sync(device)
     return n_batches * rows * seq_len / (time.perf_counter() - t0)
 
 
-def bench(model, enc, task_prompts: dict, batch_size=16, device="cpu", rounds: int = 1, out=None) -> dict:
+def bench(gpt, enc, task_prompts: dict, batch_size=16, device="cpu", rounds: int = 1, out=None) -> dict:
     """The table's rows ({task: numbers} and "all"), printed as they come; each task's fastest of `rounds`."""
-    L, rows, out = model.config.block_size, {}, out or sys.stdout
+    L, rows, out = gpt.config.block_size, {}, out or sys.stdout
     row = "{:<14} {:>11} {:>8.2f} {:>13.0f} {:>15.0f} {:>6.2f}"
     print(f"{'task':<14} {'harness tok':>11} {'seconds':>8} {'harness tok/s':>13} {'plain fwd tok/s':>15} {'ratio':>6}",
           file=out, flush=True)
-    model.hidden(torch.zeros((1, 8), dtype=torch.long, device=device))  # warm-up
+    gpt.hidden(torch.zeros((1, 8), dtype=torch.long, device=device))  # warm-up
     for name, prompts in task_prompts.items():
         tokenized = [[evaluate.encode_pair(enc, *r) for r in p.requests] for p in prompts]
         windows = [[evaluate.harness_window(c, t, L) for c, t in doc] for doc in tokenized]
@@ -83,10 +83,10 @@ def bench(model, enc, task_prompts: dict, batch_size=16, device="cpu", rounds: i
         for _ in range(rounds):
             devices.sync(device)
             t0 = time.perf_counter()
-            score_windows(model, windows, batch_size, device)
+            score_windows(gpt, windows, batch_size, device)
             devices.sync(device)
             fast = min(fast, time.perf_counter() - t0)
-            plain = max(plain, plain_forward_rate(model, n_tok, max(1, round(n_tok / n_req)), batch_size, device))
+            plain = max(plain, plain_forward_rate(gpt, n_tok, max(1, round(n_tok / n_req)), batch_size, device))
         rows[name] = {"harness_tokens": n_tok, "seconds": fast, "harness_tok_per_s": n_tok / fast,
                       "plain_forward_tok_per_s": plain, "ratio": n_tok / fast / plain}
         print(row.format(name, *rows[name].values()), file=out, flush=True)
@@ -104,12 +104,12 @@ def main(argv=None):
                for name in tasks.parse_tasks(cfg.tasks)}
     device = devices.pick_device(cfg.device, "float32")[0]
     models, enc = evaluate.load_models(cfg, device), load_tokenizer(cfg.model)
-    report = {}
+    results = {}
     for label, m in models.items():
         print(f"\n{label} ({cfg.model if label == 'teacher' else cfg.ckpt}) on {device}")
-        report[label] = bench(m, enc, prompts, cfg.batch_size, device, cfg.rounds)
+        results[label] = bench(m, enc, prompts, cfg.batch_size, device, cfg.rounds)
     if cfg.output:
-        files.write_text_atomic(cfg.output, json.dumps({**report, "config": asdict(cfg)}, indent=1))
+        files.write_text_atomic(cfg.output, json.dumps({**results, "config": asdict(cfg)}, indent=1))
         print(f"wrote {cfg.output}")
 
 

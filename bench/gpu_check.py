@@ -230,22 +230,22 @@ def start_forkserver(preload):
 def distill_run(cfg, work, kind, loss, batch, device, left):
     """One `distill.py` run -> its record: ms/step (the median of the log intervals after the first), ms per
     1024-token sample, peak memory in MiB, wall seconds; "timeout" keeps the intervals logged before it."""
-    model, per_head = kind.split("-")[0], kind.endswith("per-head")              # gpt2-per-head: the fork
-    ckpt, data, out = work / f"{model}-checkpoint", work / f"{model}-tokens", work / f"{kind}-{loss}"
+    name, is_per_head = kind.split("-")[0], kind.endswith("per-head")            # gpt2-per-head: the fork
+    ckpt, data, out = work / f"{name}-checkpoint", work / f"{name}-tokens", work / f"{kind}-{loss}"
     files.remove(out)
     flags = ["--model", str(ckpt), "--data", str(data), "--out-dir", str(out), "--alloc",
-             "dof" if per_head else "fix", "--J", str(cfg.J), "--budget", str(BUDGET[model]), "--loss", loss,
+             "dof" if is_per_head else "fix", "--J", str(cfg.J), "--budget", str(BUDGET[name]), "--loss", loss,
              "--batch-size", str(batch),
              "--block-size", str(cfg.block_size), "--max-steps", str(cfg.steps),
              "--log-interval", str(max(1, cfg.steps // 6)), "--eval-iters", "1", "--calib-batches", "1",
              "--device", device, "--dtype", "bfloat16"]
     rec = {"model": kind, "loss": loss, "batch": batch, "block": cfg.block_size, "steps": cfg.steps,
-           "command": f"python {'experiments/per_head.py' if per_head else 'distill.py'} " +
+           "command": f"python {'experiments/per_head.py' if is_per_head else 'distill.py'} " +
                       " ".join(flags).replace(str(work), "<work>")}          # the check's scratch folder
     ctx = start_forkserver(["distill", "torch._dynamo"])   # GPT() on the meta device imports torch._dynamo
     t0 = time.perf_counter()
     p = ctx.Process(target=distill_child, args=(flags, device, work / "distill.log",
-                                                  "per_head" if per_head else "distill"))
+                                                  "per_head" if is_per_head else "distill"))
     p.start()
     try:
         p.join(min(cfg.distill_timeout, left - 5))
@@ -274,11 +274,11 @@ def distill_section(cfg, shapes, work, device, left, runs):
     only with 20 s left (60 s for Pythia-1B, which builds 1B weights first)."""
     out = []
     for kind, loss in runs:
-        model = kind.split("-")[0]
-        batch = cfg.batch_size if model == "gpt2" else cfg.pythia_batch_size
-        ckpt, tokens = work / f"{model}-checkpoint", work / f"{model}-tokens"
-        have = built(ckpt, tokens, shapes[model], cfg.block_size)
-        need = 60 if model == "pythia" and not have else 20
+        name = kind.split("-")[0]
+        batch = cfg.batch_size if name == "gpt2" else cfg.pythia_batch_size
+        ckpt, tokens = work / f"{name}-checkpoint", work / f"{name}-tokens"
+        have = built(ckpt, tokens, shapes[name], cfg.block_size)
+        need = 60 if name == "pythia" and not have else 20
         if left() < need:
             out.append({"model": kind, "loss": loss, "batch": batch, "status": "skipped",
                         "reason": f"{left():.0f} s left of --budget-seconds"})
@@ -287,7 +287,7 @@ def distill_section(cfg, shapes, work, device, left, runs):
             if not have:                                        # built again, not another shape's reused
                 files.remove(ckpt)
                 files.remove(tokens)
-                random_checkpoint(ckpt, shapes[model], TOKENIZER_FILES[model], device)
+                random_checkpoint(ckpt, shapes[name], TOKENIZER_FILES[name], device)
                 random_tokens(tokens, ckpt, cfg.block_size)
             out.append(distill_run(cfg, work, kind, loss, batch, device, left()))
         except (door.ModelError, RuntimeError, OSError) as e:
@@ -426,9 +426,9 @@ def decode_section(cfg, shape, device, left):
                "linear_state_ms": decode_ms(models[1], ctx, cfg.decode_steps, device)}
         for kind in GRAPHED:                                       # a graph that fails keeps the row's other times
             try:
-                for name, model in zip(("kv_cache", "linear_state"), models):
-                    row[f"{name}_{kind}_ms"], row[f"{name}_{kind}_err"] = graphed_ms(model, ctx, cfg.decode_steps,
-                                                                                     device, kind == "compiled")
+                for name, gpt in zip(("kv_cache", "linear_state"), models):
+                    row[f"{name}_{kind}_ms"], row[f"{name}_{kind}_err"] = graphed_ms(gpt, ctx, cfg.decode_steps,
+                                                                                   device, kind == "compiled")
             except Exception as e:
                 row = {k: v for k, v in row.items() if f"_{kind}_" not in k}
                 row[f"{kind}_error"] = crash(e)

@@ -3,9 +3,9 @@ Beyond the paper: decoding one token as one CUDA graph replay. A decoded token a
 kernels, so its time is the launches', not the arithmetic's (docs/results.md); a graph launches them all at once.
 Used by bench/gpu_check.py's decode rows:
 
-    decoder = GraphedDecoder(model, cache, tok)    # after a prefill through model.Cache, as model.generate does
+    decoder = GraphedDecoder(gpt, cache, tok)      # after a prefill through model.Cache, as model.generate does
     logits = decoder(tok)                          # (B, 1) -> (B, 1, V), the cache advanced by one token
-    GraphedDecoder(model, cache, tok, compile=True)   # the step torch.compile'd first: fewer, fused kernels
+    GraphedDecoder(gpt, cache, tok, compile=True)     # the step torch.compile'd first: fewer, fused kernels
 
 How it forks the core: a graph replays fixed addresses, so the cache's position becomes a device tensor (GPT.hidden
 adds it to its positions), the linear state (S, s) is copied back into the buffers the graph reads, and softmax
@@ -44,17 +44,17 @@ class StaticKV(SoftmaxAttention):
 
 
 class GraphedDecoder:
-    """model(tok, cache) for one token (B, 1), captured once as a CUDA graph and replayed per call; without CUDA
+    """gpt(tok, cache) for one token (B, 1), captured once as a CUDA graph and replayed per call; without CUDA
     (graph=False) the same step runs eagerly. `steps` more tokens must fit the KV caches' new capacity. compile: the
     step is torch.compile'd (inductor fuses the feature maps' and the state update's elementwise ops), with the
     capacity a dynamic size, so one compile serves every context length."""
-    def __init__(self, model, cache, tok, steps=4096, graph=True, compile=False):
-        if model.config.family == "gpt2":
+    def __init__(self, gpt, cache, tok, steps=4096, graph=True, compile=False):
+        if gpt.config.family == "gpt2":
             raise door.ModelError("GPT-2's learned positions are checked on the host at every step, which a graph cannot "
                              "replay; decode GPT-2 with model.generate")
         self.cache, self.tok, n = cache, tok.clone(), cache.pos
         capacity = -(-(n + steps) // 64) * 64                      # n + steps, rounded up to a multiple of 64
-        for block, layer in zip(model.h, cache):
+        for block, layer in zip(gpt.h, cache):
             if isinstance(block.attn.core, SoftmaxAttention):      # the growing cache copied into a fixed one
                 block.attn.core, _ = StaticKV(), layer.pop("n")
                 for name in ("k", "v"):
@@ -67,7 +67,7 @@ class GraphedDecoder:
         for layer in cache:
             layer["pos"] = cache.pos
         self.buffers = [dict(layer) for layer in cache]            # what the graph reads: fixed from here on
-        self.forward = torch.compile(model, fullgraph=True) if compile else model
+        self.forward = torch.compile(gpt, fullgraph=True) if compile else gpt
         self.graph = None
         if graph:
             self.graph, self.logits = self.capture()

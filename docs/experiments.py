@@ -69,9 +69,9 @@ def claim_grid(seeds=(0, 1, 2)):
     return runs
 
 
-def tiny_grid(model, data, seeds=(0, 1)):
+def tiny_grid(ckpt, data, seeds=(0, 1)):
     """Two configurations x two seeds on a tiny model: what the tests run."""
-    base = ["--model", model, "--data", data, "--block-size", "32", "--batch-size", "2", "--max-steps", "4",
+    base = ["--model", ckpt, "--data", data, "--block-size", "32", "--batch-size", "2", "--max-steps", "4",
             "--warmup-steps", "0", "--eval-interval", "2", "--eval-iters", "1", "--J", "16", "--calib-batches", "1",
             "--budget", "4", "--query-block", "8", "--chunk-size", "8"]
     return [Run("tiny", f"{a}-s{s}", f"4/{name}", s, base + ["--alloc", a])
@@ -439,10 +439,10 @@ def continuations(records):
             f"| teacher | {c['teacher']} |\n| student | {c['student']} |")
 
 
-def zeroshot_table(report):
+def zeroshot_table(results):
     """evaluate.py's results.json with --ckpt: accuracy per task, teacher and student, with standard errors."""
     rows = ["| task | n | teacher acc | student acc | teacher acc_norm | student acc_norm |", "|---|---:|---|---|---|---|"]
-    t, st = report["results"], report["student"]["results"]
+    t, st = results["results"], results["student"]["results"]
     f = lambda r, k: "–" if r[k] is None else f"{r[k]:.3f} ± {r[k + '_stderr']:.3f}"
     for task in t:
         rows.append(f"| {task} | {t[task]['n']} | {f(t[task], 'acc')} | {f(st[task], 'acc')} | "
@@ -452,14 +452,14 @@ def zeroshot_table(report):
     return "\n".join(rows)
 
 
-def finetune_table(report):
+def finetune_table(results):
     """evaluate.py's results.json with --finetune-epochs: per task and model the zero-shot accuracy, the
     accuracy after each epoch, both rules' picks, seconds an epoch; the teacher's grid; what the student keeps."""
     rows = ["| task | model | lr | zero-shot acc | acc after each epoch | validation acc after each epoch | "
             "paper's rule | validation rule | s/epoch |", "|---|---|---|---|---|---|---|---|---|"]
     acc = lambda r: "–" if r is None else f"{r['acc']:.3f} ± {r['acc_stderr']:.3f}"  # noqa: E731
     notes = []
-    for task, models in report["finetune"]["tasks"].items():
+    for task, models in results["finetune"]["tasks"].items():
         for label, r in models.items():
             if label == "seconds" or r.get("lr") is None:
                 continue
@@ -748,7 +748,7 @@ def overview(results):
     return "\n".join(rows) + "\n\nMean ± standard error over the seeds, each seed's runs on the same windows."
 
 
-def report(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESULTS, figures=ROOT / "docs"):
+def rebuild_docs(docs=(ROOT / "docs" / "results.md", ROOT / "README.md"), results=RESULTS, figures=ROOT / "docs"):
     """Rebuild every generated block of `docs` (between their markers) and each grid's learning-curve figure;
     -> the blocks, name -> text."""
     made = {}
@@ -792,7 +792,7 @@ def main(argv=None):
     if cfg.run:
         run_grid(runs, cfg.jobs)
     if cfg.report:
-        report()
+        rebuild_docs()
 
 
 if __name__ == "__main__":

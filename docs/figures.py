@@ -140,9 +140,9 @@ def lam_text(cfg):
     return f"{cfg.lam:g}" + ("" if cfg.lam_absolute else " tr S")
 
 
-def fig_spectrum(plt, path, x, N, heads, cfg):
+def fig_spectrum(plt, path, x, N, shown, cfg):
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for (l, h), c in zip(heads, COLORS):
+    for (l, h), c in zip(shown, COLORS):
         mu, lam = spectrum(x[l, h], cfg.lam, not cfg.lam_absolute)
         mu = mu[mu > 1e-13].numpy()                         # below this, eigvalsh returns rounding noise
         i = range(1, len(mu) + 1)
@@ -158,11 +158,11 @@ def fig_spectrum(plt, path, x, N, heads, cfg):
     save(plt, fig, path)
 
 
-def fig_kernel_error(plt, path, qk, x, N, heads, cfg):
+def fig_kernel_error(plt, path, qk, x, N, shown, cfg):
     """-> {"M": the Ms, "heads": each head's misplaced mass per M, "gaussian": that of Gaussian q, k}."""
     Ms, gen, errors = [2 ** i for i in range(2, 11)], torch.Generator().manual_seed(cfg.seed), []
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    for (l, h), c in zip(heads, COLORS):
+    for (l, h), c in zip(shown, COLORS):
         rms = x[l, h].square().sum(-1).mean().sqrt().item() / x.size(-1) ** 0.25          # |x~| = |x| / d^(1/4)
         errors.append(err := misplaced(qk[l][0][0, h], qk[l][1][0, h], Ms, cfg.draws, gen))
         ax.loglog(Ms, err, "o-", color=c, ms=4, label=f"{label(N, l, h)}, |x̃| ≈ {rms:.1f}")
@@ -200,14 +200,14 @@ def fig_attention(plt, path, teacher, ckpt, tokens, head, cfg):
     save(plt, fig, path)
 
 
-def fig_dof(plt, path, N, heads, cfg):
+def fig_dof(plt, path, N, shown, cfg):
     from matplotlib.colors import LogNorm
     L, H = N.shape
     fig, (a0, a1) = plt.subplots(1, 2, figsize=(6.5, 0.16 * L + 1.8), sharey=True, layout="constrained",
                                  gridspec_kw={"width_ratios": [H, 4]})
     im = a0.imshow(N, aspect="auto", cmap="viridis", norm=LogNorm())
     a0.plot(N.argmax(1), range(L), "w.", ms=5)
-    for (l, h), tag in zip(heads, ("low", "high")):
+    for (l, h), tag in zip(shown, ("low", "high")):
         a0.text(h, l, tag, ha="center", va="center", fontsize=6, bbox={"fc": "w", "ec": "none", "pad": 1})
     a0.set(xlabel="head", ylabel="layer", xticks=range(H), title="$N_\\lambda$ per head (•: layer max)")
     fig.colorbar(im, ax=a0, pad=0.02, ticks=[1, 2, 5, 10, 20, 50, 100, 200, 500], format="%g")
@@ -217,7 +217,7 @@ def fig_dof(plt, path, N, heads, cfg):
     save(plt, fig, path)
 
 
-def numbers(cfg, x, N, heads, errors):
+def numbers(cfg, x, N, shown, errors):
     """figures.json's dict: the settings, then per head (L, H lists) N, the rms |x| of its sampled queries and keys
     and of x~ = x / d^(1/4), the largest log K(x, x) = |x|^2 / sqrt d, and N / J at lambda = 2^-4 of K itself."""
     norm, J, D = x.norm(dim=-1), x.size(2), x.size(-1)                                  # (L, H, J)
@@ -225,7 +225,7 @@ def numbers(cfg, x, N, heads, errors):
     return {"model": repo_path(cfg.model), "text": repo_path(cfg.text), "tokens": cfg.tokens, "J": J,
             "lam": cfg.lam, "lam_absolute": cfg.lam_absolute, "seed": cfg.seed, "draws": cfg.draws,
             "heads": [{"layer": l, "head": h, "N": r(N[l, h]), "x_tilde": r(rms[l, h] / D ** 0.25),
-                       "misplaced": r(e, 4)} for (l, h), e in zip(heads, errors["heads"])],
+                       "misplaced": r(e, 4)} for (l, h), e in zip(shown, errors["heads"])],
             "M": errors["M"], "gaussian_misplaced": r(errors["gaussian"], 4), "N": r(N),
             "x_rms": r(rms), "x_tilde_rms": r(rms / D ** 0.25), "log_K_max": r(norm.square().amax(-1) / D ** 0.5),
             "N_over_J_at_2^-4": r(dof.degrees_of_freedom(x, 2 ** -4, relative=False) / J, 4)}
@@ -282,20 +282,20 @@ def main(argv=None):
         raise door.ModelError(f"--lam {cfg.lam:g} leaves every head N = 0 (lambda far above every eigenvalue of S), so "
                          "there is nothing to draw; pass a smaller --lam")
     low, high = N.max(1).argmin(), N.max(1).argmax()          # the layers with the smallest and largest DoF
-    heads = [(int(low), int(N[low].argmax())), (int(high), int(N[high].argmax()))]
-    print("heads (layer, head, N): " + ", ".join(f"({l}, {h}, {N[l, h]:.1f})" for l, h in heads))
+    shown = [(int(low), int(N[low].argmax())), (int(high), int(N[high].argmax()))]
+    print("heads (layer, head, N): " + ", ".join(f"({l}, {h}, {N[l, h]:.1f})" for l, h in shown))
 
     out.mkdir(parents=True, exist_ok=True)
     try:
         with ExitStack() as stack:                                # each figure into its .tmp, all four replaced at the
             tmp = {f: stack.enter_context(files.atomic_path(out / f)) for f in OUTPUTS}     # end: all new, or none
-            fig_spectrum(plt, tmp["fig-spectrum.png"], x, N, heads, cfg)
-            errors = fig_kernel_error(plt, tmp["fig-kernel-error.png"], layer_qk(teacher, held_out), x, N, heads, cfg)
+            fig_spectrum(plt, tmp["fig-spectrum.png"], x, N, shown, cfg)
+            errors = fig_kernel_error(plt, tmp["fig-kernel-error.png"], layer_qk(teacher, held_out), x, N, shown, cfg)
             if not cfg.ckpt:
                 print("no --ckpt: the attention maps show the teacher and the untrained student only")
-            fig_attention(plt, tmp["fig-attention.png"], teacher, ckpt, tokens, heads[1], cfg)
-            fig_dof(plt, tmp["fig-dof.png"], N, heads, cfg)
-            tmp["figures.json"].write_text(json.dumps(numbers(cfg, x, N, heads, errors)) + "\n")
+            fig_attention(plt, tmp["fig-attention.png"], teacher, ckpt, tokens, shown[1], cfg)
+            fig_dof(plt, tmp["fig-dof.png"], N, shown, cfg)
+            tmp["figures.json"].write_text(json.dumps(numbers(cfg, x, N, shown, errors)) + "\n")
     except OSError as e:                                          # a full disk: the figures stay as they were
         raise door.ModelError(f"cannot write the figures into {out} ({e.strerror}); make room or pass another --out") \
             from None

@@ -44,9 +44,9 @@ class SinkWindowAttention(nn.Module):
     (B, Hkv, T, D) -> y (B, H, T, D). Decoding: cache["sk"], cache["sv"] (B, Hkv, <= S, D) the
     sinks, cache["k"], cache["v"] (B, Hkv, W, D) the ring (token n in slot n % W), cache["n"]."""
 
-    def __init__(self, window, sinks):
+    def __init__(self, W, S):
         super().__init__()
-        self.window, self.sinks = window, sinks
+        self.window, self.sinks = W, S
 
     def forward(self, q, k, v, cache=None):
         if cache is None:
@@ -102,19 +102,19 @@ class SinkWindowAttention(nn.Module):
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
 
 
-def sink_window(teacher, window, sinks):
+def sink_window(teacher, W, S):
     """The teacher with every core a SinkWindowAttention: its weights shared, nothing trained."""
     shared = {id(t): t for t in (*teacher.parameters(), *teacher.buffers())}
     baseline = copy.deepcopy(teacher, shared)
     for block in baseline.h:
-        block.attn.core = SinkWindowAttention(window, sinks)
+        block.attn.core = SinkWindowAttention(W, S)
     return baseline
 
 
-def cache_bytes(config, window, sinks, dtype=torch.float32):
+def cache_bytes(config, W, S, dtype=torch.float32):
     """Bytes of the decoding cache of one sequence: keys and values of S + W tokens a layer."""
     per_token = 2 * config.n_kv_head * config.head_dim * torch.finfo(dtype).bits // 8
-    return config.n_layer * (window + sinks) * per_token
+    return config.n_layer * (W + S) * per_token
 
 
 @dataclass

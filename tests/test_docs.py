@@ -269,7 +269,7 @@ def test_published_tables_are_the_ones_the_committed_result_files_make(tmp_path)
     docs = [ROOT / "docs" / "results.md", ROOT / "README.md"]
     for doc in docs:
         shutil.copy(doc, tmp_path / doc.name)
-    made = docs_experiments().report(docs=[tmp_path / doc.name for doc in docs], figures=tmp_path)
+    made = docs_experiments().rebuild_docs(docs=[tmp_path / doc.name for doc in docs], figures=tmp_path)
     for doc in docs:
         assert (tmp_path / doc.name).read_text() == doc.read_text(), f"{doc.name}: python docs/experiments.py --report"
     text = "".join(doc.read_text() for doc in docs)
@@ -299,10 +299,10 @@ def test_report_refuses_a_damaged_result_file_in_one_sentence(tmp_path, damage, 
     shutil.copytree(ROOT / "docs" / "results" / "claim", tmp_path / "results" / "claim")
     doc = tmp_path / "results.md"
     shutil.copy(ROOT / "docs" / "results.md", doc)
-    docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)   # the grid alone
+    docs_experiments().rebuild_docs(docs=[doc], results=tmp_path / "results", figures=tmp_path)   # the grid alone
     damage(tmp_path / "results" / "claim" / "b32-dof-s0.json")
     with pytest.raises(door.ModelError, match=match):
-        docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
+        docs_experiments().rebuild_docs(docs=[doc], results=tmp_path / "results", figures=tmp_path)
     assert doc.read_text() == (ROOT / "docs" / "results.md").read_text()
 
 
@@ -314,7 +314,7 @@ def test_report_without_matplotlib_notes_each_figure_it_does_not_draw(tmp_path, 
     doc = tmp_path / "results.md"
     shutil.copy(ROOT / "docs" / "results.md", doc)
     monkeypatch.setitem(sys.modules, "matplotlib", None)                # import matplotlib -> ImportError
-    docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
+    docs_experiments().rebuild_docs(docs=[doc], results=tmp_path / "results", figures=tmp_path)
     out = capsys.readouterr().out
     assert "fig-layer-curves.png was not drawn; pip install matplotlib" in out
     assert "fig-heads.png was not drawn; pip install matplotlib" in out
@@ -333,12 +333,12 @@ def test_report_names_the_curve_runs_that_are_missing(tmp_path, grids):
     shutil.copy(ROOT / "docs" / "results.md", doc)
     with pytest.raises(door.ModelError, match=r"^\S+/results/curves lacks the whole runs fix-m32-s0; run them with "
                                          r"`python docs/experiments.py --run curves`"):
-        docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
+        docs_experiments().rebuild_docs(docs=[doc], results=tmp_path / "results", figures=tmp_path)
     assert doc.read_text() == (ROOT / "docs" / "results.md").read_text()
     if len(grids) == 2:                        # a damaged curve run is the curves folder's, not the allocation one's
         (tmp_path / "results" / "curves" / "fix-m16-s0.json").write_text('{"group": "16/Fix", "val": []}')
         with pytest.raises(door.ModelError, match=r"^\S+/results/curves holds a result file its script did not write"):
-            docs_experiments().report(docs=[doc], results=tmp_path / "results", figures=tmp_path)
+            docs_experiments().rebuild_docs(docs=[doc], results=tmp_path / "results", figures=tmp_path)
 
 
 def test_allocation_table_pairs_seeds_and_gives_shares_only_of_a_clear_gain():
@@ -391,11 +391,11 @@ def test_runner_writes_one_json_per_run_and_rebuilds_tables_identically(setup, t
     doc = tmp_path / "results.md"
     doc.write_text("text\n<!-- begin tiny:summary -->\nstale\n<!-- end tiny:summary -->\nmore\n"
                    "<!-- begin tiny:paired -->\n<!-- end tiny:paired -->\nend\n")
-    X.report(docs=[doc], results=res, figures=tmp_path)
+    X.rebuild_docs(docs=[doc], results=res, figures=tmp_path)
     first = doc.read_text()
     assert "stale" not in first and "| 4 | DoF | 2 |" in first and "| 4 | DoF − Fix | 2 |" in first
     assert first.startswith("text\n") and "\nmore\n" in first and first.endswith("end\n")
-    X.report(docs=[doc], results=res, figures=tmp_path)
+    X.rebuild_docs(docs=[doc], results=res, figures=tmp_path)
     assert doc.read_text() == first and (tmp_path / "curves-tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     later = X.Run("tiny", "later", "4/Later", 0, runs[0].flags + ["--init-from", str(scratch / "tiny" / "gone")])
     with pytest.raises(door.ModelError, match=r"^run tiny/later continues the checkpoint \S+gone, which is not here "):

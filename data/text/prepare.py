@@ -36,12 +36,12 @@ PROBE = "Hello world! The 2 quick brown foxes jump over 13 lazy dogs.\n\n  Züri
 FILES = ("train.bin", "val.bin", "meta.json")
 
 
-def tokenizer_meta(enc, model):
+def tokenizer_meta(enc, ckpt):
     """What meta.json records about the tokenizer (checked by distill.py against the teacher's)."""
     if enc.n_vocab > 65536:
-        raise door.ModelError(f"the tokenizer of {model} has {enc.n_vocab} tokens, more than uint16 "
+        raise door.ModelError(f"the tokenizer of {ckpt} has {enc.n_vocab} tokens, more than uint16 "
                          "token files hold")
-    return {"model": str(model), "name": enc.name, "n_vocab": enc.n_vocab, "eot": eot_id(enc),
+    return {"model": str(ckpt), "name": enc.name, "n_vocab": enc.n_vocab, "eot": eot_id(enc),
             "probe": PROBE, "probe_ids": enc.encode_ordinary(PROBE)}
 
 
