@@ -129,10 +129,10 @@ def label(r):
 
 
 def mean_sd(xs, fmt):
-    """'m ± sd (n)' over seeds, or the one value."""
+    """'m ± sd' over seeds (the sd unsigned), or the one value."""
     if len(xs) == 1:
         return fmt.format(xs[0])
-    return f"{fmt.format(np.mean(xs))} ± {fmt.format(np.std(xs, ddof=1))}"
+    return f"{fmt.format(np.mean(xs))} ± {fmt.replace('+', '').format(np.std(xs, ddof=1))}"
 
 
 def groups(records):

@@ -819,3 +819,7 @@ def test_long_context_scores_the_teacher_a_window_and_a_student_and_tabulates_th
     assert student["loss"]["64"] == pytest.approx(evaluate.perplexity(net, tokens, 64)["loss"], rel=1e-6)
     table = long_context.tables(records)["gap"].splitlines()
     assert len(table) == 2 + 3 + 2 and f"{student['loss']['32'] - teacher['loss']['32']:+.3f}" in table[-3]
+    twin = {**student, "seed": 1, "loss": {T: v + 0.01 for T, v in student["loss"].items()}}   # a second seed
+    row = long_context.tables(records + [twin])["gap"].splitlines()[-3]
+    gaps = [student["loss"]["32"] - teacher["loss"]["32"] + x for x in (0, 0.01)]
+    assert f"| {np.mean(gaps):+.3f} ± {np.std(gaps, ddof=1):.3f} |" in row and f"| {student['seed']}, 1 |" in row
