@@ -195,11 +195,12 @@ def window_grid(seeds=(0, 1, 2)):
 SINK_RUNS = {"DoF, W=64, S=4": ("dof-w64-sink4", ["--window", "64", "--sinks", "4"]),
              "DoF, W=64": ("dof-w64", ["--window", "64"]),
              "DoF, W=0": ("dof-w0", ["--window", "0"]),
-             "DoF, W=16, S=4": ("dof-w16-sink4", ["--window", "16", "--sinks", "4"])}
+             "DoF, W=16, S=4": ("dof-w16-sink4", ["--window", "16", "--sinks", "4"]),
+             "DoF, W=16": ("dof-w16", ["--window", "16"])}
 
 
-def sinks_grid(seeds=(0,)):
-    """The window with sinks against without, and the core student: --preset cpu's recipe, 12-35
+def sinks_grid(seeds=(0, 1, 2)):
+    """The window with sinks against without, and the core student: --preset cpu's recipe, 10-40
     minutes a run on one thread beside other runs."""
     return [Run("sinks", f"{name}-s{s}", f"32/{label}", s, WINDOW_PRESET + flags, name, "experiments/window.py")
             for s in seeds for label, (name, flags) in SINK_RUNS.items()]
