@@ -152,8 +152,8 @@ def check_teacher(prev, teacher, where):
                               f"{teacher} is another model (its config or weights differ); pass "
                               f"--model {was} or a copy of it")
     elif Path(str(was)).resolve() != Path(teacher).resolve():
-        raise door.ModelError(f"{where} was distilled from teacher '{was}' but --model is '{teacher}'; "
-                         f"pass --model {was}")
+        raise door.ModelError(f"{where} was distilled from teacher '{was}' but --model is "
+                              f"'{teacher}'; pass --model {was}")
 
 
 class HubUnreachable(door.ModelError):
@@ -230,8 +230,9 @@ def check_student(cfg, n_layer, feature_maps):
         dims = cfg["dims"]
         if len(dims) != n_layer or any(isinstance(m, (list, tuple)) for m in dims):
             first = dims[0] if dims else None
-            raise door.ModelError(f"the dims ({len(dims)}, the first {first}) are not a number per layer "
-                                  f"of this {n_layer}-layer teacher; pass a checkpoint of it")
+            raise door.ModelError(f"the dims ({len(dims)}, the first {first}) are not a number "
+                                  f"per layer of this {n_layer}-layer teacher; pass a checkpoint "
+                                  "of it")
     if cfg["feature_map"] not in feature_maps:
         known = ", ".join(feature_maps)
         raise door.ModelError(f"unknown feature map {cfg['feature_map']!r}; choose one of {known}")
@@ -357,7 +358,8 @@ def gguf_layout(cfg, n_tensors):
 
 
 def open_llama_gguf(path):
-    """A GGUF file -> (its tensors by name, gguf_config's, gguf_layout's), once checked as plain llama."""
+    """A GGUF file -> (its tensors by name, gguf_config's, gguf_layout's), once checked as plain
+    llama."""
     tensors, meta = open_gguf(path)
     arch = meta("general.architecture", "unknown")
     scaling = meta("llama.rope.scaling.type", "none")
@@ -415,7 +417,8 @@ NEEDS["llama"] = NEEDS["gpt_neox"]
 
 
 def check_hf_config(d, name):
-    """Refuse a config.json that model.py cannot compute: model_type, keys, rope scaling, activation."""
+    """Refuse a config.json that model.py cannot compute: model_type, keys, rope scaling,
+    activation."""
     mt = d.get("model_type")
     if mt not in NEEDS:
         raise door.ModelError(f"{name}: model_type {mt!r} is not supported; supported model types are "
@@ -484,7 +487,9 @@ LAYER_NAMES = {
 def checkpoint_sources(cfg):
     """Our key -> (the checkpoint's keys, a function joining those tensors into ours)."""
     H, D, fam = cfg.n_head, cfg.head_dim, cfg.family
-    same = lambda w: w
+
+    def same(w):
+        return w
     # GPT-2's Conv1D weights are (in, out); GPT-NeoX's fused qkv is interleaved per head
     join = {"gpt2": dict.fromkeys(["attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"], lambda w: w.t()),
             "neox": {"attn.qkv": lambda w: w.view(H, 3, D, *w.shape[1:]).transpose(0, 1).reshape(w.shape)},
@@ -495,7 +500,10 @@ def checkpoint_sources(cfg):
     rules.update({f"ln_f.{pn}": ([f"{ln_f}.{pn}"], same) for pn in pnames})
     if fam == "gpt2":
         rules["wpe.weight"] = (["wpe.weight"], same)
-    rules["lm_head.weight"] = rules["wte.weight"] if cfg.tie_embeddings else ([f"{head}.weight"], same)
+    if cfg.tie_embeddings:
+        rules["lm_head.weight"] = rules["wte.weight"]
+    else:
+        rules["lm_head.weight"] = ([f"{head}.weight"], same)
     for i in range(cfg.n_layer):
         for ours, their in LAYER_NAMES[fam].items():
             for pn in pnames:
@@ -505,7 +513,8 @@ def checkpoint_sources(cfg):
 
 
 def convert_state_dict(cfg, sd, name, shapes):
-    """Checkpoint state dict -> ours, checked (keys bar buffers and a tied head, dtypes, `shapes`)."""
+    """Checkpoint state dict -> ours, checked (keys bar buffers and a tied head, dtypes,
+    `shapes`)."""
     # hub gpt2 files lack the prefix; transformers' have it
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     rules = checkpoint_sources(cfg)

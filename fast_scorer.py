@@ -28,7 +28,8 @@ class Row:
 
 
 def plan_rows(windows) -> list[list[Row]]:
-    """Each document's distinct rows: requests feeding identical tokens share one (MMLU's answers)."""
+    """Each document's distinct rows: requests feeding identical tokens share one (MMLU's
+    answers)."""
     plans, k = [], 0
     for doc in windows:
         rows: dict[tuple[int, ...], Row] = {}
@@ -137,7 +138,8 @@ def run_shared(lm, docs: list[Shared], scores: Scores, batch_size: int, device):
     cache = model.Cache(lm.config.n_layer)
     prefixes = torch.tensor([s.rows[0].tokens[:P] for s in docs], device=device)
     h = lm.hidden(prefixes, cache)                                                  # (docs, P, C)
-    inside = [(d, p, t, k) for d, s in enumerate(docs) for r in s.rows for p, t, k in r.targets if p < P]
+    inside = [(d, p, t, k) for d, s in enumerate(docs) for r in s.rows for p, t, k in r.targets
+              if p < P]
     # positions scored inside the prefix (their hidden state is the same for all the rows)
     if inside:
         scores.add(lm, h, inside)

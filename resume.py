@@ -100,8 +100,9 @@ def check_resume(cfg, path, prev):
         elif preset != cfg.preset:
             # a flag that --preset set, not one typed: name --preset
             how = "with" if preset else "without"
-            raise door.ModelError(f"{path} was started {how} --preset {preset or cfg.preset}, so its {flag} "
-                                  f"was {a!r}, not {b!r}; resume it {how} --preset {preset or cfg.preset}")
+            named = f"--preset {preset or cfg.preset}"
+            raise door.ModelError(f"{path} was started {how} {named}, so its {flag} was {a!r}, "
+                                  f"not {b!r}; resume it {how} {named}")
         raise door.ModelError(f"{path} was started with {flag} {was[name]!r}, not {now[name]!r}; "
                               f"{todo}")
     check_same_files(cfg, path, prev)
@@ -173,7 +174,8 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
         out.mkdir(parents=True, exist_ok=True)
         with files.atomic_files([out / name for name in files.CHECKPOINT_FILES]) as tmp:
             features = checkpoint.feature_state(student)
-            tmp[0].write_bytes(safetensors.torch.save(features, metadata={"step": str(config["step"])}))
+            metadata = {"step": str(config["step"])}
+            tmp[0].write_bytes(safetensors.torch.save(features, metadata=metadata))
             tmp[1].write_text(json.dumps(metrics) + "\n")
             torch.save(state, tmp[2])
             tmp[3].write_text(json.dumps(config, indent=2) + "\n")
@@ -184,8 +186,10 @@ def save_checkpoint(cfg, student, optim, gen, config, metrics):
             out.rmdir()
         todo = "make room, then run it again"
         if files.is_checkpoint(out):
-            todo = "the checkpoint saved before is whole: make room, then add --resume to continue from it"
-        raise door.ModelError(f"saving into {cfg.out_dir} failed ({str(e).strip()[:80]}); {todo}") from None
+            todo = ("the checkpoint saved before is whole: make room, then add --resume to "
+                    "continue from it")
+        why = str(e).strip()[:80]
+        raise door.ModelError(f"saving into {cfg.out_dir} failed ({why}); {todo}") from None
 
 
 def restore(cfg, optim, gen):

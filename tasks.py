@@ -290,7 +290,8 @@ def check_finetune(cfg) -> str | None:
 def check_train_dir(cfg) -> str | None:
     """What is wrong with --train-dir, or None."""
     if not Path(cfg.train_dir).is_dir():
-        return f"--train-dir {cfg.train_dir} is not a folder; pass the folder of <task>_train.jsonl files"
+        return (f"--train-dir {cfg.train_dir} is not a folder; pass the folder of "
+                "<task>_train.jsonl files")
     return None
 
 
@@ -393,7 +394,8 @@ def print_results(results: dict, labels: list):
     print(f"{'task':<14} {'n':>5}" + "".join(head))
     for name in results["results"]:
         rs = [part["results"][name] for part in parts.values()]
-        cells = [f" | {fmt(r['acc']):>14} {fmt(r['acc_norm']):>8} {fmt(r['acc_stderr']):>7}" for r in rs]
+        cells = [f" | {fmt(r['acc']):>14} {fmt(r['acc_norm']):>8} {fmt(r['acc_stderr']):>7}"
+                 for r in rs]
         print(f"{name:<14} {rs[0]['n']:>5}" + "".join(cells))
 
 
