@@ -118,7 +118,7 @@ def check_block_size(cfg):
 
 
 def check_val_fraction(cfg):
-    """DistillConfig's --val-fraction: a share of the text strictly between 0 and 1."""
+    """--val-fraction (distill.py, data/*/prepare.py): a share strictly between 0 and 1."""
     if not 0 < cfg.val_fraction < 1:
         return f"--val-fraction must lie between 0 and 1, got {cfg.val_fraction}"
 

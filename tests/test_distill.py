@@ -1156,7 +1156,7 @@ def test_tools_and_data_scripts_check_their_options_before_any_work(setup, tmp_p
              ("data/wikipedia/prepare.py", ["--seed", "-1"], r"--seed must be a number of at least 0, got -1"),
              ("data/wikipedia/prepare.py", ["--max-tokens", "-1"], r"--max-tokens must be a number of at least 0"),
              ("data/text/prepare.py", ["--model", ckpt, "--out", tmp_path / "out", "--val-fraction", "1",
-                                       tmp_path / "a.txt"], r"--val-fraction must be between 0 and 1, got 1.0"),
+                                       tmp_path / "a.txt"], r"--val-fraction must lie between 0 and 1, got 1.0"),
              ("data/wikipedia/prepare.py", ["--dataset", ""], r"--dataset is empty; pass a value"),
              ("data/wikipedia/prepare.py", ["--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),
              ("dof.py", ["--model", ckpt, "--out", tmp_path / "file"], r"--out .*file is a file; pass a directory"),

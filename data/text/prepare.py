@@ -26,6 +26,7 @@ import numpy as np
 
 # the repo root, for common.py and tokenizer.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import datafiles  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -165,14 +166,13 @@ class TextConfig(door.Config):
                            "end-of-text token")
     model: str = door.opt(door.REQUIRED, "checkpoint (hub id or directory) whose tokenizer to use, e.g. gpt2")
     out: str = door.opt(door.REQUIRED, "output directory for train.bin, val.bin and meta.json")
-    val_fraction: float = door.opt(0.05, "fraction of tokens (the last ones) kept for validation")
+    val_fraction: float = door.opt(0.05, "fraction of tokens (the last ones) kept for validation",
+                                   check=datafiles.check_val_fraction)
     num_threads: int = door.opt(os.cpu_count() or 1, "tokenizer threads", min=1)
     overwrite: bool = door.opt(False, "replace the token files an earlier run wrote into --out")
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 < self.val_fraction < 1:
-            raise door.ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         seen = set()
         # a file twice would put a copy of training text into val.bin
         for f in self.files:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 # the repo root, for common.py, tokenizer.py and data/
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import datafiles  # noqa: E402
 import door  # noqa: E402
 from checkpoint import HubUnreachable, hub_reachable  # noqa: E402
 
@@ -131,7 +132,8 @@ class WikipediaConfig(door.Config):
     config: str = door.opt("20231101.en", "dataset configuration (the dump date and language)")
     fraction: float = door.opt(0.1, "keep each article with this probability (paper: 0.1)")
     max_tokens: int = door.opt(0, "stop after this many tokens in all (0: no cap)", min=0)
-    val_fraction: float = door.opt(0.005, "probability that a kept article goes to val.bin")
+    val_fraction: float = door.opt(0.005, "probability that a kept article goes to val.bin",
+                                   check=datafiles.check_val_fraction)
     seed: int = door.opt(0, "seed of the article selection and the train/val split", min=0)
     num_threads: int = door.opt(os.cpu_count() or 1, "tokenizer threads", min=1)
     batch_docs: int = door.opt(512, "articles tokenized per batch", min=1)
@@ -141,8 +143,6 @@ class WikipediaConfig(door.Config):
         super().__post_init__()
         if not 0 < self.fraction <= 1:
             raise door.ModelError(f"--fraction must be in (0, 1], got {self.fraction}")
-        if not 0 < self.val_fraction < 1:
-            raise door.ModelError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         if not self.dataset.strip() or not self.config.strip():
             raise door.ModelError("--dataset and --config must name a hub dataset and its "
                              "configuration, e.g. wikimedia/wikipedia and 20231101.en")
