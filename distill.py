@@ -390,23 +390,6 @@ def validate(t, step):
     return v
 
 
-def log_step(t, losses, step, n, t0):
-    """The losses of the n steps up to `step` (every process's mean), checked, kept in metrics
-    with their time since t0 (taken once the losses reach the host) and logged."""
-    devices.all_mean([losses])
-    losses = losses.tolist()
-    seconds = time.perf_counter() - t0
-    ms = seconds * 1e3 / n
-    cfg = t.cfg
-    direct = step_loss(cfg, step - 1) == "direct"                          # the step just taken
-    door.check_finite(cfg, step, losses,
-                      lambda l: "the next-token loss" if direct else f"layer {l}'s {cfg.loss} loss")
-    lr = t.optim.param_groups[0]["lr"]
-    t.metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
-    t.metrics["train_seconds"] = t.metrics.get("train_seconds", 0.0) + seconds
-    report.log_line(cfg, step, losses, direct, lr, ms)
-
-
 def train(t, step):
     """The loop from `step` to --max-steps, as nanoGPT's: validation and a checkpoint every
     --eval-interval steps, at the end and, for a fresh run, at once; an optimizer step; a log line
@@ -431,7 +414,8 @@ def train(t, step):
         n, step = n + 1, step + 1
         bar.update()
         if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == end:
-            log_step(t, losses, step, n, t0)
+            direct = step_loss(cfg, step - 1) == "direct"                  # the step just taken
+            report.log_step(t, losses, step, n, t0, direct)
             n, t0 = 0, time.perf_counter()
     bar.close()
     return step

@@ -25,13 +25,9 @@ from tqdm import tqdm
 import devices
 import door
 import fast_scorer
-import model
 import passkey
 import tasks
 import tokenizer
-
-# forks replace this name (experiments/per_head.py, window.py); load_models looks it up when called
-load_student = model.load_student
 
 
 @dataclass
@@ -440,11 +436,6 @@ def finetune_tasks(cfg: EvalConfig, models: dict, enc, training: dict, device, z
 
 # The command line.
 
-def load_models(cfg: EvalConfig, device) -> dict:
-    """{"teacher": --model, "student": load_student(--ckpt) on it} (tasks.load_models)."""
-    return tasks.load_models(cfg, device, load_student)
-
-
 def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict:
     """Every task for every model: its results and samples (the student's apart), and a table."""
     results = {}
@@ -465,7 +456,7 @@ def main(argv=None):
     training = tasks.load_training(cfg, prompts, TASKS)
     # the model is cast to --dtype: no autocast
     device = devices.init_distributed(devices.pick_device(cfg.device, "float32")[0])
-    models = load_models(cfg, device)
+    models = tasks.load_models(cfg, device)
     enc, config = tokenizer.load_tokenizer(cfg.model), models["teacher"].config
     door.validate(cfg, context=config.block_size)
     trials = passkey.make_trials(enc, passkey.lengths(cfg.passkey), cfg, config.block_size)

@@ -46,9 +46,9 @@ def open_student(script, ckpt_dir, device="cpu", teacher=None):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     name = os.path.relpath(path, Path(__file__).resolve().parent)
-    evaluate = importlib.import_module("evaluate")
+    tasks = importlib.import_module("tasks")  # which imports this module
     with replaced({**module.REPLACE, (sys.modules[__name__], "FORK"): name}):
-        return evaluate.load_student(ckpt_dir, device, teacher=teacher)
+        return tasks.load_student(ckpt_dir, device, teacher=teacher)
 
 
 @contextmanager

@@ -454,14 +454,3 @@ class GPT(nn.Module):
         checkpoint.load_weights(gpt, sd, name)
         return gpt.to(device=device, dtype=dtype).eval()
 
-
-def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
-    """A distill.py checkpoint -> (the student, config.json's dict): teacher (a GPT, a name or path;
-    by default config.json's) linearised with the saved dims and features."""
-    cfg, sd = checkpoint.read_student(ckpt_dir)
-    if not isinstance(teacher, GPT):
-        teacher = GPT.from_pretrained(teacher or cfg["teacher"], device, dtype)
-    checkpoint.check_student(cfg, teacher.config.n_layer, FEATURE_MAPS)
-    student = teacher.linearize(cfg["dims"], cfg["feature_map"], cfg["chunk_size"])
-    checkpoint.load_features(student, sd, ckpt_dir)
-    return student.eval(), cfg

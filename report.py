@@ -1,15 +1,18 @@
-"""What distill.py and dof.py print, which a learner may skip: the run's first line, its log and
-validation lines, its summary with greedy continuations, and dof.py's table and dof.json."""
+"""What distill.py and dof.py print, which a learner may skip: the run's first line, its log lines
+(and the metrics they record) and validation lines, its summary with greedy continuations, and
+dof.py's table and dof.json."""
 
 import json
 import math
 import sys
+import time
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 import devices
+import door
 import files
 import forks
 
@@ -38,8 +41,20 @@ def print_start(cfg, teacher, data, dims, device, trains=True):
           f"{cfg.feature_map} features, loss {cfg.loss}, {batch}, device {device}")
 
 
-def log_line(cfg, step, losses, direct, lr, ms):
-    """One training log line: losses, learning rate, ms/step and tokens/s (every process's)."""
+def log_step(t, losses, step, n, t0, direct):
+    """distill.py's log line: the losses of the n steps up to `step` (every process's mean; direct:
+    the next-token loss), checked, kept in t.metrics with their time since t0 (taken once the
+    losses reach the host), and printed with the learning rate, ms/step and tokens/s."""
+    devices.all_mean([losses])
+    losses = losses.tolist()
+    seconds = time.perf_counter() - t0
+    ms = seconds * 1e3 / n
+    cfg = t.cfg
+    door.check_finite(cfg, step, losses,
+                      lambda l: "the next-token loss" if direct else f"layer {l}'s {cfg.loss} loss")
+    lr = t.optim.param_groups[0]["lr"]
+    t.metrics["history"].append({"step": step, "loss": losses, "lr_z": lr, "ms": ms})
+    t.metrics["train_seconds"] = t.metrics.get("train_seconds", 0.0) + seconds
     tokens = cfg.batch_size * cfg.block_size * cfg.grad_accum * devices.get_world_size()
     tqdm.write(f"step {step}/{cfg.max_steps} | loss {fmt(losses, direct)} | lr_z {lr:.4g} | "
                f"{ms:.1f} ms/step | {tokens * 1e3 / ms:,.0f} tok/s")

@@ -1,7 +1,8 @@
 """The tasks' documents and evaluate.py's door, which a learner may skip: each task's documents
 (the hub's datasets as lm-eval 0.4 loads them, or .jsonl files) read and checked, its fine-tuning
-splits and settings, evaluate.py's checks, models and report. The prompt functions and load_student
-are evaluate.py's, passed in as parameters (evaluate imports tasks, not the reverse)."""
+splits and settings, evaluate.py's checks, models (load_student: a checkpoint's student) and
+report. The prompt functions are evaluate.py's, passed in as parameters (evaluate imports tasks,
+not the reverse)."""
 
 import json
 import math
@@ -309,7 +310,21 @@ def check_output(output, teacher, ckpt, data_dir, ppl=None, flag="--output"):
                               "checkpoint's, the teacher's, its data or tasks); pass another path")
 
 
-def load_models(cfg, device, load_student) -> dict:
+def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
+    """A distill.py checkpoint -> (the student, config.json's dict): teacher (a GPT, a name or path;
+    by default config.json's) linearised with the saved dims and features. Forks replace this name
+    (experiments/per_head.py, window.py); load_models and forks.open_student look it up when
+    called."""
+    cfg, sd = checkpoint.read_student(ckpt_dir)
+    if not isinstance(teacher, model.GPT):
+        teacher = model.GPT.from_pretrained(teacher or cfg["teacher"], device, dtype)
+    checkpoint.check_student(cfg, teacher.config.n_layer, model.FEATURE_MAPS)
+    student = teacher.linearize(cfg["dims"], cfg["feature_map"], cfg["chunk_size"])
+    checkpoint.load_features(student, sd, ckpt_dir)
+    return student.eval(), cfg
+
+
+def load_models(cfg, device) -> dict:
     """{"teacher": --model, "student": load_student(--ckpt) on it}; the teacher that --ckpt's
     config.json names checked against --model first (checkpoint.check_teacher)."""
     dtype = getattr(torch, cfg.dtype)

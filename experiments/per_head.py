@@ -10,7 +10,7 @@ How it forks the core: REPLACE sets model.LinearAttention to GroupedLinearAttent
 made of the core's own LinearAttention, one per group of heads with equal M (a layer costs
 sum_h M_h features, no padding); distill.layer_losses to the core's, group by group;
 distill.make_student to one with per-head DoF dims; distill.DistillConfig to one whose --alloc
-takes dof or clip; evaluate.load_student to one that checks a checkpoint's per-head dims against
+takes dof or clip; tasks.load_student to one that checks a checkpoint's per-head dims against
 the teacher (and refuses one of a dimension per layer, as make_student does). Measured at budget
 32 on SmolLM2: worse than per-layer dims (docs/results.md).
 """
@@ -28,9 +28,9 @@ import devices  # noqa: E402
 import distill  # noqa: E402
 import dof  # noqa: E402
 import door  # noqa: E402
-import evaluate  # noqa: E402
 import forks  # noqa: E402
 import model  # noqa: E402
+import tasks  # noqa: E402
 
 # the core's, which this fork's wrap
 CoreLinearAttention = model.LinearAttention
@@ -123,7 +123,7 @@ def make_student(cfg, teacher, calib, prev=None):
     return student, dims, N
 
 
-core_load_student = model.load_student
+core_load_student = tasks.load_student
 
 
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
@@ -153,7 +153,7 @@ REPLACE = {(model, "LinearAttention"): GroupedLinearAttention,
            (distill, "layer_losses"): layer_losses,
            (distill, "make_student"): make_student,
            (distill, "DistillConfig"): PerHeadConfig,
-           (evaluate, "load_student"): load_student}
+           (tasks, "load_student"): load_student}
 
 if __name__ == "__main__":
     forks.fork(__file__, REPLACE)

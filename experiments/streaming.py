@@ -13,7 +13,7 @@ scores it beside the teacher, and beside a --ckpt's student if given, on every e
         --ppl data/wikitext2/val.bin --ppl-context 256 --passkey 256,1024,2048
 
 How it forks the core: REPLACE sets evaluate.EvalConfig to one with --window and --sinks, and
-evaluate.load_models to the core's with the untrained window added as the model "window".
+tasks.load_models to the core's with the untrained window added as the model "window".
 """
 
 import copy
@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import door  # noqa: E402
 import evaluate  # noqa: E402
 import forks  # noqa: E402
+import tasks  # noqa: E402
 
-core_load_models = evaluate.load_models
+core_load_models = tasks.load_models
 
 
 def exact_keys(i, j, W, S):
@@ -145,7 +146,7 @@ def load_models(cfg, device):
 
 
 REPLACE = {(evaluate, "EvalConfig"): StreamingEvalConfig,
-           (evaluate, "load_models"): load_models}
+           (tasks, "load_models"): load_models}
 
 if __name__ == "__main__":
     forks.fork(__file__, REPLACE)

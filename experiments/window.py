@@ -16,9 +16,9 @@ scale and need no mixing weight. W = 0 (and S = 0) is the core's linear attentio
     python experiments/window.py evaluate --model smollm2-135m --ckpt out-window --ppl FILE
 
 How it forks the core: REPLACE sets model.LinearAttention to WindowAttention (its window set by
-make_student from the flags, by load_student from config.json), distill.layer_losses to the softmax
-loss on the hybrid's rows (each layer alone; the l2 loss stays the core's), DistillConfig to one
-with --window and --sinks, and evaluate's names to experiments/streaming.py's.
+make_student from the flags, by tasks.load_student from config.json), distill.layer_losses to the
+softmax loss on the hybrid's rows (each layer alone; the l2 loss stays the core's), DistillConfig
+to one with --window and --sinks, and evaluate's names to experiments/streaming.py's.
 """
 
 import math
@@ -32,15 +32,15 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import door  # noqa: E402
-import evaluate  # noqa: E402
 import forks  # noqa: E402
 import model  # noqa: E402
 import streaming  # noqa: E402
+import tasks  # noqa: E402
 
 CoreLinearAttention = model.LinearAttention
 core_layer_losses = distill.layer_losses
 core_make_student = distill.make_student
-core_load_student = model.load_student
+core_load_student = tasks.load_student
 
 
 # The scale: the features run times a factor of the query (model.overflow_safe_prf), the exact part
@@ -313,7 +313,7 @@ REPLACE = {(model, "LinearAttention"): WindowAttention,
            (distill, "layer_losses"): layer_losses,
            (distill, "make_student"): make_student,
            (distill, "DistillConfig"): WindowConfig,
-           (evaluate, "load_student"): load_student,
+           (tasks, "load_student"): load_student,
            **streaming.REPLACE}  # evaluate --window W --sinks S: the untrained window beside
 
 if __name__ == "__main__":

@@ -815,7 +815,7 @@ def test_long_context_scores_the_teacher_a_window_and_a_student_and_tabulates_th
     assert student["window"] == 8 and student["sinks"] == 2 and set(student["passkey"]) == {"80"}
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
     with forks.replaced({**window.REPLACE, (forks, "FORK"): "experiments/window.py"}):
-        net = evaluate.load_student(out)[0]
+        net = tasks.load_student(out)[0]
     assert student["loss"]["64"] == pytest.approx(evaluate.perplexity(net, tokens, 64)["loss"], rel=1e-6)
     table = long_context.tables(records)["gap"].splitlines()
     assert len(table) == 2 + 3 + 2 and f"{student['loss']['32'] - teacher['loss']['32']:+.3f}" in table[-3]

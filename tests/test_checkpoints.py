@@ -18,8 +18,8 @@ import distill
 import door
 import files
 import forks
-import model
 import resume
+import tasks
 import window
 from conftest import TEXT, distill_args, edit_json, snapshot
 from test_experiments import forked, refusal
@@ -93,7 +93,7 @@ def test_a_save_cut_short_between_two_renames_is_never_taken_for_a_whole_checkpo
         with pytest.raises(door.ModelError, match=sentence):
             distill.main(argv)
     with pytest.raises(door.ModelError, match=sentence):
-        model.load_student(out)
+        tasks.load_student(out)
     assert snapshot(tmp_path) == before
     for tmp in out.glob("*.tmp"):
         tmp.rename(tmp.with_suffix(""))

@@ -35,9 +35,9 @@ import door
 import evaluate
 import files
 import forks
-import model
 import report
 import resume
+import tasks
 from conftest import (
     FAST,
     PROXY_VARIABLES,
@@ -382,7 +382,7 @@ def test_trained_student_beats_untrained_on_held_out_attention(trained, setup):
     v0, v1 = m["val"][0], m["val"][-1]
     assert v0["step"] == 0 and v1["step"] == 50
     assert all(b < a for a, b in zip(v0["attn_kl"], v1["attn_kl"])), (v0["attn_kl"], v1["attn_kl"])
-    student, cfg = model.load_student(out)
+    student, cfg = tasks.load_student(out)
     sd = features(out)
     for l, blk in enumerate(student.h):
         for n, t in blk.attn.core.state_dict().items():
@@ -401,7 +401,7 @@ def test_l2_loss_student_beats_untrained_on_held_out_attention(setup, tmp_path):
     assert all(last < first for first, last in zip(m["history"][0]["loss"], m["history"][-1]["loss"]))
     # the last validation, recomputed plainly from the saved student: val.bin's two windows of generator seed + 1,
     # their mean next-token loss and, per layer, the mean KL(p_i || p^_i) over the queries of both
-    student, teacher = model.load_student(out)[0], GPT.from_pretrained(ckpt)
+    student, teacher = tasks.load_student(out)[0], GPT.from_pretrained(ckpt)
     gen, tokens = torch.Generator().manual_seed(1), datafiles.read_tokens(data / "val.bin")
     val = [datafiles.get_batch(tokens, 4, 64, gen, "cpu") for _ in range(2)]
     with torch.no_grad():
@@ -900,7 +900,7 @@ def test_run_ends_with_greedy_continuations_of_teacher_and_student(trained, setu
     at = lines.index("greedy continuations of 'The history of the city':")
     with torch.no_grad():
         for line, name, gpt in zip(lines[at + 1:at + 3], ("teacher", "student"),
-                                   (GPT.from_pretrained(ckpt), model.load_student(out)[0])):
+                                   (GPT.from_pretrained(ckpt), tasks.load_student(out)[0])):
             ids = idx
             for _ in range(30):                  # greedy by the whole forward pass at every step: no decoding cache
                 ids = torch.cat((ids, gpt(ids)[:, -1:].argmax(-1)), 1)
@@ -919,7 +919,9 @@ def test_step_times_leave_out_validation_and_checkpoints(setup, tmp_path, monkey
             clock[0] += seconds
             return f(*args, **kwargs)
         return run
-    monkeypatch.setattr(distill, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    fake = type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])})
+    monkeypatch.setattr(distill, "time", fake)
+    monkeypatch.setattr(report, "time", fake)
     monkeypatch.setattr(distill, "train_step", slower(distill.train_step, 1.0))
     monkeypatch.setattr(distill, "lm_loss", slower(distill.lm_loss, 100.0))
     distill.main(distill_args(ckpt, data, tmp_path / "run", "--budget", "4", "--alloc", "fix", "--max-steps", "6",

@@ -487,7 +487,7 @@ def test_cli_student_next_to_teacher(ckpt, student, tmp_path, capsys):
     assert list(r["student"]["results"]) == ["arc_easy", "winogrande"]
     s = r["student"]["samples"]["arc_easy"][1]
     assert s["loglikelihoods"] != r["samples"]["arc_easy"][1]["loglikelihoods"]
-    reloaded, enc = model.load_student(student)[0], load_tokenizer(ckpt)
+    reloaded, enc = tasks.load_student(student)[0], load_tokenizer(ckpt)
     naive = [naive_loglikelihood(lambda x: reloaded(x), *evaluate.encode_pair(enc, c, t))[0] for c, t in s["requests"]]
     assert s["loglikelihoods"] == pytest.approx(naive, abs=1e-3)
 
@@ -498,7 +498,7 @@ def test_a_checkpoint_with_a_dim_short_is_refused(ckpt, student, tmp_path):
     edit_json(bad / "config.json", dims=[8])
     with pytest.raises(door.ModelError, match=r"^the dims \(1, the first 8\) are not a number per layer of this 2-layer "
                                          r"teacher; pass a checkpoint"):
-        model.load_student(bad)
+        tasks.load_student(bad)
 
 
 def without_timings(results_json):
@@ -669,7 +669,7 @@ def test_bad_option_is_one_sentence_before_any_work(flags, sentence, ckpt, tmp_p
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "val.bin")
     before = sorted(tmp_path.rglob("*"))
     monkeypatch.setattr(tasks, "load_task", lambda *a: pytest.fail("a task was read"))
-    monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(tasks, "load_models", lambda *a: pytest.fail("a model was loaded"))
     flags = [tmp_path / f if str(f).endswith((".bin", ".txt", ".json", "folder")) else f for f in flags]
     code, err = evaluate_exit(capsys, "--model", ckpt, "--data-dir", EVAL, "--tasks", "piqa",
                               "--output", tmp_path / "r.json", *flags)
@@ -707,7 +707,7 @@ def test_output_in_a_read_only_folder_fails_before_any_work(ckpt, tmp_path, caps
             break
     else:
         pytest.skip("every folder tried accepts a new file")
-    monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(tasks, "load_models", lambda *a: pytest.fail("a model was loaded"))
     code, err = evaluate_exit(capsys, "--model", ckpt, "--data-dir", EVAL, "--tasks", "piqa",
                               "--output", folder / "results.json")
     assert code == 2 and re.fullmatch(rf"error: cannot write --output {folder}/results.json: {folder} is not "
@@ -851,7 +851,7 @@ def test_cli_ppl_scores_each_model_with_the_context_and_special_tokens_given(ckp
     r = json.loads(out.read_text())["ppl"]
     tokens = datafiles.read_tokens(text, enc, special=True)
     assert 50256 in tokens.tolist()
-    for name, m in (("teacher", GPT.from_pretrained(ckpt)), ("student", model.load_student(student)[0])):
+    for name, m in (("teacher", GPT.from_pretrained(ckpt)), ("student", tasks.load_student(student)[0])):
         want = evaluate.perplexity(m, tokens, 50, batch_size=3)
         assert r[name]["tokens"] == len(tokens) - 1 and r[name]["context"] == 50, (name, r[name])
         assert r[name]["loss"] == want["loss"], name                         # the same windows, batches and sums

@@ -30,6 +30,7 @@ import hedgehog
 import leverage
 import model
 import per_head
+import tasks
 from conftest import FAST, cli, distill_args, edit_json, features
 from model import LinearAttention, causal_linear_attention, linear_attention_reference, repeat_kv
 from test_dof import qkv, rel  # the method's test helpers
@@ -41,11 +42,11 @@ def distill_config(argv):
     return door.parse_config(distill.DistillConfig, argv)
 
 
-# every name a fork may set (common.FORK apart)
+# every name a fork may set (forks.FORK apart)
 CORE_NAMES = [(model, "FEATURE_MAPS"), (model, "LinearAttention"), (model, "causal_linear_attention"),
               (distill, "DistillConfig"), (distill, "make_student"), (distill, "layer_losses"),
               (distill, "step_loss"), (distill, "softmax_loss_blockwise"), (distill, "l2_loss_blockwise"),
-              (evaluate, "EvalConfig"), (evaluate, "load_student")]
+              (evaluate, "EvalConfig"), (tasks, "load_student"), (tasks, "load_models")]
 
 
 @pytest.fixture(autouse=True)
@@ -83,7 +84,7 @@ def test_replaced_sets_a_forks_names_inside_and_the_cores_after():
     with forks.replaced(per_head.REPLACE):
         assert model.LinearAttention is per_head.GroupedLinearAttention
         assert distill.make_student is per_head.make_student
-        assert distill.DistillConfig is per_head.PerHeadConfig and evaluate.load_student is per_head.load_student
+        assert distill.DistillConfig is per_head.PerHeadConfig and tasks.load_student is per_head.load_student
     with pytest.raises(ZeroDivisionError), forks.replaced(hedgehog.REPLACE):
         assert "hedgehog" in model.FEATURE_MAPS
         raise ZeroDivisionError
@@ -421,11 +422,11 @@ def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkp
     assert dims.shape == (4, 4) and dims.sum() == 6 * 4 * 4 and dims.min() >= 1 and len(set(dims.ravel())) > 1
     assert np.array(cfg["dof"]).shape == (4, 4) and cfg["fork"] == "experiments/per_head.py"
     with forked("per_head", per_head.REPLACE):
-        student, _ = model.load_student(out)
+        student, _ = tasks.load_student(out)
     assert [c.dims for c in student.cores()] == cfg["dims"]
     assert sum(g.feature_map.z.shape[0] * g.M for c in student.cores() for g in c.groups) == 6 * 4 * 4
     with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
-        model.load_student(out)
+        tasks.load_student(out)
     with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
         evaluate.main([str(a) for a in ["--model", ckpt, "--ckpt", out, "--ppl", data / "val.bin", "--device", "cpu"]])
     with pytest.raises(door.ModelError, match="^" + re.escape(refusal(out, "per_head", ckpt)) + "$"):
@@ -442,7 +443,7 @@ def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkp
     ppl = json.loads((tmp_path / "ppl.json").read_text())["ppl"]
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
     with forked("per_head", per_head.REPLACE):
-        assert ppl["student"] == pytest.approx(evaluate.perplexity(model.load_student(out)[0], tokens), rel=1e-6)
+        assert ppl["student"] == pytest.approx(evaluate.perplexity(tasks.load_student(out)[0], tokens), rel=1e-6)
     assert ppl["student"]["loss"] != ppl["teacher"]["loss"]
     distill.main(distill_args(ckpt, data, tmp_path / "plain", "--budget", "6", "--max-steps", "0"))
     plain = str(tmp_path / "plain")
@@ -459,7 +460,7 @@ def test_per_head_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkp
     with pytest.raises(door.ModelError, match=r"^per-head dims need 4 whole numbers of at least 1 a layer for 4 layers, "
                                          r"got 4 of \[1, 2, 3\]; pass the --out-dir of a per_head.py run$"), \
             forked("per_head", per_head.REPLACE):
-        evaluate.load_student(short)
+        tasks.load_student(short)
     shutil.copytree(ckpt, tmp_path / "other")                         # the fork's resume makes the core's checks
     nudge(tmp_path / "other" / "model.safetensors")                    # another model, by one value
     r = cli("experiments/per_head.py", "--model", tmp_path / "other", "--data", data, "--budget", 6, "--max-steps", 6,
@@ -530,7 +531,7 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
 def test_fla_scan_needs_a_student_on_cuda(ckpt, monkeypatch):
     """experiments/fla_scan.py refuses, before any work (its EvalConfig's checks), a run whose student scan FLA's
     CUDA kernel cannot take; so does its command line, with one sentence."""
-    monkeypatch.setattr(evaluate, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(tasks, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
     for flags in (["--ckpt", "some-run", "--device", "cpu"], ["--device", "auto"]):     # the CPU; no student
         with pytest.raises(door.ModelError, match=r"^experiments/fla_scan.py runs a student's scan on CUDA: it needs"), \
                 forks.replaced(fla_scan.REPLACE):

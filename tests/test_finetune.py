@@ -302,7 +302,7 @@ def test_bad_fine_tuning_input_is_one_sentence_before_any_work(flags, sentence, 
     bad_train_dir(tmp_path)
     (tmp_path / "empty").mkdir()
     before = sorted(tmp_path.rglob("*"))
-    monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(tasks, "load_models", lambda *a: pytest.fail("a model was loaded"))
     flags = [str(tmp_path / f) if f in ("nowhere", "empty", "bad") else f for f in flags]
     with pytest.raises(SystemExit) as e:
         door.run_main(lambda: evaluate.main(["--device", "cpu", "--model", str(ckpt), "--tasks", "arc_easy",

@@ -193,7 +193,7 @@ def test_cli_json_layout_teacher_and_student(ckpt, student, tmp_path, capsys, mo
 
 def test_a_student_answers_as_its_model_decodes(ckpt, student, enc):
     """answers() is the greedy continuation of GPT.generate for a linear student too (one prompt, from scratch)."""
-    from model import load_student
+    from tasks import load_student
     linear = load_student(student)[0]
     ts = passkey.make_trials(enc, [90], settings(2), N_POS)[90]
     found = passkey.answers(linear, enc, [t["tokens"] for t in ts], 2, "cpu")
@@ -229,7 +229,7 @@ def test_bad_passkey_flags_are_one_sentence_before_any_work(flags, sentence, loa
     """Lengths that are not positive whole numbers are refused before the model is loaded; a length the model's
     context cannot hold once it is; nothing decoded, nothing written."""
     if not loaded:
-        monkeypatch.setattr(evaluate, "load_models", lambda *a: pytest.fail("a model was loaded"))
+        monkeypatch.setattr(tasks, "load_models", lambda *a: pytest.fail("a model was loaded"))
     monkeypatch.setattr(passkey, "answers", lambda *a: pytest.fail("a prompt was decoded"))
     before = snapshot(tmp_path)
     code, err = passkey_exit(capsys, "--model", ckpt, "--output", tmp_path / "r.json", *flags)

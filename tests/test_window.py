@@ -15,6 +15,7 @@ import door
 import evaluate
 import forks
 import model
+import tasks
 import window
 from conftest import EVAL, FAST, ROOT, cli, distill_args, features
 from test_dof import qkv, rel
@@ -164,7 +165,7 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
     assert cfg["args"]["window"] == 8 and cfg["args"]["sinks"] == 2 and cfg["fork"] == "experiments/window.py"
     kl = json.loads((out / "metrics.json").read_text())["val"][-1]["attn_kl"]
     with forked("window", window.REPLACE):
-        student, _ = evaluate.load_student(out)
+        student, _ = tasks.load_student(out)
         assert [(c.window, c.sinks) for c in student.cores()] == [(8, 2)] * 4
         x = torch.from_numpy(np.fromfile(data / "val.bin", dtype=np.uint16)[:64].astype(np.int64))[None]
         cfg = door.parse_config(distill.DistillConfig, distill_args(ckpt, data, out, "--window", 8))
@@ -187,7 +188,7 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
     ppl = json.loads((tmp_path / "ppl.json").read_text())["ppl"]
     tokens = np.fromfile(data / "val.bin", dtype=np.uint16)[:300].astype(np.int64)
     with forked("window", window.REPLACE):
-        student = evaluate.load_student(out)[0]
+        student = tasks.load_student(out)[0]
         assert ppl["student"] == pytest.approx(evaluate.perplexity(student, tokens), rel=1e-6)
         window.set_window(student, 0)
         assert ppl["student"]["loss"] != pytest.approx(evaluate.perplexity(student, tokens)["loss"], rel=1e-6)
