@@ -15,6 +15,8 @@ import door
 import files
 import tokenizer
 
+# distill.py's validation windows come from --seed + 1, its training windows from --seed
+VAL_SEED_OFFSET = 1
 
 @functools.cache
 def data_script(name):
@@ -240,8 +242,8 @@ def get_batch(data, B, T, gen, device, share=(0, 1)):
 
 def val_batches(tokens, cfg, device):
     """--eval-iters held-out batches x, y (B, T) (under torchrun, this process's), the same at
-    every validation: drawn from --seed + 1 (the training windows from --seed)."""
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    every validation: drawn from --seed + VAL_SEED_OFFSET."""
+    gen = torch.Generator().manual_seed(cfg.seed + VAL_SEED_OFFSET)
     share = (devices.get_rank(), devices.get_world_size())
     return [get_batch(tokens, cfg.batch_size, cfg.block_size, gen, device, share)
             for _ in range(cfg.eval_iters)]
