@@ -18,6 +18,7 @@ import tokenizer
 # distill.py's validation windows come from --seed + 1, its training windows from --seed
 VAL_SEED_OFFSET = 1
 
+
 @functools.cache
 def data_script(name):
     """data/<name>/prepare.py as a module, for its prepare(cfg, enc)."""
