@@ -296,7 +296,6 @@ def open_gguf(path):
             if key in reader.fields or default is None:
                 return reader.fields[key].contents()
             return default
-        # missing, or a damaged value
         except (KeyError, UnicodeDecodeError, ValueError, IndexError):
             raise door.ModelError(f"{path}'s GGUF metadata {key} is missing or damaged; "
                              f"{GGUF_TODO}") from None

@@ -58,13 +58,11 @@ class HFEncoding(tiktoken.Encoding):
         """Token ids of `text`; special tokens as in tiktoken.Encoding.encode."""
         specials = self._special_tokens.keys() - self.added.keys()
         if allowed_special == "all":
-            allowed = specials
-        else:
-            allowed = specials & set(allowed_special)
+            allowed_special = specials
         if disallowed_special == "all":
-            disallowed = specials - allowed
-        else:
-            disallowed = specials & set(disallowed_special)
+            disallowed_special = specials - set(allowed_special)
+        allowed = specials & set(allowed_special)
+        disallowed = specials & set(disallowed_special)
         m = disallowed and _alternation(frozenset(disallowed)).search(text)
         if m:
             raise ValueError(f"text contains the special token {m.group()!r}; allow it, or pass "
