@@ -46,16 +46,16 @@ def locate(name, patterns):
     if not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name) or name.endswith(".gguf"):
         raise door.ModelError(f"{name} does not exist; pass a checkpoint directory, a .gguf file or "
                          "a hub id such as gpt2")
-    path = None
     online = hub_reachable()
     try:
         from huggingface_hub import snapshot_download
         path = Path(snapshot_download(name, allow_patterns=patterns, local_files_only=not online))
     except Exception as e:  # huggingface_hub's many error types all end here
         if online:
-            why = type(e).__name__
-            raise door.ModelError(f"could not fetch {name!r} from the Hugging Face hub ({why}); check the id "
-                             "and your internet connection, or pass a local directory") from None
+            raise door.ModelError(f"could not fetch {name!r} from the Hugging Face hub "
+                                  f"({type(e).__name__}); check the id and your internet "
+                                  "connection, or pass a local directory") from None
+        path = None
     # offline, and none of them cached
     if not (online or path and any(next(path.glob(p), None) for p in patterns)):
         raise HubUnreachable(repr(name))
@@ -63,9 +63,8 @@ def locate(name, patterns):
 
 
 def teacher_files(name):
-    """What locate finds -> (its HF-style config dict or None for a .gguf file, [(a weights file,
-    what to do if it is unreadable)]): a checkpoint directory's config.json and safetensors files
-    (one, or the shards its index lists), or the .gguf file itself."""
+    """What locate finds -> (its config.json dict or None for a .gguf file, [(a weights file: the
+    safetensors file, each shard its index lists or the .gguf file; what to do if unreadable)])."""
     p = locate(name, ["config.json", "*.safetensors", "*.safetensors.index.json"])
     if p.is_file():
         # a .gguf file; any other file fails there as not GGUF
@@ -97,16 +96,13 @@ def read_checkpoint(name):
 
 
 def is_local(name):
-    """Whether a --model names a local directory or file (a teacher known by what it is), not a
-    hub id or smollm2-135m (known by name)."""
+    """Whether --model names a local directory or file, not a hub id or smollm2-135m."""
     return str(name).lower() != "smollm2-135m" and Path(name).exists()
 
 
 def fingerprint(name):
-    """A local teacher -> 16 hex digits of sha256 over what it is: its config (config_from_hf's)
-    and, per tensor, its name, type, shape and the CRC-32 of its bytes. Equal for a copy, wherever
-    it lies; another for another config or any changed value (CRC-32 misses no change within 4
-    bytes). One more read of the weights (0.2 s for 512 MB of bf16 on a CPU core)."""
+    """A local teacher -> 16 hex digits of sha256 over its config (config_from_hf's) and, per
+    tensor, its name, type, shape and the CRC-32 of its bytes: equal for a copy, wherever it is."""
     hf_cfg, weights = teacher_files(name)
     if hf_cfg is None:
         # a .gguf file: the config its metadata gives, its tensors as stored (quantised)
@@ -124,8 +120,7 @@ def fingerprint(name):
 
 
 def tensor_sums(path):
-    """A safetensors file -> {tensor name: (its dtype, shape, CRC-32 of its bytes)}, a tensor at a
-    time."""
+    """A safetensors file -> {name: (dtype, shape, CRC-32 of its bytes)}, a tensor at a time."""
     sums = {}
     with safe_open(path, "pt") as f:
         for k in f.keys():
@@ -136,9 +131,8 @@ def tensor_sums(path):
 
 
 def check_teacher(prev, teacher, where):
-    """--model against the teacher that read_student's config prev was distilled from, before any
-    work: a local teacher by its fingerprint where prev records one (so a moved or copied teacher
-    serves), hub ids, smollm2-135m and older checkpoints by name (a path resolved)."""
+    """--model against the teacher that read_student's config prev was distilled from: a local
+    teacher by the fingerprint prev records (so a copy serves), else by name (a path resolved)."""
     was = prev["teacher"]
     recorded = prev.get("teacher_fingerprint")
     if recorded is not None and is_local(teacher):
@@ -165,9 +159,8 @@ class HubUnreachable(door.ModelError):
 
 
 def hub_reachable(timeout=2.0):
-    """Whether the hub's host takes a TCP connection within `timeout` s, lookup included (so that a
-    download without the hub uses the cache at once, not after retries); HF_HUB_OFFLINE=1: False;
-    behind a proxy: True."""
+    """Whether the hub's host takes a TCP connection within `timeout` s, name lookup included (so
+    that a download without the hub uses the cache at once, not after retries)."""
     from huggingface_hub import constants  # the HF_* variables, as read at its import
     if constants.HF_HUB_OFFLINE or {"https", "all"} & getproxies().keys():
         return not constants.HF_HUB_OFFLINE
@@ -190,8 +183,7 @@ def positive_ints(xs):
 
 def read_student(ckpt_dir):
     """A distill.py checkpoint directory -> (its config.json dict, its features.safetensors
-    tensors), both of one save (the step each records); check_student checks the dict against the
-    teacher once that is loaded."""
+    tensors), both of one save; check_student checks the dict once the teacher is loaded."""
     todo = (f"{ckpt_dir} is not a whole distill.py checkpoint; pass the --out-dir of a finished or "
             "saved run")
     f = Path(ckpt_dir) / "config.json"
@@ -229,8 +221,7 @@ def check_student(cfg, n_layer, feature_maps):
     if cfg.get("fork") is None:
         dims = cfg["dims"]
         if len(dims) != n_layer or any(isinstance(m, (list, tuple)) for m in dims):
-            first = dims[0] if dims else None
-            raise door.ModelError(f"the dims ({len(dims)}, the first {first}) are not a number "
+            raise door.ModelError(f"the dims ({len(dims)}, the first {dims[0]}) are not a number "
                                   f"per layer of this {n_layer}-layer teacher; pass a checkpoint "
                                   "of it")
     if cfg["feature_map"] not in feature_maps:
@@ -239,15 +230,13 @@ def check_student(cfg, n_layer, feature_maps):
 
 
 def feature_state(student):
-    """The student's own tensors, which distill.py saves: its cores' parameters and buffers
-    (h.{l}.attn.core.*)."""
+    """The student's own tensors, which distill.py saves: its cores' (h.{l}.attn.core.*)."""
     sd = student.state_dict()
     return {k: t.detach().contiguous() for k, t in sd.items() if ".attn.core." in k}
 
 
 def load_features(student, sd, where):
-    """feature_state's inverse, once check_features has found in sd exactly the cores' keys and
-    shapes, all finite (the rest of the student is the teacher's)."""
+    """feature_state's inverse, once check_features finds sd fits (the rest is the teacher's)."""
     check_features(feature_state(student), sd, where)
     student.load_state_dict(sd, strict=False)
 
@@ -262,16 +251,15 @@ def check_features(mine, sd, where):
         raise door.ModelError(f"{where} does not fit this student (missing {missing[:4]}, unexpected "
                          f"{extra[:4]}, of another shape: {shape[:2]}); it was made with another "
                          "teacher, dims or feature map")
-    dtype = [k for k, v in mine.items() if sd[k].dtype != v.dtype]
-    if dtype:
-        k = dtype[0]
-        raise door.ModelError(f"{k} in {where} holds {sd[k].dtype}, not the student's "
-                              f"{mine[k].dtype}: the checkpoint was not written by distill.py; "
-                              "pass one that was, or train it again")
-    bad = [k for k in mine if not sd[k].isfinite().all()]
-    if bad:
-        raise door.ModelError(f"{bad[0]} in {where} holds inf or nan: the checkpoint is damaged; "
-                         "train it again")
+    for k, v in mine.items():
+        if sd[k].dtype != v.dtype:
+            raise door.ModelError(f"{k} in {where} holds {sd[k].dtype}, not the student's "
+                                  f"{v.dtype}: the checkpoint was not written by distill.py; "
+                                  "pass one that was, or train it again")
+    for k in mine:
+        if not sd[k].isfinite().all():
+            raise door.ModelError(f"{k} in {where} holds inf or nan: the checkpoint is damaged; "
+                                  "train it again")
 
 
 def check_settings(values, config_class, where):
@@ -308,15 +296,15 @@ def open_gguf(path):
             if key in reader.fields or default is None:
                 return reader.fields[key].contents()
             return default
-        # missing, or a damaged value
         except (KeyError, UnicodeDecodeError, ValueError, IndexError):
             raise door.ModelError(f"{path}'s GGUF metadata {key} is missing or damaged; "
                              f"{GGUF_TODO}") from None
     return {t.name: t for t in reader.tensors}, meta
 
 
-def gguf_config(tensors, meta):
-    """A llama GGUF file's metadata -> a LlamaConfig-shaped config dict."""
+def gguf_llama(tensors, meta):
+    """A llama GGUF file's metadata -> (a LlamaConfig-shaped config dict, GGUF tensor name -> (HF
+    key, HF shape))."""
     def f32(key, *default):
         # as written: 1e-05, not 9.99999975e-06
         return float(str(np.float32(meta(key, *default))))
@@ -326,21 +314,14 @@ def gguf_config(tensors, meta):
     D = int(meta("llama.attention.key_length", C // H))
     n_vocab = tensors["token_embd.weight"].shape[-1] if "token_embd.weight" in tensors else 0
     V = int(meta("llama.vocab_size", n_vocab))
-    return dict(model_type="llama", vocab_size=V, hidden_size=C, intermediate_size=F,
-                num_attention_heads=H, head_dim=D, num_key_value_heads=KV,
-                num_hidden_layers=int(meta("llama.block_count")),
-                tie_word_embeddings="output.weight" not in tensors,
-                max_position_embeddings=int(meta("llama.context_length")),
-                rope_theta=f32("llama.rope.freq_base", 1e4),
-                rms_norm_eps=f32("llama.attention.layer_norm_rms_epsilon"))
-
-
-def gguf_layout(cfg, n_tensors):
-    """GGUF tensor name -> (HF key, HF shape) for a llama config dict (gguf_config's); no more
-    layers than the file has tensors."""
-    C, F, V = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    HD = cfg["num_attention_heads"] * cfg["head_dim"]
-    KVD = cfg["num_key_value_heads"] * cfg["head_dim"]
+    cfg = dict(model_type="llama", vocab_size=V, hidden_size=C, intermediate_size=F,
+               num_attention_heads=H, head_dim=D, num_key_value_heads=KV,
+               num_hidden_layers=int(meta("llama.block_count")),
+               tie_word_embeddings="output.weight" not in tensors,
+               max_position_embeddings=int(meta("llama.context_length")),
+               rope_theta=f32("llama.rope.freq_base", 1e4),
+               rms_norm_eps=f32("llama.attention.layer_norm_rms_epsilon"))
+    HD, KVD = H * D, KV * D
     # blk.{i}.<name> -> model.layers.{i}.<HF name>, HF shape
     layer = dict(attn_norm=("input_layernorm", (C,)), ffn_norm=("post_attention_layernorm", (C,)),
                  attn_q=("self_attn.q_proj", (HD, C)), attn_k=("self_attn.k_proj", (KVD, C)),
@@ -351,39 +332,37 @@ def gguf_layout(cfg, n_tensors):
               "output_norm.weight": ("model.norm.weight", (C,))}
     if not cfg["tie_word_embeddings"]:
         layout["output.weight"] = ("lm_head.weight", (V, C))
-    for i in range(min(cfg["num_hidden_layers"], n_tensors)):
+    # no more layers than the file has tensors
+    for i in range(min(cfg["num_hidden_layers"], len(tensors))):
         for g, (hf, shape) in layer.items():
             layout[f"blk.{i}.{g}.weight"] = (f"model.layers.{i}.{hf}.weight", shape)
-    return layout
+    return cfg, layout
 
 
 def open_llama_gguf(path):
-    """A GGUF file -> (its tensors by name, gguf_config's, gguf_layout's), once checked as plain
-    llama."""
+    """A GGUF file -> (its tensors by name, gguf_llama's config and layout), checked as llama."""
     tensors, meta = open_gguf(path)
     arch = meta("general.architecture", "unknown")
     scaling = meta("llama.rope.scaling.type", "none")
     if arch != "llama" or scaling not in ("none", ""):
         raise door.ModelError(f"{path} holds a {arch!r} model with rope scaling {scaling!r}; only plain "
                          "llama ones load")
-    cfg = gguf_config(tensors, meta)
-    layout = gguf_layout(cfg, len(tensors))
+    cfg, layout = gguf_llama(tensors, meta)
     bad = sorted(set(layout) ^ set(tensors))
     if not bad:
         # GGUF lists dims fastest-first
         bad = [name for name, (_, shape) in layout.items()
                if tuple(int(d) for d in reversed(tensors[name].shape)) != shape]
     if bad:
-        n_layer = cfg["num_hidden_layers"]
-        raise door.ModelError(f"{path} does not hold a plain {n_layer}-layer llama model of the sizes in "
-                         f"its metadata (tensors missing, unexpected or of other shapes: {bad[:3]})")
+        raise door.ModelError(f"{path} does not hold a plain {cfg['num_hidden_layers']}-layer "
+                              "llama model of the sizes in its metadata (tensors missing, "
+                              f"unexpected or of other shapes: {bad[:3]})")
     return tensors, cfg, layout
 
 
 def read_gguf(path):
-    """A llama-architecture GGUF file -> (a LlamaConfig-shaped config dict, HF LlamaForCausalLM
-    keys -> fp32 tensors in HF's shapes, dequantised, Q/K rows un-permuted); lm_head.weight only
-    where the head is not tied."""
+    """A llama GGUF file -> (a LlamaConfig-shaped config dict, HF LlamaForCausalLM keys -> fp32
+    tensors in HF's shapes, Q/K rows un-permuted; lm_head.weight only where the head is untied)."""
     import gguf
     tensors, cfg, layout = open_llama_gguf(path)
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
@@ -416,9 +395,9 @@ NEEDS = {"gpt2": "n_embd n_head n_layer n_positions vocab_size",
 NEEDS["llama"] = NEEDS["gpt_neox"]
 
 
-def check_hf_config(d, name):
-    """Refuse a config.json that model.py cannot compute: model_type, keys, rope scaling,
-    activation."""
+def config_from_hf(d, name=""):
+    """A Hugging Face config.json dict -> the keyword arguments of model.GPTConfig (transformers 4
+    and 5 spellings); a ModelError for one that model.py cannot compute."""
     mt = d.get("model_type")
     if mt not in NEEDS:
         raise door.ModelError(f"{name}: model_type {mt!r} is not supported; supported model types are "
@@ -437,13 +416,6 @@ def check_hf_config(d, name):
             allowed = " or ".join(map(repr, ok))
             raise door.ModelError(f"{name}: {key} {d[key]!r} is not supported for model_type {mt!r}, "
                              f"only {allowed}; use a checkpoint of the family's own architecture")
-
-
-def config_from_hf(d, name=""):
-    """A Hugging Face config.json dict -> the keyword arguments of model.GPTConfig (transformers 4
-    and 5 spellings)."""
-    check_hf_config(d, name)
-    mt = d["model_type"]
     if mt == "gpt2":
         # GPT-2's spellings of GPT-NeoX's keys, and its fixed choices
         d = dict(d, hidden_size=d["n_embd"], num_attention_heads=d["n_head"],
@@ -451,7 +423,6 @@ def config_from_hf(d, name=""):
                  intermediate_size=d.get("n_inner") or 4 * d["n_embd"],
                  layer_norm_eps=d.get("layer_norm_epsilon", 1e-5), rotary_pct=0,
                  use_parallel_residual=False, tie_word_embeddings=True)
-    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     C, H, llama = d["hidden_size"], d["num_attention_heads"], mt == "llama"
     hd = d.get("head_dim") or C // H
     pct = 1 if llama else rope.get("partial_rotary_factor", d.get("rotary_pct", 0.25))
@@ -512,9 +483,11 @@ def checkpoint_sources(cfg):
     return rules
 
 
-def convert_state_dict(cfg, sd, name, shapes):
-    """Checkpoint state dict -> ours, checked (keys bar buffers and a tied head, dtypes,
-    `shapes`)."""
+def load_weights(gpt, sd, name):
+    """A GPT made on the meta device takes the checkpoint's tensors sd, converted and checked (keys
+    bar buffers and a tied head, dtypes, shapes)."""
+    cfg = gpt.config
+    shapes = {k: t.shape for k, t in gpt.state_dict().items()}
     # hub gpt2 files lack the prefix; transformers' have it
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     rules = checkpoint_sources(cfg)
@@ -547,12 +520,6 @@ def convert_state_dict(cfg, sd, name, shapes):
         if ours[key].shape != shapes[key]:
             got, want = list(ours[key].shape), list(shapes[key])
             raise unfit(f"size mismatch for {key}: {got} in the file, {want} by config.json")
-    return ours
-
-
-def load_weights(gpt, sd, name):
-    """A GPT made on the meta device takes the checkpoint's tensors sd, converted and checked."""
-    shapes = {k: t.shape for k, t in gpt.state_dict().items()}
-    gpt.load_state_dict(convert_state_dict(gpt.config, sd, name, shapes), assign=True)
-    if gpt.config.tie_embeddings:
+    gpt.load_state_dict(ours, assign=True)
+    if cfg.tie_embeddings:
         gpt.lm_head.weight = gpt.wte.weight  # assign=True replaced the shared parameter

@@ -1,7 +1,6 @@
 """A checkpoint's byte-level BPE tokenizer as a tiktoken Encoding whose ids are HF's with
-add_special_tokens=False, except on characters that HF's normaliser, tiktoken's regex and the
-`regex` package know from other Unicode versions (marks and digits added since Unicode 10, code
-points unassigned in Python's; a fuzz of millions of strings found no other difference)."""
+add_special_tokens=False, except on characters that HF, tiktoken and `regex` know from other Unicode
+versions (a fuzz of millions of strings found no other difference)."""
 
 import functools
 import re
@@ -13,8 +12,7 @@ import door
 import files
 from checkpoint import locate, open_gguf
 
-# GPT-2's pre-tokenizer regex in tiktoken's form (HF's ByteLevel ends it with `\s+(?!\S)|\s+`, which
-# splits alike).
+# GPT-2's pre-tokenizer regex (HF's ByteLevel ends it `\s+(?!\S)|\s+`, which splits alike)
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 # Each digit a piece (HF's Digits(individual_digits), llama.cpp's "smollm"); a digit ends a
 # whitespace run like $ does.
@@ -22,8 +20,7 @@ DIGITS_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++|\p{N}| ?[^\s\p{L}\p{N}]++|\s
 # Llama-3's (tiktoken's cl100k_base), llama.cpp's "llama-bpe"
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
                   r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
-# llama.cpp's tokenizer.ggml.pre values (grouped as in its llama-vocab.cpp) -> the regex that splits
-# text alike
+# llama.cpp's tokenizer.ggml.pre values (grouped as in llama-vocab.cpp) -> the regex splitting alike
 GGUF_GROUPS = {"gpt-2 mpt olmo": GPT2_PATTERN,
                "llama-bpe llama3 llama-v3": LLAMA3_PATTERN,
                "smollm starcoder refact codeshell command-r": DIGITS_PATTERN}
@@ -48,7 +45,6 @@ class HFEncoding(tiktoken.Encoding):
     cannot spell. Not in encode_to_numpy."""
 
     def __init__(self, name, *, special_tokens, added=None, normalizer=None, **kw):
-        """kw: pat_str, mergeable_ranks."""
         self.added = added or {}
         self.normalizer = normalizer
         self.unspellable = bytes(b for b in range(256) if bytes([b]) not in kw["mergeable_ranks"])
@@ -62,25 +58,21 @@ class HFEncoding(tiktoken.Encoding):
         """Token ids of `text`; special tokens as in tiktoken.Encoding.encode."""
         specials = self._special_tokens.keys() - self.added.keys()
         if allowed_special == "all":
-            allowed = specials
-        else:
-            allowed = specials & set(allowed_special)
+            allowed_special = specials
         if disallowed_special == "all":
-            disallowed = specials - allowed
-        else:
-            disallowed = specials & set(disallowed_special)
+            disallowed_special = specials - set(allowed_special)
+        allowed = specials & set(allowed_special)
+        disallowed = specials & set(disallowed_special)
         m = disallowed and _alternation(frozenset(disallowed)).search(text)
         if m:
             raise ValueError(f"text contains the special token {m.group()!r}; allow it, or pass "
                              "disallowed_special=()")
         # the odd parts are the special and added tokens
         parts = _alternation(frozenset(allowed | self.added.keys())).split(text)
-        ids = []
-        for n, s in enumerate(parts):
-            if n % 2:
-                ids.append(self._special_tokens[s])
-            else:
-                ids += self._encode_plain(s)
+        ids = self._encode_plain(parts[0])
+        for token, plain in zip(parts[1::2], parts[2::2]):
+            ids.append(self._special_tokens[token])
+            ids += self._encode_plain(plain)
         return ids
 
     encode_ordinary = functools.partialmethod(encode, disallowed_special=())
@@ -127,8 +119,7 @@ def _read_tokenizer_json(p):
     norm = (spec.get("normalizer") or {}).get("type")
     steps = (pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]) or [{}]
     kinds = tuple(s.get("type") for s in steps)
-    first = steps[0]
-    last = steps[-1]
+    first, last = steps[0], steps[-1]
     regex = last.get("use_regex", True)
     if kinds == ("ByteLevel",):
         pattern = regex and GPT2_PATTERN
@@ -169,36 +160,29 @@ def _read_gguf(p):
                            GGUF_PATTERNS[pre], specials=specials, added=added)
 
 
-def _read(p):
-    """load_tokenizer's reading of a tokenizer.json, GGUF file or folder of GPT-2's files; bad
-    content: a ValueError, KeyError, ..."""
-    if p.suffix.lower() == ".json":
-        return _read_tokenizer_json(p)
-    if p.is_file():
-        return _read_gguf(p)
-    # GPT-2's files; merges.txt starts with '#version'
-    for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
-        if (p / vocab).is_file() and (p / merges).is_file():
-            lines = (p / merges).read_text(encoding="utf-8", errors="replace").splitlines()
-            pairs = [m for m in lines if m and not m.startswith("#version")]
-            encoder = files.read_json(p / vocab, "re-download the tokenizer files", dict)
-            return _byte_level_bpe("gpt2", encoder, pairs, GPT2_PATTERN)
-    raise door.ModelError(f"{p} holds no tokenizer.json, vocab.json + merges.txt or encoder.json + "
-                          "vocab.bpe, nor is a file; copy the tokenizer files of the model's hub "
-                          "checkpoint (tokenizer.json, or vocab.json and merges.txt) beside its "
-                          "config.json")
-
-
 def load_tokenizer(name_or_path) -> tiktoken.Encoding:
     """The tokenizer of what checkpoint.locate finds (a folder of tokenizer files, tokenizer.json
-    first; a tokenizer.json or .gguf file; "smollm2-135m"; a hub id) as a tiktoken Encoding, or a
-    ModelError."""
+    first; a tokenizer.json or .gguf file; "smollm2-135m"; a hub id) as a tiktoken Encoding."""
     p = locate(name_or_path, ["tokenizer.json", "vocab.json", "merges.txt"])
     if (p / "tokenizer.json").is_file():
         p = p / "tokenizer.json"
     try:
-        return _read(p)
+        if p.suffix.lower() == ".json":
+            return _read_tokenizer_json(p)
+        if p.is_file():
+            return _read_gguf(p)
+        # GPT-2's files; merges.txt starts with '#version'
+        for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
+            if (p / vocab).is_file() and (p / merges).is_file():
+                lines = (p / merges).read_text(encoding="utf-8", errors="replace").splitlines()
+                pairs = [m for m in lines if m and not m.startswith("#version")]
+                encoder = files.read_json(p / vocab, "re-download the tokenizer files", dict)
+                return _byte_level_bpe("gpt2", encoder, pairs, GPT2_PATTERN)
     except (LookupError, TypeError, AttributeError, ValueError) as e:
         why = f"{type(e).__name__}: {e}"
         raise door.ModelError(f"{p} is not a byte-level BPE tokenizer this loader reads ({why}); "
-                         "re-download the tokenizer files if they are damaged") from None
+                              "re-download the tokenizer files if they are damaged") from None
+    raise door.ModelError(f"{p} holds no tokenizer.json, vocab.json + merges.txt or encoder.json + "
+                          "vocab.bpe, nor is a file; copy the tokenizer files of the model's hub "
+                          "checkpoint (tokenizer.json, or vocab.json and merges.txt) beside its "
+                          "config.json")
