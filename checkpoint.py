@@ -102,7 +102,8 @@ def is_local(name):
 
 def fingerprint(name):
     """A local teacher -> 16 hex digits of sha256 over its config (config_from_hf's) and, per
-    tensor, its name, type, shape and the CRC-32 of its bytes: equal for a copy, wherever it is."""
+    tensor, its name, type, shape and the CRC-32 of its bytes: equal for a copy, wherever it is;
+    another for any changed value (CRC-32 misses no change within 4 bytes)."""
     hf_cfg, weights = teacher_files(name)
     if hf_cfg is None:
         # a .gguf file: the config its metadata gives, its tensors as stored (quantised)
