@@ -1,7 +1,7 @@
 """
 evaluate.py: multiple-choice accuracy scored exactly as lm-evaluation-harness 0.4 scores it,
 zero-shot and after fine-tuning on each task (the paper's Table 3), next-token loss on a token or
-text file, speed and passkey recall, for teachers and distilled students alike.
+text file and speed, for teachers and distilled students alike.
 
     python evaluate.py --model gpt2 --ckpt out/gpt2 --data-dir tests/data/eval  # teacher | student
     python evaluate.py --model gpt2 --ckpt out/gpt2 --ppl data/wikitext2/wiki.test.raw --speed
@@ -25,7 +25,6 @@ from tqdm import tqdm
 import devices
 import door
 import fast_scorer
-import passkey
 import tasks
 import tokenizer
 
@@ -35,8 +34,8 @@ class EvalConfig(door.Config):
     # what to evaluate (checks call tasks.* in a lambda: in this class body `tasks` is --tasks)
     model: str = door.opt("gpt2", "teacher: hub id, checkpoint folder, .gguf file or smollm2-135m")
     ckpt: str | None = door.opt(None, "distill.py checkpoint folder; its student is evaluated too")
-    tasks: str | None = door.opt(None, "comma-separated tasks, or all (the default without --ppl, "
-                                       "--speed or --passkey)")
+    tasks: str | None = door.opt(None, "comma-separated tasks, or all (the default without --ppl "
+                                       "or --speed)")
     limit: int | None = door.opt(None, "score the first N documents of each task (MMLU: of the "
                                        "file)", min=1)
     data_dir: str | None = door.opt(None, "folder of <task>.jsonl (tests/data/eval); default: "
@@ -80,11 +79,6 @@ class EvalConfig(door.Config):
     finetune_limit: int | None = door.opt(None, "train on the first N documents of each training "
                                                 "split", min=1, needs="finetune_epochs")
     seed: int = door.opt(0, "seed of the order in which the training documents are drawn")
-    # recall: the passkey retrieval test (passkey.py)
-    passkey: str | None = door.opt(None, "comma-separated prompt lengths in tokens of the passkey "
-                                   "retrieval test, e.g. 256,512,1024,2048 (--seed draws keys)",
-                                   check=lambda cfg: passkey.check_lengths(cfg.passkey))
-    passkey_trials: int = door.opt(20, "passkey trials a length, depths spread evenly", min=1)
 
 
 # Tasks: one prompt function each, the harness's requests for one document.
@@ -450,7 +444,7 @@ def run_tasks(cfg: EvalConfig, models: dict, enc, prompts: dict, device) -> dict
 
 def main(argv=None):
     """Flags, tasks and models checked first; then each model's next-token loss, tasks (zero-shot,
-    then fine-tuned), speed and passkey recall, printed and written to --output."""
+    then fine-tuned) and speed, printed and written to --output."""
     cfg = door.parse_config(EvalConfig, argv, description=__doc__.strip().split("\n\n")[0])
     prompts = tasks.load_tasks(cfg, TASKS)
     training = tasks.load_training(cfg, prompts, TASKS)
@@ -459,7 +453,6 @@ def main(argv=None):
     models = tasks.load_models(cfg, device)
     enc, config = tokenizer.load_tokenizer(cfg.model), models["teacher"].config
     door.validate(cfg, context=config.block_size)
-    trials = passkey.make_trials(enc, passkey.lengths(cfg.passkey), cfg, config.block_size)
     for ps in [*prompts.values(), *[ps for s in training.values() for ps in s.values()]]:
         tasks.check_requests(tokenize(enc, ps), config.block_size)
     results = {}
@@ -477,8 +470,6 @@ def main(argv=None):
     if devices.is_main() and cfg.speed:  # timings: rank 0 alone
         results["speed"] = {k: speed(lm, cfg.speed_tokens, device) for k, lm in models.items()}
         tasks.print_speed(results["speed"])
-    if trials:
-        results["passkey"] = passkey.run(models, enc, trials, cfg, device)
     tasks.write_report(cfg, results)
 
 

@@ -103,8 +103,8 @@ def parse_tasks(spec: str | None) -> list[str]:
 
 
 def load_tasks(cfg, prompt_of: dict) -> dict:
-    """{task: prompts} of --tasks; none where --ppl, --speed or --passkey is given without it."""
-    if cfg.tasks is None and (cfg.ppl or cfg.speed or cfg.passkey):
+    """{task: prompts} of --tasks; none where --ppl or --speed is given without it."""
+    if cfg.tasks is None and (cfg.ppl or cfg.speed):
         return {}
     names = parse_tasks(cfg.tasks)
     return {name: load_task(name, prompt_of[name], cfg.data_dir, cfg.limit) for name in names}

@@ -47,7 +47,8 @@ class LongConfig(door.Config):
     data: str = door.opt("data/wikitext2/val.bin", "held-out token file")
     tokens: int = door.opt(8192, "first tokens of --data scored", min=2)
     contexts: str = door.opt("256,1024,2048", "window lengths of the loss")
-    passkey: str = door.opt("", "passkey prompt lengths ('': none)")
+    passkey: str = door.opt("", "passkey prompt lengths ('': none)",
+                            check=lambda cfg: passkey.check_lengths(cfg.passkey or None))
     passkey_trials: int = door.opt(20, "passkey trials a length", min=1)
     offsets: str = door.opt("", "position offsets of 256-token windows ('': none)")
     seed: int = door.opt(0, "seed of the passkey trials")
@@ -96,6 +97,7 @@ def main(argv=None):
     torch.manual_seed(0)
     net, nbytes, info = load(cfg)
     enc = tokenizer.load_tokenizer(cfg.model)
+    trials = passkey.make_trials(enc, passkey.lengths(cfg.passkey), cfg, net.config.block_size)
     tokens = datafiles.read_tokens(cfg.data)[:cfg.tokens]
     out = {**info, "what": cfg.what, "cache_bytes": nbytes, "tokens": len(tokens), "loss": {}}
     t0 = time.time()
@@ -105,8 +107,7 @@ def main(argv=None):
     if cfg.offsets:
         out["offset_loss"] = {str(o): offset_loss(net, tokens, o) for o in ints(cfg.offsets)}
         print(f"{cfg.what}: loss at position offsets {out['offset_loss']}", flush=True)
-    if cfg.passkey:
-        trials = passkey.make_trials(enc, passkey.lengths(cfg.passkey), cfg, net.config.block_size)
+    if trials:
         out["passkey"] = passkey.run({cfg.what: net}, enc, trials, cfg, "cpu")[cfg.what]
         for r in out["passkey"].values():
             del r["trials"]

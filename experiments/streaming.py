@@ -10,7 +10,7 @@ cache a layer, whatever the context. This fork's evaluate command (and experimen
 scores it beside the teacher, and beside a --ckpt's student if given, on every evaluate.py flag:
 
     python experiments/streaming.py evaluate --model smollm2-135m --window 64 --sinks 4 \\
-        --ppl data/wikitext2/val.bin --ppl-context 256 --passkey 256,1024,2048
+        --ppl data/wikitext2/val.bin --ppl-context 256
 
 How it forks the core: REPLACE sets evaluate.EvalConfig to one with --window and --sinks, and
 tasks.load_models to the core's with the untrained window added as the model "window".

@@ -1,19 +1,21 @@
-"""passkey.py: prompts of a length in tokens, the key at its depth, seeds, scoring, the JSON layout of
-`evaluate.py --passkey`, and its refusals."""
+"""bench/passkey.py: prompts of a length in tokens, the key at its depth, seeds, scoring, the JSON layout of
+`bench/long_context.py --passkey`, and its refusals."""
 
 import json
 import re
+import shutil
 import types
 
+import numpy as np
 import pytest
 import torch
 
 import devices
 import door
 import evaluate
+import long_context
 import passkey
-import tasks
-from conftest import DATA, N_POS, needs_smollm2, snapshot
+from conftest import DATA, N_POS, edit_json, needs_smollm2, snapshot
 from tokenizer import load_tokenizer
 
 TOKENIZERS = ["gpt2-tokenizer", "gpt-neox-20b-tokenizer/20B_tokenizer.json",
@@ -161,34 +163,48 @@ def raise_share(share):
     raise Gathered(share)
 
 
+@pytest.fixture(scope="module")
+def held_out(enc, tmp_path_factory):
+    """A token file for bench/long_context.py, which scores its loss before the passkey."""
+    path = tmp_path_factory.mktemp("held-out") / "val.bin"
+    np.array(enc.encode_ordinary(" ".join(passkey.FILLER * 10)), dtype=np.uint16).tofile(path)
+    return path
+
+
 def passkey_cli(*args):
-    return evaluate.main(["--device", "cpu", *map(str, args)])
+    """bench/long_context.py with its loss on one short window, then the passkey of `args`."""
+    return long_context.main([str(a) for a in ["--tokens", 40, "--contexts", 32, *args]])
 
 
-def test_cli_json_layout_teacher_and_student(ckpt, student, tmp_path, capsys, monkeypatch):
-    """--passkey with --ckpt: no task is read; a table a model; report["passkey"][label][str(length)] with accuracy,
-    stderr, n, by_depth and each trial, and the settings; the student decodes from its state."""
-    monkeypatch.setattr(tasks, "load_task", lambda *a: pytest.fail("a task was read"))
-    out = tmp_path / "r.json"
-    passkey_cli("--model", ckpt, "--ckpt", student, "--passkey", "80,120", "--passkey-trials", 5, "--seed", 3,
-                "--output", out)
-    printed = capsys.readouterr().out
-    assert "passkey teacher:" in printed and "passkey student:" in printed
-    r = json.loads(out.read_text())
-    assert r["passkey"]["settings"] == {"trials": 5, "digits": 5, "seed": 3, "new_tokens": 8, "depth_buckets": 5}
-    assert list(r["passkey"]) == ["settings", "teacher", "student"]
+def test_cli_json_layout_teacher_and_student(ckpt, student, held_out, tmp_path, capsys, monkeypatch):
+    """long_context.py --passkey, a run with --what teacher and a run with a distill.py checkpoint: a table a model;
+    record["passkey"][str(length)] with accuracy, stderr, n and by_depth (the per-trial rows dropped); the prompts
+    decoded are make_trials's for --seed (its keys at its depths)."""
+    run = tmp_path / "run"   # the student with the run record distill.py writes beside it, which long_context reads
+    shutil.copytree(student, run)
+    edit_json(run / "config.json", seed=0, step=0, block_size=N_POS)
     expected = passkey.make_trials(load_tokenizer(ckpt), [80, 120], settings(5, seed=3), N_POS)
-    for label in ("teacher", "student"):
-        assert list(r["passkey"][label]) == ["80", "120"]
+    decoded, answers = [], passkey.answers
+
+    def recorded(lm, enc, prompts, *args):
+        decoded.append(prompts)
+        return answers(lm, enc, prompts, *args)
+    monkeypatch.setattr(passkey, "answers", recorded)
+    for what, kind in (("teacher", "teacher"), (run, "student")):
+        out = tmp_path / f"{kind}.json"
+        passkey_cli("--model", ckpt, "--data", held_out, "--what", what, "--passkey", "80,120", "--passkey-trials", 5,
+                    "--seed", 3, "--out", out)
+        assert f"passkey {what}:" in capsys.readouterr().out
+        r = json.loads(out.read_text())
+        assert r["kind"] == kind and list(r["passkey"]) == ["80", "120"]
         for length in (80, 120):
-            res = r["passkey"][label][str(length)]
-            assert set(res) == {"accuracy", "stderr", "n", "by_depth", "trials"} and res["n"] == 5
+            res = r["passkey"][str(length)]
+            assert set(res) == {"accuracy", "stderr", "n", "by_depth"} and res["n"] == 5
             assert res["by_depth"] == {b: {"accuracy": res["by_depth"][b]["accuracy"], "n": 1}
                                        for b in ("0.0", "0.2", "0.4", "0.6", "0.8")}
-            assert [set(t) for t in res["trials"]] == [{"depth", "key", "answer", "correct"}] * 5
-            assert [t["key"] for t in res["trials"]] == [t["key"] for t in expected[length]]
-            assert res["accuracy"] == sum(t["correct"] for t in res["trials"]) / 5
-    assert r["config"]["passkey"] == "80,120" and "results" not in r
+            assert res["accuracy"] == pytest.approx(sum(d["accuracy"] for d in res["by_depth"].values()) / 5)
+        assert decoded == [[t["tokens"] for t in expected[length]] for length in (80, 120)]
+        decoded.clear()
 
 
 def test_a_student_answers_as_its_model_decodes(ckpt, student, enc):
@@ -209,14 +225,13 @@ def passkey_exit(capsys, *args):
     return e.value.code, capsys.readouterr().err
 
 
-BAD_FLAGS = [  # flags after --model and --output, the sentence on stderr, whether the model is loaded first
+BAD_FLAGS = [  # flags after --model, --data and --out, the sentence on stderr, whether the model is loaded first
     (["--passkey", "256,abc"], r"--passkey must be prompt lengths in tokens, positive whole numbers separated by "
                                r"commas \(e.g. 256,512,1024\), got '256,abc'", False),
     (["--passkey", "0"], r"--passkey must be prompt lengths in tokens, .*, got '0'", False),
     (["--passkey", "-64"], r"--passkey must be prompt lengths in tokens, .*, got '-64'", False),
     (["--passkey", "64.5"], r"--passkey must be prompt lengths in tokens, .*, got '64.5'", False),
     (["--passkey", " , "], r"--passkey must be prompt lengths in tokens, .*, got ' , '", False),
-    (["--passkey", ""], r"--passkey is empty; pass a value, or drop the flag", False),
     (["--passkey", "64", "--passkey-trials", "0"], r"--passkey-trials must be a number of at least 1, got 0", False),
     (["--passkey", "80,121"], rf"--passkey 121 is more than the model's context of {N_POS} tokens holds with the 8 "
                               r"tokens decoded after the prompt; pass lengths of at most 120", True),
@@ -224,27 +239,32 @@ BAD_FLAGS = [  # flags after --model and --output, the sentence on stderr, wheth
 
 
 @pytest.mark.parametrize("flags, sentence, loaded", BAD_FLAGS, ids=[" ".join(f) for f, _, _ in BAD_FLAGS])
-def test_bad_passkey_flags_are_one_sentence_before_any_work(flags, sentence, loaded, ckpt, tmp_path, capsys,
-                                                            monkeypatch):
+def test_bad_passkey_flags_are_one_sentence_before_any_work(flags, sentence, loaded, ckpt, held_out, tmp_path,
+                                                            capsys, monkeypatch):
     """Lengths that are not positive whole numbers are refused before the model is loaded; a length the model's
-    context cannot hold once it is; nothing decoded, nothing written."""
+    context cannot hold once it is; nothing scored or decoded, nothing written."""
     if not loaded:
-        monkeypatch.setattr(tasks, "load_models", lambda *a: pytest.fail("a model was loaded"))
+        monkeypatch.setattr(long_context, "load", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(evaluate, "perplexity", lambda *a: pytest.fail("a window was scored"))
     monkeypatch.setattr(passkey, "answers", lambda *a: pytest.fail("a prompt was decoded"))
     before = snapshot(tmp_path)
-    code, err = passkey_exit(capsys, "--model", ckpt, "--output", tmp_path / "r.json", *flags)
+    code, err = passkey_exit(capsys, "--model", ckpt, "--data", held_out, "--out", tmp_path / "r.json", *flags)
     assert code == 2 and re.fullmatch("error: " + sentence + "\n", err), err
     assert snapshot(tmp_path) == before
 
 
-def test_a_length_too_short_for_the_prompt_says_the_shortest_that_works(ckpt, enc, tmp_path, capsys, monkeypatch):
+def test_a_length_too_short_for_the_prompt_says_the_shortest_that_works(ckpt, enc, held_out, tmp_path, capsys,
+                                                                         monkeypatch):
     """A length below the prompt without filler: the sentence names the shortest length that holds every key, and
     that length is accepted for any seed."""
     monkeypatch.setattr(passkey, "answers", lambda *a: pytest.fail("a prompt was decoded"))
     least = passkey.shortest(enc)
-    code, err = passkey_exit(capsys, "--model", ckpt, "--passkey", f"100,{least - 10}")
+    before = snapshot(tmp_path)
+    code, err = passkey_exit(capsys, "--model", ckpt, "--data", held_out, "--out", tmp_path / "r.json", "--passkey",
+                             f"100,{least - 10}")
     assert code == 2 and err == (f"error: --passkey {least - 10} is too short to hold the task, the key and the "
                                  f"question; pass lengths of at least {least}\n")
+    assert snapshot(tmp_path) == before
     for seed in range(3):
         trials = passkey.make_trials(enc, [least], settings(20, seed), N_POS)[least]
         assert max(len(t["tokens"]) for t in trials) <= least
