@@ -35,6 +35,7 @@ import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
 import model  # noqa: E402
+import tasks  # noqa: E402
 from checkpoint import read_student  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
@@ -109,7 +110,7 @@ def load_ckpt(ckpt, name, teacher):
     if Path(t).resolve() != Path(name).resolve():
         raise door.ModelError(f"checkpoint {ckpt} was distilled from teacher '{t}' but --model is '{name}'; pass "
                          f"--model {t}")
-    student, cfg = model.load_student(ckpt)
+    student, cfg = tasks.load_student(ckpt)
     if student.config != teacher.config:
         raise door.ModelError(f"{ckpt} was distilled from {cfg['teacher']}, not from --model; pass its teacher")
     return student, cfg
