@@ -1,11 +1,5 @@
-"""The batched, prefix-sharing scorer: evaluate.loglikelihood's numbers (a forward pass a request)
-with less work. Given each request's harness window (input tokens, [(position, next token)]), it
- - gives requests that feed identical tokens one row (MMLU's four one-token answers: one row);
- - runs the tokens a document's rows begin with once, into a cache (KV, or a linear student's
-   state), and continues each row from a copy; neighbouring documents' prefixes run together;
- - batches rows sorted by length with little right padding (causal: it changes nothing before it);
- - runs the LM head only at the positions whose next token is scored, once per distinct position.
-The tests hold it to the plain scorer and to transformers."""
+"""The batched, prefix-sharing scorer: evaluate.loglikelihood's numbers with less work (one row per
+distinct input, shared prefixes run once into a cache, the LM head only where a token is scored)."""
 
 from dataclasses import dataclass, field
 from functools import partial
@@ -13,6 +7,7 @@ from functools import partial
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 import devices
@@ -51,14 +46,13 @@ class Scores:
     def add(self, lm, h, targets):
         """h (B, T, C) hidden states; targets [(b, position, next token, request)]. The LM head
         runs once per distinct (b, position) and nowhere else."""
-        where: dict[tuple[int, int], int] = {}
-        for b, p, _, _ in targets:
-            where.setdefault((b, p), len(where))
+        b, p, tok, req = zip(*targets)
+        where = {bp: i for i, bp in enumerate(dict.fromkeys(zip(b, p)))}  # distinct, in order
         bi, pi = (torch.tensor(ix, device=h.device) for ix in zip(*where))
         logp = F.log_softmax(lm.lm_head(h[bi, pi]).float(), dim=-1)                # (N, V)
-        at = torch.tensor([where[b, p] for b, p, _, _ in targets], device=h.device)
-        tok = torch.tensor([t for _, _, t, _ in targets], device=h.device)
-        req = np.array([k for _, _, _, k in targets])
+        at = torch.tensor([where[bp] for bp in zip(b, p)], device=h.device)
+        tok = torch.tensor(tok, device=h.device)
+        req = np.array(req)
         np.add.at(self.ll, req, logp[at, tok].double().cpu().numpy())
         np.logical_and.at(self.greedy, req, (logp.argmax(-1)[at] == tok).cpu().numpy())
         self.done[req] = True
@@ -68,8 +62,7 @@ def forward_rows(lm, rows: list[Row], scores: Scores, device, cache=None):
     """One forward pass: rows right-padded into (B, T) after the cache's prefix, if any."""
     x, _ = padded([(row.tokens, []) for row in rows])
     h = lm.hidden(x.to(device), cache)                                              # (B, T, C)
-    targets = [(b, p, t, k) for b, row in enumerate(rows) for p, t, k in row.targets]
-    scores.add(lm, h, targets)
+    scores.add(lm, h, [(b, p, t, k) for b, row in enumerate(rows) for p, t, k in row.targets])
 
 
 def grouped(items, fits):
@@ -215,11 +208,9 @@ def runs(docs: list, max_requests: int) -> list[list[int]]:
 def padded(windows) -> tuple[torch.Tensor, torch.Tensor]:
     """Harness windows (input tokens, [(position, next token)]) right-padded: inputs (N, T), targets
     (N, T), -1 where nothing is scored. Right padding changes no score: the model is causal."""
-    T = max(len(inp) for inp, _ in windows)
-    x = torch.zeros(len(windows), T, dtype=torch.long)
-    y = torch.full((len(windows), T), -1, dtype=torch.long)
-    for i, (inp, targets) in enumerate(windows):
-        x[i, :len(inp)] = torch.tensor(inp)
+    x = pad_sequence([torch.tensor(inp) for inp, _ in windows], batch_first=True)
+    y = torch.full_like(x, -1)
+    for i, (_, targets) in enumerate(windows):
         for pos, token in targets:
             y[i, pos] = token
     return x, y
