@@ -1,11 +1,5 @@
-"""The batched, prefix-sharing scorer: evaluate.loglikelihood's numbers (a forward pass a request)
-with less work. Given each request's harness window (input tokens, [(position, next token)]), it
- - gives requests that feed identical tokens one row (MMLU's four one-token answers: one row);
- - runs the tokens a document's rows begin with once, into a cache (KV, or a linear student's
-   state), and continues each row from a copy; neighbouring documents' prefixes run together;
- - batches rows sorted by length with little right padding (causal: it changes nothing before it);
- - runs the LM head only at the positions whose next token is scored, once per distinct position.
-The tests hold it to the plain scorer and to transformers."""
+"""The batched, prefix-sharing scorer: evaluate.loglikelihood's numbers with less work (one row per
+distinct input, shared prefixes run once into a cache, the LM head only where a token is scored)."""
 
 from dataclasses import dataclass, field
 from functools import partial
@@ -13,6 +7,7 @@ from functools import partial
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 import devices
@@ -28,8 +23,7 @@ class Row:
 
 
 def plan_rows(windows) -> list[list[Row]]:
-    """Each document's distinct rows: requests feeding identical tokens share one (MMLU's
-    answers)."""
+    """Each document's distinct rows: requests with the same input (MMLU's answers) share one."""
     plans, k = [], 0
     for doc in windows:
         rows: dict[tuple[int, ...], Row] = {}
@@ -52,14 +46,13 @@ class Scores:
     def add(self, lm, h, targets):
         """h (B, T, C) hidden states; targets [(b, position, next token, request)]. The LM head
         runs once per distinct (b, position) and nowhere else."""
-        where: dict[tuple[int, int], int] = {}
-        for b, p, _, _ in targets:
-            where.setdefault((b, p), len(where))
+        b, p, tok, req = zip(*targets)
+        where = {bp: i for i, bp in enumerate(dict.fromkeys(zip(b, p)))}  # distinct, in order
         bi, pi = (torch.tensor(ix, device=h.device) for ix in zip(*where))
         logp = F.log_softmax(lm.lm_head(h[bi, pi]).float(), dim=-1)                # (N, V)
-        at = torch.tensor([where[b, p] for b, p, _, _ in targets], device=h.device)
-        tok = torch.tensor([t for _, _, t, _ in targets], device=h.device)
-        req = np.array([k for _, _, _, k in targets])
+        at = torch.tensor([where[bp] for bp in zip(b, p)], device=h.device)
+        tok = torch.tensor(tok, device=h.device)
+        req = np.array(req)
         np.add.at(self.ll, req, logp[at, tok].double().cpu().numpy())
         np.logical_and.at(self.greedy, req, (logp.argmax(-1)[at] == tok).cpu().numpy())
         self.done[req] = True
@@ -69,54 +62,42 @@ def forward_rows(lm, rows: list[Row], scores: Scores, device, cache=None):
     """One forward pass: rows right-padded into (B, T) after the cache's prefix, if any."""
     x, _ = padded([(row.tokens, []) for row in rows])
     h = lm.hidden(x.to(device), cache)                                              # (B, T, C)
-    targets = [(b, p, t, k) for b, row in enumerate(rows) for p, t, k in row.targets]
-    scores.add(lm, h, targets)
+    scores.add(lm, h, [(b, p, t, k) for b, row in enumerate(rows) for p, t, k in row.targets])
 
 
-def batches(items, length, batch_size: int, max_padding: float = 0.1, min_tokens: int = 256):
-    """Items sorted longest first, in batches of at most batch_size items whose right padding stays
-    under max_padding of their real tokens, but a batch below min_tokens positions keeps growing: a
-    forward pass reads every weight, so a tiny one costs about as much as a small one."""
-    items = sorted(items, key=lambda it: -length(it))
-    batch, real = [], 0
+def grouped(items, fits):
+    """items in order, in runs that grow while fits(run, next item)."""
+    run = []
     for it in items:
-        n = length(it)
-        if batch:
-            padded = (len(batch) + 1) * length(batch[0])
-            too_padded = padded > min_tokens and padded > (1 + max_padding) * (real + n)
-            if len(batch) == batch_size or too_padded:
-                yield batch
-                batch, real = [], 0
-        batch.append(it)
-        real += n
-    if batch:
-        yield batch
+        if run and not fits(run, it):
+            yield run
+            run = []
+        run.append(it)
+    if run:
+        yield run
+
+
+def batches(items, length, batch_size: int):
+    """Items sorted longest first, in batches of at most batch_size items whose right padding stays
+    under 10% of their real tokens, but a batch below 256 positions keeps growing: a forward pass
+    reads every weight, so a tiny one costs about as much as a small one."""
+    def fits(batch, it):
+        width = (len(batch) + 1) * length(batch[0])
+        real = sum(map(length, batch)) + length(it)
+        return len(batch) < batch_size and width <= max(256, 1.1 * real)
+    return grouped(sorted(items, key=length, reverse=True), fits)
 
 
 # --------------------------------------------------------------------------------------------------
 # Shared prefixes: a document's rows begin with the same tokens; they run once, with a cache.
 
-@dataclass
-class Shared:
-    """A document whose rows begin with the same tokens: up to `shareable` of them run once."""
-    rows: list[Row]
-    shareable: int  # every row keeps at least one token of its own
-
-
-def split_shared(plans: list[list[Row]]) -> tuple[list[Row], list[Shared]]:
-    """The rows of documents that share nothing (or have one row), and the documents that do."""
-    alone, shared = [], []
-    for rows in plans:
-        seqs, shortest = [r.tokens for r in rows], min(len(r.tokens) for r in rows)
-        # the first position where the rows differ
-        differ = (i for i, column in enumerate(zip(*seqs)) if len(set(column)) > 1)
-        common = next(differ, shortest)
-        P = min(common, shortest - 1) if len(rows) > 1 else 0
-        if P == 0:
-            alone += rows
-        else:
-            shared.append(Shared(rows, P))
-    return alone, shared
+def shareable(rows: list[Row]) -> int:
+    """How many tokens begin every row of a document, each row keeping at least one of its own (0
+    for a single row)."""
+    if len(rows) == 1:
+        return 0
+    columns = list(zip(*(r.tokens[:-1] for r in rows)))
+    return next((i for i, column in enumerate(columns) if len(set(column)) > 1), len(columns))
 
 
 def _take(x, idx):
@@ -130,21 +111,21 @@ def _take(x, idx):
     return x
 
 
-def run_shared(lm, docs: list[Shared], scores: Scores, batch_size: int, device):
-    """Documents whose rows share at least P tokens (P = the smallest `shareable`): those P tokens
+def run_shared(lm, docs: list[list[Row]], scores: Scores, batch_size: int, device):
+    """Documents whose rows share at least P tokens (P = the smallest shareable): those P tokens
     of every document in one forward pass filling a cache, then the rows' remainders in batches of
     similar length, each continuing from a copy of its document's part of the cache."""
-    P = min(s.shareable for s in docs)
+    P = min(map(shareable, docs))
     cache = model.Cache(lm.config.n_layer)
-    prefixes = torch.tensor([s.rows[0].tokens[:P] for s in docs], device=device)
+    prefixes = torch.tensor([doc[0].tokens[:P] for doc in docs], device=device)
     h = lm.hidden(prefixes, cache)                                                  # (docs, P, C)
-    inside = [(d, p, t, k) for d, s in enumerate(docs) for r in s.rows for p, t, k in r.targets
+    inside = [(d, p, t, k) for d, doc in enumerate(docs) for r in doc for p, t, k in r.targets
               if p < P]
     # positions scored inside the prefix (their hidden state is the same for all the rows)
     if inside:
         scores.add(lm, h, inside)
     rows = [(d, Row(r.tokens[P:], [(p - P, t, k) for p, t, k in r.targets if p >= P]))
-            for d, s in enumerate(docs) for r in s.rows]
+            for d, doc in enumerate(docs) for r in doc]
     for batch in batches(rows, lambda dr: len(dr[1].tokens), batch_size):
         which = torch.tensor([d for d, _ in batch], device=device)
         row_cache = model.Cache(lm.config.n_layer)
@@ -157,28 +138,24 @@ def run_shared(lm, docs: list[Shared], scores: Scores, batch_size: int, device):
 PREFIX_WINDOW = 4096
 
 
-def prefix_groups(shared: list[Shared], batch_size: int, spread: float = 0.25):
+def prefix_groups(shared: list[list[Row]], batch_size: int):
     """Documents sorted by shareable length, in groups of up to 4 x batch_size rows; a group shares
     the smallest shareable length of its documents, so a document joins only if its own is at
-    most `spread` longer."""
-    shared = sorted(shared, key=lambda s: s.shareable)
-    i = 0
-    while i < len(shared):
-        P, j, n_rows = shared[i].shareable, i + 1, len(shared[i].rows)
-        while j < len(shared):
-            rows_fit = n_rows + len(shared[j].rows) <= 4 * batch_size
-            prefixes_fit = (j - i + 1) * P <= PREFIX_WINDOW
-            near = shared[j].shareable <= P * (1 + spread)
-            if not (rows_fit and prefixes_fit and near):
-                break
-            n_rows += len(shared[j].rows)
-            j += 1
-        yield shared[i:j]
-        i = j
+    most 25% longer."""
+    def fits(group, rows):
+        P = shareable(group[0])
+        rows_fit = sum(map(len, group)) + len(rows) <= 4 * batch_size
+        return rows_fit and (len(group) + 1) * P <= PREFIX_WINDOW and shareable(rows) <= 1.25 * P
+    return grouped(sorted(shared, key=shareable), fits)
 
 
 # --------------------------------------------------------------------------------------------------
-# The scorer.
+# The scorer; torchrun's shares put together; the padded batches of fine-tuning.
+
+def requests(rows: list[Row]) -> int:
+    """How many requests rows score."""
+    return len({k for r in rows for _, _, k in r.targets})
+
 
 @torch.inference_mode()
 def score_windows(lm, windows, batch_size: int = 16, device="cpu", desc: str | None = None,
@@ -186,25 +163,25 @@ def score_windows(lm, windows, batch_size: int = 16, device="cpu", desc: str | N
     """(log-likelihood, is_greedy) of every request, one list per document, equal to the plain
     scorer's; windows[d] lists document d's requests as (input tokens, [(position, next token)]).
     Under torchrun each process runs a share of the forward passes (scoring its requests whole),
-    and all get every score (gather): together they compute exactly what one process computes."""
-    plans = plan_rows(windows)
-    if share_prefix:
-        alone, shared = split_shared(plans)
-    else:
-        alone, shared = [row for rows in plans for row in rows], []
+    and all get every score (gather): exactly what one process computes."""
+    alone, shared = [], []
+    for rows in plan_rows(windows):
+        if share_prefix and shareable(rows):
+            shared.append(rows)
+        else:
+            alone += rows
     scores = Scores(sum(len(doc) for doc in windows))
     # rows that share nothing (and MMLU's), then documents with a shared prefix, by its length
-    passes = [(partial(forward_rows, lm, batch, scores, device), batch)
+    passes = [(partial(forward_rows, lm, batch, scores, device), requests(batch))
               for batch in batches(alone, lambda r: len(r.tokens), batch_size)]
-    passes += [(partial(run_shared, lm, docs, scores, batch_size, device),
-                [r for s in docs for r in s.rows]) for docs in prefix_groups(shared, batch_size)]
+    passes += [(partial(run_shared, lm, docs, scores, batch_size, device), sum(map(requests, docs)))
+               for docs in prefix_groups(shared, batch_size)]
     passes = devices.shard(passes)
-    requests = lambda rows: len({k for r in rows for _, _, k in r.targets})  # noqa: E731
-    total = sum(requests(rows) for _, rows in passes)
+    total = sum(n for _, n in passes)
     with tqdm(total=total, desc=desc, disable=desc is None, unit="req", leave=False) as pbar:
-        for run_pass, rows in passes:
+        for run_pass, n in passes:
             run_pass()
-            pbar.update(requests(rows))
+            pbar.update(n)
     out, k = [], 0
     for doc in windows:
         out.append([(float(scores.ll[k + j]), bool(scores.greedy[k + j])) if scores.done[k + j]
@@ -212,9 +189,6 @@ def score_windows(lm, windows, batch_size: int = 16, device="cpu", desc: str | N
         k += len(doc)
     return gather(out)
 
-
-# --------------------------------------------------------------------------------------------------
-# Torchrun's shares put together, and the padded batches of fine-tuning.
 
 def gather(scored: list) -> list:
     """Every process's scores (None where another process scored a request) put together: each
@@ -226,22 +200,17 @@ def gather(scored: list) -> list:
 def runs(docs: list, max_requests: int) -> list[list[int]]:
     """Indices of docs (lists of requests) in runs of at most max_requests requests (at least one
     document each)."""
-    out = [[]]
-    for i, doc in enumerate(docs):
-        if out[-1] and sum(len(docs[j]) for j in out[-1]) + len(doc) > max_requests:
-            out.append([])
-        out[-1].append(i)
-    return [r for r in out if r]
+    def fits(run, i):
+        return sum(len(docs[j]) for j in run) + len(docs[i]) <= max_requests
+    return list(grouped(range(len(docs)), fits))
 
 
 def padded(windows) -> tuple[torch.Tensor, torch.Tensor]:
     """Harness windows (input tokens, [(position, next token)]) right-padded: inputs (N, T), targets
     (N, T), -1 where nothing is scored. Right padding changes no score: the model is causal."""
-    T = max(len(inp) for inp, _ in windows)
-    x = torch.zeros(len(windows), T, dtype=torch.long)
-    y = torch.full((len(windows), T), -1, dtype=torch.long)
-    for i, (inp, targets) in enumerate(windows):
-        x[i, :len(inp)] = torch.tensor(inp)
+    x = pad_sequence([torch.tensor(inp) for inp, _ in windows], batch_first=True)
+    y = torch.full_like(x, -1)
+    for i, (_, targets) in enumerate(windows):
         for pos, token in targets:
             y[i, pos] = token
     return x, y
