@@ -72,11 +72,11 @@ def teacher_files(name):
     if files.is_checkpoint(p):
         raise door.ModelError(f"{name} is a distill.py checkpoint, not a teacher; pass its teacher as "
                          "--model and it as --ckpt (evaluate.py) or --init-from (distill.py)")
-    hf_cfg = files.read_json(p / "config.json", REFETCH, dict)
+    hf_cfg = files.read_json(p / "config.json", REFETCH)
     index = p / "model.safetensors.index.json"
     if (p / "model.safetensors").is_file() or not index.is_file():
         return hf_cfg, [(p / "model.safetensors", REFETCH)]
-    shards = files.read_json(index, REFETCH, dict).get("weight_map")
+    shards = files.read_json(index, REFETCH).get("weight_map")
     if not shards or not isinstance(shards, dict) or not all(isinstance(s, str) for s in shards.values()):
         raise door.ModelError(f"{index} lacks its \"weight_map\" of tensor names to shard files; "
                          f"{REFETCH}")
@@ -188,7 +188,7 @@ def read_student(ckpt_dir):
     todo = (f"{ckpt_dir} is not a whole distill.py checkpoint; pass the --out-dir of a finished or "
             "saved run")
     f = Path(ckpt_dir) / "config.json"
-    cfg = files.read_json(f, todo, dict)
+    cfg = files.read_json(f, todo)
     forks.check_fork(cfg.get("fork"), ckpt_dir, cfg.get("teacher"))
     dims = cfg.get("dims")
     # a fork's per-head dims: one list per layer, all of one length

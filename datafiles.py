@@ -217,7 +217,7 @@ def check_tokenizer(path, enc, whose,
     # a text file, or a .bin without meta.json: encoded with enc, or unchecked
     if not need and not (file.is_file() and (p.is_dir() or p.suffix == ".bin")):
         return None
-    meta = files.read_json(file, todo, dict)
+    meta = files.read_json(file, todo)
     if callable(enc):
         enc = enc()
     tok = meta.get("tokenizer")

@@ -1,6 +1,5 @@
-"""The door of every entry script, which a learner may skip: one-sentence errors (ModelError)
-and their exit codes, Ctrl-C and SIGTERM, and command lines from config dataclasses whose fields
-declare their constraints (opt), all checked by one validator before any work."""
+"""The door of every entry script, which a learner may skip: one-sentence errors, exit codes,
+Ctrl-C and SIGTERM, and command lines from config dataclasses whose fields declare their checks."""
 
 import argparse
 import copy
@@ -29,7 +28,8 @@ class ModelError(Exception):
 
 def run_main(main):
     """Run main(): a ModelError, or an OSError of a path no check foresaw (a name too long), is one
-    line on stderr (rank 0's), exit 2; Ctrl-C or SIGTERM one line, exit 130/143."""
+    line on stderr (rank 0's), exit 2; Ctrl-C or SIGTERM one line, naming a checkpoint this run
+    can resume, exit 130/143."""
     def stop(signum, frame):
         raise KeyboardInterrupt("SIGTERM")
     # SIGTERM stops a run as Ctrl-C does, and Ctrl-C works even where a shell started us ignoring it
@@ -53,37 +53,32 @@ def run_main(main):
             print(f"error: {sentence}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:
-        _exit_stopped(str(e) or "Ctrl-C")
+        by = str(e) or "Ctrl-C"
+        # a second signal while stopping changes nothing
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        where = ""
+        if files.CLAIMED:
+            out, since = files.CLAIMED[0]
+            # with --overwrite, only a checkpoint this run saved counts
+            if files.is_checkpoint(out) and (Path(out) / "config.json").stat().st_mtime >= since:
+                where = f"; the last checkpoint in {out} is whole: add --resume to continue it"
+        print(f"\nstopped by {by}{where}", file=sys.stderr)
+        sys.exit(143 if by == "SIGTERM" else 130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _exit_stopped(by):
-    """One line for Ctrl-C or SIGTERM, naming a checkpoint this run can resume; exit 130 or 143."""
-    # a second signal while stopping changes nothing
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    where = ""
-    if files.CLAIMED:
-        out, since = files.CLAIMED[0]
-        # with --overwrite, only a checkpoint this run saved counts
-        if files.is_checkpoint(out) and (Path(out) / "config.json").stat().st_mtime >= since:
-            where = f"; the last checkpoint in {out} is whole: add --resume to continue it"
-    print(f"\nstopped by {by}{where}", file=sys.stderr)
-    sys.exit(143 if by == "SIGTERM" else 130)
-
-
 def opt(default, help, choices=None, empty_ok=False, min=None, above=None, max=None,
         excludes=None, needs=None, context=False, absolute=False, check=None):
-    """A config field with its help text and its constraints, which validate enforces:
-    choices (a list, or a function returning the names allowed when the run starts), min <= value,
-    above < value, value <= max, excludes (a field that may not be set with this one), needs (a
-    field that must be set with this one), context (at most the model's context, once it is known;
-    the name of a switch: where that switch is on), absolute (a path made absolute; "existing":
-    where it exists), check (cfg -> a sentence saying what is wrong, or None; or it raises the
-    ModelError itself).
-    An empty value is refused unless the default is empty or empty_ok (it says what '' means)."""
+    """A config field with its help text and the constraints validate enforces: choices (a list,
+    or a function of the names allowed when the run starts), min <= value, above < value,
+    value <= max, excludes / needs (a field that may not / must be set with this one), context (at
+    most the model's context once it is known; the name of a switch: where that switch is on),
+    absolute (a path made absolute; "existing": where it exists), check (cfg -> a sentence saying
+    what is wrong, or None; or it raises the ModelError itself). An empty value is refused unless
+    the default is empty or empty_ok (it says what '' means)."""
     metadata = {"help": help, "choices": choices, "empty_ok": empty_ok, "min": min,
                 "above": above, "max": max, "excludes": excludes, "needs": needs,
                 "context": context, "absolute": absolute, "check": check}
@@ -165,7 +160,6 @@ def parse_config(cls, argv=None, description=None):
     if preset in getattr(cls, "PRESETS", {}):
         said.append(f"--preset {preset}: {cls.PRESETS[preset]} (flags given win)")
         cfg = _parse(cls, cls.PRESETS[preset].split() + argv, description)
-    # the run's first line: the fork and its flags, the preset's flags
     if said and devices.launch()[0] == 0:
         print("; ".join(said))
     return cfg
@@ -181,7 +175,16 @@ def _parse(cls, argv, description):
     one_value = {a.option_strings[0] for a in actions if a.option_strings and a.nargs is None}
     args = vars(p.parse_args(_negatives_joined(argv, one_value)))
     for f in fields(cls):
-        _check_not_empty(f, args[f.name])
+        # an empty path would name the working directory
+        if args[f.name] != "" or f.default == "" or f.metadata["empty_ok"]:
+            continue
+        if f.default is MISSING:
+            todo = "pass a value"
+        elif f.default is None:
+            todo = "pass a value, or drop the flag"
+        else:
+            todo = f"pass a value, or drop the flag to use its default, {f.default}"
+        raise ModelError(f"{flag(f.name)} is empty; {todo}")
     return cls(**args)
 
 
@@ -190,8 +193,8 @@ def _negatives_joined(argv, one_value):
     (before Python 3.13) takes a value that starts with '-' for a flag unless it is a plain decimal,
     and stops with "expected one argument"; joined, the value reaches the flag's own check."""
     joined = []
-    for a in sys.argv[1:] if argv is None else argv:
-        if joined and joined[-1] in one_value and re.match(r"-[\d.]", str(a)):
+    for a in argv:
+        if joined and joined[-1] in one_value and re.match(r"-[\d.]", a):
             joined[-1] = f"{joined[-1]}={a}"
         else:
             joined.append(a)
@@ -202,43 +205,24 @@ def _add_flag(p, f, hint):
     """The argparse argument (returned) of the config field f, of type hint."""
     required = f.default is MISSING and f.default_factory is MISSING
     default = f.default if f.default_factory is MISSING else f.default_factory()
-    if required:
-        default = None
     text = f.metadata["help"]
-    if default is not None and hint is not bool:
+    if not required and default is not None and hint is not bool:
         text += f" (default: {default})"
     # argparse %-formats help
     text = text.replace("%", "%%")
-    # X | None: an X
     if type(None) in get_args(hint):
         hint = next(t for t in get_args(hint) if t is not type(None))
     many = get_origin(hint) is list
     typ = (get_args(hint) or [hint])[0]
-    name = flag(f.name)
     if hint is bool:
-        return p.add_argument(name, action="store_true", help=text)
+        return p.add_argument(flag(f.name), action="store_true", help=text)
     if required and many:
         return p.add_argument(f.name, type=typ, nargs="+", help=text)
     typ = int64 if typ is int else typ
     nargs = "*" if many else None
     choices = f.metadata["choices"]
-    return p.add_argument(name, type=typ, nargs=nargs, default=default, required=required,
+    return p.add_argument(flag(f.name), type=typ, nargs=nargs, default=default, required=required,
                           choices=None if callable(choices) else choices, help=text)
-
-
-def _check_not_empty(f, value):
-    """A ModelError for "" given to the field f, unless its default is "" or it is empty_ok: an
-    empty path would name the working directory."""
-    if value != "" or f.default == "" or f.metadata["empty_ok"]:
-        return
-    name = flag(f.name)
-    if f.default is MISSING:
-        todo = "pass a value"
-    elif f.default is None:
-        todo = "pass a value, or drop the flag"
-    else:
-        todo = f"pass a value, or drop the flag to use its default, {f.default}"
-    raise ModelError(f"{name} is empty; {todo}")
 
 
 def int64(text):
@@ -251,8 +235,7 @@ def int64(text):
 
 def check_finite(cfg, step, values, name):
     """distill.py's numerical guard: a ModelError naming (name(i)) the first value that is not
-    finite, or is below 0 beyond rounding (each is a KL, an l2 distance or a cross-entropy),
-    before the checkpoint."""
+    finite, or is below 0 beyond rounding (each is a KL, an l2 distance or a cross-entropy)."""
     for i, v in enumerate(values):
         todo = "lower --lr-z/--lr-alpha or use --dtype float32"
         if v < -1e-4:

@@ -12,14 +12,11 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
 import devices
 import door
 
 # (the out-dir this process writes checkpoints to, since when a checkpoint there is this run's)
 CLAIMED = []
-
 
 # a checkpoint's files in the order a save replaces them: config.json, which names the step, last
 CHECKPOINT_FILES = ("features.safetensors", "metrics.json", "optim.pt", "config.json")
@@ -47,24 +44,16 @@ def atomic_files(paths):
         for tmp in tmps:
             remove(tmp)
         raise
-    with signals_held():
+    # Ctrl-C and SIGTERM wait for the renames, then act (only the main thread may set a handler)
+    caught, held = [], []
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            held.append((s, signal.signal(s, lambda signum, frame: caught.append(signum))))
+    try:
         for tmp, path in zip(tmps, paths):
             os.replace(tmp, path)
-
-
-@contextmanager
-def signals_held():
-    """Ctrl-C and SIGTERM wait until the block ends (a few renames), then act."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught = []
-    signals = (signal.SIGINT, signal.SIGTERM)
-    handlers = [signal.signal(s, lambda signum, frame: caught.append(signum)) for s in signals]
-    try:
-        yield
     finally:
-        for s, handler in zip(signals, handlers):
+        for s, handler in held:
             signal.signal(s, handler)
     if caught:
         signal.raise_signal(caught[0])
@@ -107,12 +96,8 @@ def check_out(out, names=(), flag="--out", file=False):
     except OSError as e:
         raise door.ModelError(f"cannot write {flag} {out}: {folder} is not writable ({e.strerror}); "
                          f"pass another {flag}") from None
-    if file:
-        targets = [p]
-    elif folder == p:
-        targets = [p / f for f in names]
-    else:
-        targets = []
+    # where the directory does not exist yet, neither do the files
+    targets = [p] if file else [p / name for name in names]
     for t in targets:
         # a file is written whole by a rename: not into a folder or a fifo
         if t.is_dir():
@@ -136,19 +121,6 @@ def is_checkpoint(folder):
 def claim_out_dir(out_dir, resuming=False, overwrite=False):
     """Check --out-dir before any work (with --resume, --overwrite); hold <out_dir>.lock for the run."""
     out = Path(out_dir).resolve()
-    _check_out_dir(out_dir, out, resuming, overwrite)
-    # under torchrun rank 0 writes, and holds the lock
-    if devices.launch()[0] != 0:
-        CLAIMED.clear()
-        yield
-        return
-    with exclusive(out.with_name(out.name + ".lock"), out_dir, "--out-dir"):
-        CLAIMED[:] = [(out_dir, time.time() if overwrite else 0.0)]
-        yield
-
-
-def _check_out_dir(out_dir, out, resuming, overwrite):
-    """claim_out_dir's checks of --out-dir (resolved: out)."""
     check_out(out_dir, flag="--out-dir")
     ckpt = is_checkpoint(out)
     # a save cut short leaves only its temp files
@@ -165,6 +137,14 @@ def _check_out_dir(out_dir, out, resuming, overwrite):
         lacks = " and ".join(f for f in names if not (out / f).is_file())
         todo = "pass --overwrite to start again, or another --out-dir" if full else "drop --resume"
         raise door.ModelError(f"{out_dir} holds no checkpoint to resume (it lacks {lacks}); {todo}")
+    # under torchrun rank 0 writes, and holds the lock
+    if devices.launch()[0] != 0:
+        CLAIMED.clear()
+        yield
+        return
+    with exclusive(out.with_name(out.name + ".lock"), out_dir, "--out-dir"):
+        CLAIMED[:] = [(out_dir, time.time() if overwrite else 0.0)]
+        yield
 
 
 @contextmanager
@@ -209,15 +189,9 @@ def read_file(path, todo, reader):
         raise door.ModelError(f"{path} is damaged or truncated ({why}); {todo}") from None
 
 
-def read_json(path, todo, kind=dict):
-    """A JSON file's content, which must be of type `kind` (a config: an object)."""
+def read_json(path, todo):
+    """A JSON file's content, which must be an object."""
     d = read_file(path, todo, lambda p: json.loads(Path(p).read_text(encoding="utf-8")))
-    if not isinstance(d, kind):
-        want = "object" if kind is dict else kind.__name__
-        raise door.ModelError(f"{path} holds a JSON {type(d).__name__}, not an {want}; {todo}")
+    if not isinstance(d, dict):
+        raise door.ModelError(f"{path} holds a JSON {type(d).__name__}, not an object; {todo}")
     return d
-
-
-def torch_load(path, todo):
-    """A torch.save file (the optimizer state), onto the CPU."""
-    return read_file(path, todo, lambda p: torch.load(p, map_location="cpu", weights_only=False))

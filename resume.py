@@ -181,8 +181,9 @@ def restore(cfg, optim, gen):
     if not cfg.resume:
         return 0, {"history": [], "val": []}
     out, todo = Path(cfg.out_dir), "the checkpoint is damaged; pass --overwrite to start again"
-    state = files.torch_load(out / "optim.pt", todo)
-    metrics = files.read_json(out / "metrics.json", todo, dict)
+    state = files.read_file(out / "optim.pt", todo,
+                            lambda p: torch.load(p, map_location="cpu", weights_only=False))
+    metrics = files.read_json(out / "metrics.json", todo)
     # another run's files, or edited ones, raise one of the errors caught
     try:
         if optim is not None:

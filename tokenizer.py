@@ -113,7 +113,7 @@ def _byte_level_bpe(name, vocab, merges, pat_str, specials=None, **kw):
 def _read_tokenizer_json(p):
     """A tokenizer.json: a BPE whose pre-tokenizer is ByteLevel, Digits + ByteLevel, or Split(regex)
     + ByteLevel(use_regex=false); bad content: a ValueError, KeyError, ..."""
-    spec = files.read_json(p, "re-download the tokenizer files", dict)
+    spec = files.read_json(p, "re-download the tokenizer files")
     bpe = spec.get("model") or {}
     pre = spec.get("pre_tokenizer") or {}
     norm = (spec.get("normalizer") or {}).get("type")
@@ -176,7 +176,7 @@ def load_tokenizer(name_or_path) -> tiktoken.Encoding:
             if (p / vocab).is_file() and (p / merges).is_file():
                 lines = (p / merges).read_text(encoding="utf-8", errors="replace").splitlines()
                 pairs = [m for m in lines if m and not m.startswith("#version")]
-                encoder = files.read_json(p / vocab, "re-download the tokenizer files", dict)
+                encoder = files.read_json(p / vocab, "re-download the tokenizer files")
                 return _byte_level_bpe("gpt2", encoder, pairs, GPT2_PATTERN)
     except (LookupError, TypeError, AttributeError, ValueError) as e:
         why = f"{type(e).__name__}: {e}"

@@ -44,7 +44,7 @@ def load_curves(curves, prefix="fix"):
     todo = "pass the --curves of docs/experiments.py --run curves"
     if not Path(curves).is_dir():
         raise door.ModelError(f"--curves {curves} is not a folder; {todo} (docs/results/curves, from the repository root)")
-    runs = [files.read_json(p, todo, dict) for p in sorted(Path(curves).glob(f"{prefix}-m*.json"))]
+    runs = [files.read_json(p, todo) for p in sorted(Path(curves).glob(f"{prefix}-m*.json"))]
     try:
         runs = sorted(((r["args"]["budget"], r["val"][-1]["attn_kl"]) for r in runs), key=lambda r: r[0])
         Ms, KL = np.array([m for m, _ in runs], float), np.array([kl for _, kl in runs], float)   # (n,), (n, L)

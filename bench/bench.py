@@ -328,7 +328,7 @@ def decode_table(cfg, device):
 
 def read_heads(path):
     """--heads' JSON -> (its per-head DoF (L, H), its budget), checked before any table is measured."""
-    run = files.read_json(path, "pass the JSON of an experiments/per_head.py run (docs/results/heads/*.json)", dict)
+    run = files.read_json(path, "pass the JSON of an experiments/per_head.py run (docs/results/heads/*.json)")
     try:
         N = torch.tensor(run["args"].get("dof") or [], dtype=torch.float64)           # (L, H) per-head DoF
         budget = run["args"]["budget"]

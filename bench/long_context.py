@@ -67,7 +67,7 @@ def load(cfg):
         W, S = ints(cfg.what.split(":", 1)[1].replace(":", ","))
         net = streaming.sink_window(teacher, W, S)
         return net, streaming.cache_bytes(c, W, S), {"kind": "untrained", "window": W, "sinks": S}
-    made_by = files.read_json(Path(cfg.what) / "config.json", "pass a checkpoint", dict).get("fork")
+    made_by = files.read_json(Path(cfg.what) / "config.json", "pass a checkpoint").get("fork")
     net, ckpt = forks.open_student(ROOT / (made_by or "experiments/window.py"), cfg.what, teacher=teacher)
     W, S = (ckpt.get("args", {}).get(k, 0) for k in ("window", "sinks"))
     dims = ckpt["dims"]

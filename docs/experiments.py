@@ -294,7 +294,7 @@ def run_grid(runs, jobs=2, results=RESULTS, scratch=SCRATCH):
 
 def read(path):
     """A result file's JSON object; a missing or damaged one is one sentence."""
-    return files.read_json(path, "restore it (git checkout -- docs/results) or run its grid again", dict)
+    return files.read_json(path, "restore it (git checkout -- docs/results) or run its grid again")
 
 
 def load(grid, results=RESULTS):
