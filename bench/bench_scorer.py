@@ -103,7 +103,7 @@ def main(argv=None):
     prompts = {name: tasks.load_task(name, evaluate.TASKS[name], cfg.data_dir, cfg.limit)
                for name in tasks.parse_tasks(cfg.tasks)}
     device = devices.pick_device(cfg.device, "float32")[0]
-    models, enc = evaluate.load_models(cfg, device), load_tokenizer(cfg.model)
+    models, enc = tasks.load_models(cfg, device), load_tokenizer(cfg.model)
     results = {}
     for label, m in models.items():
         print(f"\n{label} ({cfg.model if label == 'teacher' else cfg.ckpt}) on {device}")
