@@ -26,8 +26,7 @@ def fmt(losses, next_token=False):
 
 
 def print_start(cfg, teacher, data, dims, device, trains=True):
-    """One line: the teacher, the data, the dims, the features and loss, the batch, the device;
-    and a note where nothing trains (fixed features)."""
+    """distill.py's first line, after a note where nothing trains (fixed features)."""
     N = devices.get_world_size()
     batch = f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step"
     if N > 1:

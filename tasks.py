@@ -281,8 +281,7 @@ def check_train_dir(cfg) -> str | None:
 
 
 def check_output(output, teacher, ckpt, data_dir, ppl=None, flag="--output"):
-    """A ModelError, before any work, where `output` cannot be written or would replace a file
-    that the run reads (the teacher's, the checkpoint's, the tasks' or the --ppl file)."""
+    """A ModelError where `output` cannot be written or would replace a file this run reads."""
     files.check_out(output, flag=flag, file=True)
     out = Path(output).resolve()
     reads = {Path(p).resolve() for p in (ppl, teacher) if p}
@@ -308,8 +307,7 @@ def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
 
 
 def load_models(cfg, device) -> dict:
-    """{"teacher": --model, "student": load_student(--ckpt) on it}; the teacher that --ckpt's
-    config.json names checked against --model first (checkpoint.check_teacher)."""
+    """{"teacher": --model, "student": load_student(--ckpt)}; --ckpt's teacher checked first."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.ckpt is not None:
         todo = "pass a complete distill.py checkpoint as --ckpt"
