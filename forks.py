@@ -1,7 +1,6 @@
-"""Forks, which a learner may skip. A fork is a script (experiments/*.py) that replaces names in
-the core's modules and runs a core command with them: REPLACE = {(model, "FEATURE_MAPS"): {...},
-(distill, "make_student"): f}. FORK names the running fork; distill.py records it in its
-checkpoints, and the readers refuse a fork's checkpoint in any other script."""
+"""Forks, which a learner may skip: a script (experiments/*.py) that runs a core command with the
+names of its REPLACE = {(model, "FEATURE_MAPS"): {...}, (distill, "make_student"): f} set. FORK,
+which distill.py records in its checkpoints, names it; other scripts refuse its checkpoints."""
 
 import importlib
 import importlib.util
@@ -37,10 +36,9 @@ def fork(script, replace, argv=None):
 
 
 def open_student(script, ckpt_dir, device="cpu", teacher=None):
-    """A fork's student from Python, in one call (a notebook, a script): the fork's file
-    (experiments/<name>.py) and its checkpoint -> (the student, config.json's dict), built with the
-    fork's names set. A fork whose names are looked up while the student runs (fla_scan.py) needs
-    `with forks.replaced(fork.REPLACE):` around its use too."""
+    """A fork's file (experiments/<name>.py) and checkpoint -> (the student, config.json's dict),
+    built with the fork's names set. A fork whose names are looked up while the student runs
+    (fla_scan.py) needs `with forks.replaced(fork.REPLACE):` around its use too."""
     path = Path(script).resolve()
     spec = importlib.util.spec_from_file_location(f"fork_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -66,8 +64,7 @@ def replaced(replace):
 
 def check_fork(made_by, what, teacher):
     """A checkpoint made by the fork `made_by` (its config.json's "fork") opens only in that fork,
-    or in a fork that EXTENDS it; the command suggested names its teacher (evaluate.py's default,
-    gpt2, may need the hub)."""
+    or in one that EXTENDS it; the command suggested names its teacher (gpt2 may need the hub)."""
     if made_by is None or made_by == FORK or made_by in EXTENDS:
         return
     command = shlex.join(["python", str(made_by), "evaluate", "--model", str(teacher), "--ckpt",

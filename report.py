@@ -1,6 +1,5 @@
-"""What distill.py and dof.py print, which a learner may skip: the run's first line, its log lines
-(and the metrics they record) and validation lines, its summary with greedy continuations, and
-dof.py's table and dof.json."""
+"""What distill.py and dof.py print, which a learner may skip: distill.py's first, log, validation
+and summary lines (and the metrics the log records); dof.py's table and dof.json."""
 
 import json
 import math
@@ -27,8 +26,7 @@ def fmt(losses, next_token=False):
 
 
 def print_start(cfg, teacher, data, dims, device, trains=True):
-    """One line: the teacher, the data, the dims, the features and loss, the batch, the device;
-    and a note where nothing trains (fixed features)."""
+    """distill.py's first line, after a note where nothing trains (fixed features)."""
     N = devices.get_world_size()
     batch = f"{cfg.batch_size}x{cfg.block_size} tokens x {cfg.grad_accum} per step"
     if N > 1:
@@ -43,8 +41,8 @@ def print_start(cfg, teacher, data, dims, device, trains=True):
 
 def log_step(t, losses, step, n, t0, direct):
     """distill.py's log line: the losses of the n steps up to `step` (every process's mean; direct:
-    the next-token loss), checked, kept in t.metrics with their time since t0 (taken once the
-    losses reach the host), and printed with the learning rate, ms/step and tokens/s."""
+    the next-token loss), checked, kept in t.metrics with their time since t0 (taken once they
+    reach the host), and printed with the learning rate, ms/step and tokens/s."""
     devices.all_mean([losses])
     losses = losses.tolist()
     seconds = time.perf_counter() - t0

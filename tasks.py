@@ -1,8 +1,5 @@
-"""The tasks' documents and evaluate.py's door, which a learner may skip: each task's documents
-(the hub's datasets as lm-eval 0.4 loads them, or .jsonl files) read and checked, its fine-tuning
-splits and settings, evaluate.py's checks, models (load_student: a checkpoint's student) and
-report. The prompt functions are evaluate.py's, passed in as parameters (evaluate imports tasks,
-not the reverse)."""
+"""evaluate.py's tasks and door, which a learner may skip: the tasks' documents read and checked,
+their fine-tuning settings, evaluate.py's checks and models, and its report."""
 
 import json
 import math
@@ -20,30 +17,20 @@ import door
 import files
 import model
 
-# each task's documents: datasets.load_dataset(path, name, split) as lm-eval 0.4 loads them
+# each task's documents as lm-eval 0.4 loads them (datasets.load_dataset(path, name, split)), and
+# the hub's training and validation splits: validation None where it is the scored split or absent
 HUB = {
-    "piqa": ("baber/piqa", None, "validation"),
-    "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test"),
-    "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
-    "logiqa": ("EleutherAI/logiqa", "logiqa", "test"),
+    "piqa": ("baber/piqa", None, "validation", "train", None),
+    "arc_easy": ("allenai/ai2_arc", "ARC-Easy", "test", "train", "validation"),
+    "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test", "train", "validation"),
+    "logiqa": ("EleutherAI/logiqa", "logiqa", "test", "train", "validation"),
     # the harness loads the 57 subjects one by one
-    "mmlu": ("cais/mmlu", "all", "test"),
-    "winogrande": ("allenai/winogrande", "winogrande_xl", "validation"),
-    "wsc273": ("lighteval/winograd_wsc", "wsc273", "test"),
+    "mmlu": ("cais/mmlu", "all", "test", "auxiliary_train", "validation"),
+    "winogrande": ("allenai/winogrande", "winogrande_xl", "validation", "train", None),
+    # WSC273 has only its test split: scored zero-shot
+    "wsc273": ("lighteval/winograd_wsc", "wsc273", "test", None, None),
 }
 ALL_TASKS = tuple(HUB)
-
-# the hub's (training, validation) splits; validation None where it is the scored split or absent
-TRAIN_SPLITS = {
-    "piqa": ("train", None),
-    "arc_easy": ("train", "validation"),
-    "arc_challenge": ("train", "validation"),
-    "logiqa": ("train", "validation"),
-    "mmlu": ("auxiliary_train", "validation"),
-    "winogrande": ("train", None),
-    # WSC273 has only its test split: scored zero-shot
-    "wsc273": None,
-}
 
 # the paper's Tables 8 and 9: fine-tuning (learning rate, documents a step), GPT-2 and Pythia-1B
 PAPER_FINETUNE = {
@@ -112,7 +99,7 @@ def load_tasks(cfg, prompt_of: dict) -> dict:
 
 def hub_documents(name: str, split: str | None = None) -> tuple[str, list]:
     """A task's harness dataset (or `split`) from the hub or its cache, as (where, doc) pairs."""
-    path, config, harness_split = HUB[name]
+    path, config, harness_split = HUB[name][:3]
     split = split or harness_split
     try:
         import datasets
@@ -148,9 +135,8 @@ def read_jsonl(source: Path, name: str) -> list:
 
 
 def load_task(name: str, prompt, data_dir=None, limit=None, split=None) -> list:
-    """A task's documents (<data_dir>/<name>.jsonl, else the harness's dataset from the hub; with a
-    split, <data_dir>/<name>_<split>.jsonl or that split), each checked and made its prompt by
-    the function `prompt` (bad data fails at once, naming its file and line); the first `limit`."""
+    """The first `limit` prompts of a task's documents (<data_dir>/<name>.jsonl, with a split
+    <name>_<split>.jsonl, else the hub's), each checked, then made its prompt by `prompt`."""
     if data_dir is None:
         source, docs = hub_documents(name, split)
     else:
@@ -177,10 +163,10 @@ def load_training(cfg, prompts: dict, prompt_of: dict) -> dict:
     the scored prompts}} of every task that has a training split, checked as the scored ones are."""
     splits = {}
     for name in prompts if cfg.finetune_epochs else []:
-        if TRAIN_SPLITS[name] is None:
+        train, validation = HUB[name][3:]
+        if train is None:
             print(f"{name} has no training split: it is scored zero-shot")
             continue
-        train, validation = TRAIN_SPLITS[name]
         if cfg.train_dir:
             if not (Path(cfg.train_dir) / f"{name}_train.jsonl").is_file():
                 raise door.ModelError(f"--train-dir {cfg.train_dir} holds no {name}_train.jsonl, "
@@ -197,8 +183,7 @@ def load_training(cfg, prompts: dict, prompt_of: dict) -> dict:
 
 
 def finetune_settings(cfg, family: str, name: str) -> tuple[list[float], int, int]:
-    """A task's learning rates, epochs and documents a step: the flags', else the paper's Tables 8
-    and 9's (MMLU: one epoch, the paper's)."""
+    """A task's learning rates, epochs and documents a step: the flags', else the paper's."""
     lr, docs_per_step = PAPER_FINETUNE.get(family, {}).get(name, OUR_FINETUNE)
     epochs = 1 if name == "mmlu" else cfg.finetune_epochs
     return parse_lrs(cfg.finetune_lr) or [lr], epochs, cfg.finetune_batch_size or docs_per_step
@@ -213,8 +198,8 @@ def check_grid(name: str, lrs: list[float], done: list):
 
 
 def check_requests(tokenized, max_len: int):
-    """The door to harness_window: every request has a context and 1 to max_len continuation
-    tokens (checked by every process under torchrun, before any request is scored)."""
+    """The door to harness_window, before any request is scored: every request has a context and
+    1 to max_len continuation tokens."""
     for doc in tokenized:
         for context, continuation in doc:
             if not 0 < len(continuation) <= max_len:
@@ -257,8 +242,7 @@ def read_ppl(cfg, enc, vocab_size: int):
                               "tokenizer?")
     if meta is None and Path(cfg.ppl).suffix == ".bin" and devices.is_main():
         print(f"warning: {cfg.ppl} has no meta.json beside it: its tokens are read as ids of "
-              f"{cfg.model}'s tokenizer, unchecked (data/*/prepare.py writes one)",
-              file=sys.stderr)
+              f"{cfg.model}'s tokenizer, unchecked (data/*/prepare.py writes one)", file=sys.stderr)
     return tokens
 
 
@@ -297,8 +281,7 @@ def check_train_dir(cfg) -> str | None:
 
 
 def check_output(output, teacher, ckpt, data_dir, ppl=None, flag="--output"):
-    """A ModelError, before any work, where `output` cannot be written or would replace a file
-    that the run reads (the teacher's, the checkpoint's, the tasks' or the --ppl file)."""
+    """A ModelError where `output` cannot be written or would replace a file this run reads."""
     files.check_out(output, flag=flag, file=True)
     out = Path(output).resolve()
     reads = {Path(p).resolve() for p in (ppl, teacher) if p}
@@ -313,8 +296,7 @@ def check_output(output, teacher, ckpt, data_dir, ppl=None, flag="--output"):
 def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
     """A distill.py checkpoint -> (the student, config.json's dict): teacher (a GPT, a name or path;
     by default config.json's) linearised with the saved dims and features. Forks replace this name
-    (experiments/per_head.py, window.py); load_models and forks.open_student look it up when
-    called."""
+    (experiments/per_head.py, window.py): its callers look it up when called."""
     cfg, sd = checkpoint.read_student(ckpt_dir)
     if not isinstance(teacher, model.GPT):
         teacher = model.GPT.from_pretrained(teacher or cfg["teacher"], device, dtype)
@@ -325,8 +307,7 @@ def load_student(ckpt_dir, device="cpu", dtype=torch.float32, teacher=None):
 
 
 def load_models(cfg, device) -> dict:
-    """{"teacher": --model, "student": load_student(--ckpt) on it}; the teacher that --ckpt's
-    config.json names checked against --model first (checkpoint.check_teacher)."""
+    """{"teacher": --model, "student": load_student(--ckpt)}; --ckpt's teacher checked first."""
     dtype = getattr(torch, cfg.dtype)
     if cfg.ckpt is not None:
         todo = "pass a complete distill.py checkpoint as --ckpt"
@@ -348,8 +329,7 @@ def command_line(argv=None) -> str:
 
 
 def write_report(cfg, results: dict):
-    """--output: the report, the config and the number of processes, written by rank 0 (whose
-    report holds the other processes' shares)."""
+    """--output, written by rank 0: the report (every process's share), config and world size."""
     if devices.is_main() and cfg.output:
         everything = {**results, "config": asdict(cfg), "world_size": devices.get_world_size()}
         files.write_text_atomic(cfg.output, json.dumps(everything, indent=1, ensure_ascii=False))
@@ -357,32 +337,28 @@ def write_report(cfg, results: dict):
 
 
 def sample(i: int, prompt, scores: list, acc: float, acc_norm: float | None) -> dict:
-    """Document i's record in the report: its requests, their (log-likelihood, is_greedy) scores,
-    the gold choice, acc and acc_norm."""
+    """Document i's record in the report: its requests, their scores, gold, acc and acc_norm."""
     return {"doc_index": i, "requests": [list(r) for r in prompt.requests],
             "loglikelihoods": [ll for ll, _ in scores], "is_greedy": [g for _, g in scores],
             "gold": prompt.gold, "acc": acc, "acc_norm": acc_norm}
 
 
 def add_result(results: dict, label: str, name: str, result: dict, samples: list):
-    """A model's result and samples on task `name` in the report: the teacher's at its top, another
-    model's in results[label]."""
+    """A model's result and samples on a task: the teacher's at the top, another's under label."""
     part = results if label == "teacher" else results.setdefault(label, {})
     part.setdefault("results", {})[name] = result
     part.setdefault("samples", {})[name] = samples
 
 
 def add_zero_shot(task: dict, zero_shot: dict, name: str):
-    """Each model's zero-shot result on task `name` (the teacher's in zero_shot, another's in
-    zero_shot[label]) beside its fine-tuned ones."""
+    """Each model's zero-shot result on task `name` (add_result's) beside its fine-tuned ones."""
     for label, result in task.items():
         part = zero_shot if label == "teacher" else zero_shot[label]
         result["zero_shot"] = part["results"][name]
 
 
 def print_ppl(cfg, results: dict):
-    """Each model's next-token loss and perplexity; a teacher's that is not finite is a ModelError
-    (its weights or config are broken)."""
+    """Each model's next-token loss and perplexity; a ModelError if the teacher's is not finite."""
     r = results["teacher"]
     if not math.isfinite(r["ppl"]):
         raise door.ModelError(f"the teacher {cfg.model} has a perplexity of {r['ppl']} on "
@@ -401,8 +377,7 @@ def print_speed(speeds: dict):
 
 
 def print_results(results: dict, labels: list):
-    """Each task's n and, for each model (the teacher's in results, another's in results[label]),
-    its acc, acc_norm and acc's stderr."""
+    """Each task's n and each model's acc, acc_norm and acc's stderr (as add_result put them)."""
     fmt = lambda x: "-" if x is None else f"{x:.4f}"  # noqa: E731
     parts = {label: results if label == "teacher" else results[label] for label in labels}
     head = [f" | {label + ' acc':>14} {'acc_norm':>8} {'stderr':>7}" for label in parts]
