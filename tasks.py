@@ -1,5 +1,6 @@
 """evaluate.py's tasks and door, which a learner may skip: the tasks' documents read and checked,
-their fine-tuning settings, evaluate.py's checks and models, and its report."""
+their fine-tuning settings, evaluate.py's checks, its models (load_student: a checkpoint's
+student) and its report. The prompt functions are evaluate.py's, passed in as parameters."""
 
 import json
 import math
