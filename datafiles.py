@@ -17,6 +17,8 @@ import tokenizer
 
 # distill.py's validation windows come from --seed + 1, its training windows from --seed
 VAL_SEED_OFFSET = 1
+# dof.py's and distill.py's calibration windows from --seed + 2, apart from both
+CALIBRATION_SEED_OFFSET = 2
 
 
 @functools.cache
@@ -66,9 +68,9 @@ def open_data(cfg, enc, vocab_size):
     return data, meta
 
 
-def check_memory(cfg, mc, device, dims=None, direct=False):
-    """Refuse a step that cannot fit, before anything large is allocated (floats, roughly);
-    direct: the next-token loss, whose backward pass runs through the whole student."""
+def check_memory(cfg, mc, device, dims=None, loss="softmax"):
+    """Refuse a step that cannot fit, before anything large is allocated (floats, roughly); loss
+    "direct": the next-token loss, whose backward pass runs through the whole student."""
     B, T, H, L, C = cfg.batch_size, cfg.block_size, mc.n_head, mc.n_layer, mc.n_embd
     if dims is None and cfg.dims:
         dims = parse_dims(cfg.dims, L)
@@ -80,7 +82,7 @@ def check_memory(cfg, mc, device, dims=None, direct=False):
     # every layer's q and k three times (the teacher's pass, fp32, keys centred), the rows, the
     # features, the activations (measured against a step's peak memory: tests/test_distill.py)
     floats = B * T * (3 * L * (H + mc.n_kv_head) * mc.head_dim + 6 * rows + 4 * H * M + 8 * C)
-    if direct:
+    if loss == "direct":
         floats += 16 * L * B * T * C + 2 * B * T * mc.vocab_size
     # the batches of int64 tokens
     floats += 2 * (cfg.calib_batches + cfg.eval_iters) * B * (T + 1)
@@ -241,6 +243,12 @@ def get_batch(data, B, T, gen, device, share=(0, 1)):
     return xy[:, :-1], xy[:, 1:]
 
 
+def train_batch(tokens, cfg, gen, device):
+    """--batch-size random training windows x, y (B, T) (under torchrun, this process's)."""
+    share = (devices.get_rank(), devices.get_world_size())
+    return get_batch(tokens, cfg.batch_size, cfg.block_size, gen, device, share)
+
+
 def val_batches(tokens, cfg, device):
     """--eval-iters held-out batches x, y (B, T) (under torchrun, this process's), the same at
     every validation: drawn from --seed + VAL_SEED_OFFSET."""
@@ -248,3 +256,11 @@ def val_batches(tokens, cfg, device):
     share = (devices.get_rank(), devices.get_world_size())
     return [get_batch(tokens, cfg.batch_size, cfg.block_size, gen, device, share)
             for _ in range(cfg.eval_iters)]
+
+
+def calibration_batches(tokens, cfg, device):
+    """--calib-batches batches x (B, T) of random training windows (every process the same ones),
+    drawn from --seed + CALIBRATION_SEED_OFFSET."""
+    gen = torch.Generator().manual_seed(cfg.seed + CALIBRATION_SEED_OFFSET)
+    return [get_batch(tokens, cfg.batch_size, cfg.block_size, gen, device)[0]
+            for _ in range(cfg.calib_batches)]

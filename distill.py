@@ -31,7 +31,6 @@ import report
 import resume
 import tokenizer
 
-# Configuration: the paper's knobs first, then ours
 
 @dataclass
 class DistillConfig(door.Config):
@@ -95,8 +94,7 @@ class DistillConfig(door.Config):
     dtype: str = door.opt("auto", "auto (bf16 autocast on cuda), float32 or bfloat16",
                           ("auto", "float32", "bfloat16"))
 
-    # the layerwise losses' blocks (--query-block 0): queries per block of one layer, and floats
-    # (256 MiB) per block of stacked layers (few, large kernels on a GPU)
+    # --query-block 0: queries a block of one layer; floats (256 MiB) a block of stacked layers
     QUERY_BLOCK = 128
     STACK_FLOATS = 2 ** 26
     # --resume refuses other values of these
@@ -228,7 +226,7 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
     blockwise = softmax_loss_blockwise if kind == "softmax" else l2_loss_blockwise
     grad = scale is not None
     out = torch.zeros(len(cores), dtype=torch.float64, device=dev)
-    for ls in groups.values():
+    for ls in groups.values():                                            # G = len(ls) layers
         B, H, T, D = qk[ls[0]][0].shape
         with torch.autocast(dev.type, enabled=False), torch.set_grad_enabled(grad):
             seen = [cores[l].inputs(*qk[l]) for l in ls]                  # fp32, keys centred
@@ -238,9 +236,8 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
                 fq, fk = cores[ls[0]].features(q, kc, log=kind == "l2")
             else:
                 fq, fk = type(maps[0]).stacked(maps, q, kc, log=kind == "l2")  # as one map
-            # the blockwise loss adds its gradient, written out, into pq.grad and pk.grad (the
-            # features, log features for l2, cut from their graph); one backward pass then
-            # carries it on to z, alpha
+            # pq, pk: the features (log features for l2) cut from their graph; the blockwise loss
+            # adds its gradient into their .grad, and one backward pass carries it on to z, alpha
             pq, pk = fq.detach().requires_grad_(grad), fk.detach().requires_grad_(grad)
             if grad:
                 pq.grad, pk.grad = torch.zeros_like(pq), torch.zeros_like(pk)
@@ -258,13 +255,10 @@ def layer_losses(cores, qk, kind, query_block=0, scale=None, stack=None):
 # The student: dims (dof.py) and features, fresh or from a checkpoint
 
 def make_student(cfg, teacher, calib, prev=None):
-    """-> (student, dims, layer DoF or None): the teacher linearised with --dims or
-    dof.choose_dims's (rank 0's, on keys centred with --center-keys), features from --seed; or
-    from Checkpoint prev."""
+    """-> (student, dims, layer DoF or None): the teacher linearised with --dims or rank 0's
+    dof.choose_dims, features from --seed, keys centred with --center-keys; or Checkpoint prev's."""
     if prev:
-        student = teacher.linearize(prev.config["dims"], cfg.feature_map, cfg.chunk_size)
-        checkpoint.load_features(student, prev.features, prev.path)
-        return student, prev.config["dims"], prev.config.get("dof")
+        return resume.student_from(prev, teacher, cfg)
     mu = dof.key_means(teacher, calib) if cfg.center_keys else None          # (L, H, D)
     if cfg.dims:
         dims, layer_dof = [int(m) for m in cfg.dims.split(",")], None
@@ -296,8 +290,7 @@ def make_optimizer(student, cfg):
 
 @dataclass
 class Trainer:
-    """What the loop works on (optim None: nothing trains; record: what each save writes to
-    config.json, resume.run_record's, but the step)."""
+    """What the loop works on (optim None: nothing trains; record: config.json's, but the step)."""
     cfg: DistillConfig
     teacher: model.GPT
     student: model.GPT
@@ -312,9 +305,7 @@ class Trainer:
 
     def next_batch(self):
         """--batch-size random training windows x, y (B, T) (under torchrun, this process's)."""
-        share = (devices.get_rank(), devices.get_world_size())
-        B, T = self.cfg.batch_size, self.cfg.block_size
-        return datafiles.get_batch(self.tokens, B, T, self.gen, self.device, share)
+        return datafiles.train_batch(self.tokens, self.cfg, self.gen, self.device)
 
 
 def lr_factor(step, cfg):
@@ -328,8 +319,7 @@ def lr_factor(step, cfg):
 
 
 def student_losses(t, x, kind, scale=None):
-    """One teacher pass over x, then every layer's loss on its own queries and keys -> (L,)
-    float64 (layer_losses)."""
+    """One teacher pass over x, then layer_losses on its queries and keys -> (L,) float64."""
     with t.amp:
         qk = dof.teacher_qk(t.teacher, x)
     stack = {"auto": None, "yes": True, "no": False}[t.cfg.stack]
@@ -343,9 +333,8 @@ def step_loss(cfg, step):
 
 
 def train_step(t, step):
-    """Optimizer step step + 1: its learning rate, --grad-accum micro-batches (batch, loss,
-    backward, weighed 1 / grad_accum), the step -> its float64 losses, (L,) per layer or (1,)
-    next-token, left on the device (the host reads them at log lines only)."""
+    """Optimizer step step + 1, over --grad-accum micro-batches -> its float64 losses, (L,) per
+    layer or (1,) next-token, left on the device (the host reads them at log lines only)."""
     cfg, optim = t.cfg, t.optim
     for g in optim.param_groups:
         g["lr"] = g["peak"] * lr_factor(step, cfg)
@@ -378,35 +367,29 @@ def lm_loss(gpt, batches, amp):
 
 def validate(t, step):
     """The held-out numbers at `step`: the student's next-token loss and each layer's attention
-    KL (every process's mean), checked to be finite."""
+    KL (every process's mean)."""
     with torch.no_grad():
         kl = sum(student_losses(t, x, "softmax") for x, _ in t.val)
     devices.all_mean([kl])
-    v = {"step": step, "teacher_loss": t.metrics["teacher_loss"],
-         "student_loss": lm_loss(t.student, t.val, t.amp), "attn_kl": (kl / len(t.val)).tolist()}
-    door.check_finite(t.cfg, step, [v["student_loss"]] + v["attn_kl"],
-                      lambda i: f"layer {i - 1}'s held-out attention KL" if i else
-                      "the student's held-out loss")
-    return v
+    return {"step": step, "teacher_loss": t.metrics["teacher_loss"],
+            "student_loss": lm_loss(t.student, t.val, t.amp), "attn_kl": (kl / len(t.val)).tolist()}
 
 
 def train(t, step):
-    """The loop from `step` to --max-steps, as nanoGPT's: validation and a checkpoint every
-    --eval-interval steps, at the end and, for a fresh run, at once; an optimizer step; a log line
-    every --log-interval steps (ms/step: t0 restarts after each validation and log line)."""
+    """The loop from `step` to --max-steps, as nanoGPT's; a fresh run validates and saves at once
+    (ms/step: t0 restarts after each validation and log line)."""
     cfg = t.cfg
-    start, end = step, cfg.max_steps if t.optim else step
+    start = step
+    end = cfg.max_steps if t.optim else step                        # nothing trains: validate once
     n, t0 = 0, time.perf_counter()
     bar = tqdm(initial=step, total=end, desc="distill", unit="step", disable=not devices.is_main())
     while True:
         fresh = not t.metrics["val"]                                # validated at once
-        if fresh or step > start and (step % cfg.eval_interval == 0 or step == end):
+        if fresh or (step > start and (step % cfg.eval_interval == 0 or step == end)):
             v = validate(t, step)
-            report.val_line(v)
-            t.metrics["val"].append(v)
-            if devices.is_main():
-                record = {**t.record, "step": step}
-                resume.save_checkpoint(cfg, t.student, t.optim, t.gen, record, t.metrics)
+            report.val_line(t, v)                           # checked, kept in t.metrics, printed
+            record = {**t.record, "step": step}
+            resume.save_checkpoint(cfg, t.student, t.optim, t.gen, record, t.metrics)  # rank 0's
             t0 = time.perf_counter()
         if step == end:
             break
@@ -414,8 +397,7 @@ def train(t, step):
         n, step = n + 1, step + 1
         bar.update()
         if step % cfg.log_interval == 0 or step % cfg.eval_interval == 0 or step == end:
-            direct = step_loss(cfg, step - 1) == "direct"                  # the step just taken
-            report.log_step(t, losses, step, n, t0, direct)
+            report.log_step(t, losses, step, n, t0, step_loss(cfg, step - 1))  # the step just run
             n, t0 = 0, time.perf_counter()
     bar.close()
     return step
@@ -426,27 +408,24 @@ def train(t, step):
 def main(argv=None):
     """distill.py's command line (argv, or a config already parsed)."""
     cfg = argv if isinstance(argv, DistillConfig) else door.parse_config(DistillConfig, argv)
-    # refused before any work; one run at a time; a hub out of reach names the offline command
     with files.claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite), datafiles.offline_hint():
         distil(cfg)
 
 
 def distil(cfg):
     """teacher -> token files -> calibration windows -> dims -> student -> training -> checkpoint,
-    every input checked before the work (teacher, checkpoint to start from, memory, token files)."""
+    every input checked before the work that needs it."""
     device, amp = devices.pick_device(cfg.device, cfg.dtype)
     device = devices.init_distributed(device)  # torchrun: a process per device, rank 0 prints
     teacher = model.GPT.from_pretrained(cfg.model, device=device).requires_grad_(False)
     door.validate(cfg, context=teacher.config.block_size)
     cfg, prev = resume.starting_point(cfg)
-    direct = step_loss(cfg, cfg.max_steps - 1) == "direct"
     dims = prev.config["dims"] if prev else None
-    datafiles.check_memory(cfg, teacher.config, device, dims, direct)
+    datafiles.check_memory(cfg, teacher.config, device, dims, step_loss(cfg, cfg.max_steps - 1))
     enc = tokenizer.load_tokenizer(cfg.model)
     data, meta = datafiles.open_data(cfg, enc, teacher.config.vocab_size)
     resume.check_same_tokens(cfg, prev, meta)
-    calib = dof.calibration_batches(data["train"], cfg.calib_batches, cfg.batch_size,
-                                    cfg.block_size, cfg.seed, device)
+    calib = datafiles.calibration_batches(data["train"], cfg, device)
     val = datafiles.val_batches(data["val"], cfg, device)
     student, dims, layer_dof = make_student(cfg, teacher, calib, prev)
     optim, gen = make_optimizer(student, cfg), torch.Generator().manual_seed(cfg.seed)

@@ -13,8 +13,7 @@ caps M_l at the head size; Reverse hands the same dims out in reverse order (a c
 
 import math
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,7 +27,6 @@ import report
 from model import GPT, repeat_kv
 
 RULES = ("dof", "fix", "clip", "reverse")
-CALIBRATION_SEED_OFFSET = 2  # windows apart from distill.py's training (+ 0) and validation (+ 1)
 
 
 @torch.no_grad()
@@ -173,9 +171,8 @@ def whole_dims(M):
 
 
 def choose_dims(teacher, batches, cfg, key_means=None):
-    """Algorithm 1 with cfg's budget, alloc, lam, lam_relative, J and seed -> (dims per layer, the
-    layer DoF (L,) and every head's (L, H), both None for Fix): J queries+keys per head (keys
-    minus key_means: the student's kernel), N_lam per head, its layer maximum, allocate."""
+    """Algorithm 1 with cfg's budget, alloc, lam, lam_relative, J, seed (keys minus key_means: the
+    student's kernel) -> (dims per layer, layer DoF (L,), every head's (L, H); both None: Fix)."""
     if cfg.alloc == "fix":
         return [int(cfg.budget)] * teacher.config.n_layer, None, None
     x = collect_qk(teacher, batches, cfg.J, cfg.seed, key_means)              # (L, H, J, D)
@@ -183,12 +180,6 @@ def choose_dims(teacher, batches, cfg, key_means=None):
     layer = head.amax(-1)                                                    # (L,)
     dims = allocate(layer, cfg.budget, cfg.alloc, teacher.config.head_dim)
     return dims, layer.tolist(), head
-
-
-def calibration_batches(tokens, n, B, T, seed, device):
-    """n batches (B, T) of random training windows, drawn from seed + CALIBRATION_SEED_OFFSET."""
-    gen = torch.Generator().manual_seed(seed + CALIBRATION_SEED_OFFSET)
-    return [datafiles.get_batch(tokens, B, T, gen, device)[0] for _ in range(n)]
 
 
 # The command
@@ -227,15 +218,12 @@ def main(argv=None):
     door.validate(cfg, context=teacher.config.block_size)
     tokens = datafiles.calibration_tokens(cfg, teacher.config, device)
     t0 = time.time()
-    batches = calibration_batches(tokens, cfg.calib_batches, cfg.batch_size, cfg.block_size,
-                                  cfg.seed, device)
+    batches = datafiles.calibration_batches(tokens, cfg, device)
     mu = key_means(teacher, batches) if cfg.center_keys else None       # (L, H, D)
     _, layer, per_head = choose_dims(teacher, batches, cfg, mu)         # (L,), (L, H)
     dims = {rule: allocate(layer, cfg.budget, rule, teacher.config.head_dim) for rule in RULES}
     report.print_table(cfg, per_head.numpy(), dims)
-    result = {"settings": asdict(cfg), "per_head_dof": per_head.tolist(),
-              "layer_dof": layer, "dims": dims, "seconds": time.time() - t0}
-    report.write_json(Path(cfg.out) / "dof.json", result)
+    report.write_json(cfg, per_head, layer, dims, time.time() - t0)
 
 
 if __name__ == "__main__":

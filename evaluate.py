@@ -1,5 +1,4 @@
-"""
-evaluate.py: multiple-choice accuracy scored exactly as lm-evaluation-harness 0.4 scores it,
+"""evaluate.py: multiple-choice accuracy scored exactly as lm-evaluation-harness 0.4 scores it,
 zero-shot and after fine-tuning on each task (the paper's Table 3), next-token loss on a token or
 text file and speed, for teachers and distilled students alike.
 
@@ -190,8 +189,7 @@ def continuation_logprobs(lm, context_tokens, continuation_tokens, device="cpu")
 
 @torch.inference_mode()
 def loglikelihood(lm, context_tokens, continuation_tokens, device="cpu") -> tuple[float, bool]:
-    """One request: Σ_j log p(continuation_j | all before it), and whether every continuation
-    token is the argmax (the harness's is_greedy)."""
+    """One request: Σ_j log p(continuation_j | all before it), and the harness's is_greedy."""
     logp, greedy = continuation_logprobs(lm, context_tokens, continuation_tokens, device)
     return float(logp.sum()), bool(greedy.all())
 
@@ -224,8 +222,7 @@ def score_requests(lm, tokenized, batch_size=16, device="cpu", desc=None, plain=
     """(log-likelihood, is_greedy) of every request of every document, by fast_scorer.py or (plain)
     by loglikelihood(); under torchrun each process scores a share and all get every score."""
     if not plain:
-        L = lm.config.block_size
-        windows = [[harness_window(c, t, L) for c, t in doc] for doc in tokenized]
+        windows = [[harness_window(*r, lm.config.block_size) for r in doc] for doc in tokenized]
         return fast_scorer.score_windows(lm, windows, batch_size, device, desc)
     mine = set(devices.shard(range(len(tokenized))))
     bar = tqdm(tokenized, desc=desc, disable=desc is None, unit="doc", leave=False)
@@ -262,7 +259,6 @@ def perplexity(lm, tokens: np.ndarray, context=None, device="cpu", batch_size=8)
     L = context or lm.config.block_size
     n_pred = len(tokens) - 1
     starts = list(range(0, n_pred, L))
-    # batches of whole windows, then the last window alone: it may be shorter
     groups = [starts[:-1][i:i + batch_size] for i in range(0, len(starts) - 1, batch_size)]
     groups.append(starts[-1:])
     nll = [[None] * len(group) for group in groups]  # each window's loss; None: another process's
@@ -288,8 +284,7 @@ def speed(lm, n_tokens: int = 1000, device="cpu") -> dict:
     return {"tokens": n_tokens, "prefill_s": prefill_s, "generate_s": generate_s}
 
 
-# Fine-tuning on each task first, the paper's protocol (Sec. 4.2, App. C): every weight trained on
-# the multiple-choice cross-entropy of the scores acc ranks; accuracy after each epoch.
+# Fine-tuning on each task first, then scoring it: the paper's protocol (Sec. 4.2, App. C; Table 3).
 
 @dataclass
 class FineTune:
@@ -319,7 +314,7 @@ def batch_loss(lm, docs, golds, device="cpu") -> torch.Tensor:
     return torch.stack(losses).sum()
 
 
-def train_step(ft: FineTune, lm, optim, docs, golds) -> float:
+def finetune_step(ft: FineTune, lm, optim, docs, golds) -> float:
     """One Adam step on the mean loss of a batch of documents, --batch-size requests a forward
     pass (under torchrun a share each, the gradients averaged); returns the mean loss."""
     mine = devices.shard(list(range(len(docs))))
@@ -360,8 +355,8 @@ def finetune(ft: FineTune, lm, lr: float, desc=None) -> dict:
         losses = []
         for i in range(0, len(order), B):
             batch = order[i:i + B]
-            losses.append(train_step(ft, lm, optim, [tokenized[j] for j in batch],
-                                     [golds[j] for j in batch]))
+            losses.append(finetune_step(ft, lm, optim, [tokenized[j] for j in batch],
+                                        [golds[j] for j in batch]))
             bar.update()
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             if not math.isfinite(losses[-1]):
@@ -464,9 +459,8 @@ def main(argv=None):
     if prompts:
         results.update(run_tasks(cfg, models, enc, prompts, device))
     if training:
-        command = tasks.command_line(argv)
         tuned = finetune_tasks(cfg, models, enc, training, device, results)
-        results["finetune"] = {"command": command, "tasks": tuned}
+        results["finetune"] = {"command": tasks.command_line(argv), "tasks": tuned}
     if devices.is_main() and cfg.speed:  # timings: rank 0 alone
         results["speed"] = {k: speed(lm, cfg.speed_tokens, device) for k, lm in models.items()}
         tasks.print_speed(results["speed"])

@@ -95,8 +95,7 @@ class SoftmaxAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-# Linear attention, K(q, k) = exp(q.k / sqrt d) ~ phi(q).phi(k): the feature maps phi; y three
-# ways (the plain T x T form, the chunked scan, the recurrent step); LinearAttention.
+# Linear attention, K(q, k) ~ phi(q).phi(k): the maps phi; y plain (T x T), chunked, recurrent
 
 KEY_SHIFT = 32.0  # beta of overflow_safe_prf: keys at most e^32, far below fp32's 3e38
 DEN_EPS = 1e-30   # y's denominator's floor: a query no key reaches gets y = 0, a finite gradient
@@ -130,7 +129,7 @@ class PRF(nn.Module):
 
     @staticmethod
     def stacked(maps, q, k, log=False):
-        """Features (log: log Phi) of maps of one M as one, for heads side by side in fp32 q, k
+        """Features (log: log Phi) of G maps of one M as one, for heads side by side in fp32 q, k
         (B, G H, T, D): z, alpha concatenated. A map with `stacked` stacks in layer_losses."""
         z, la = (torch.cat([getattr(f, n) for f in maps]) for n in ("z", "log_alpha"))
         if log:
@@ -432,8 +431,7 @@ class GPT(nn.Module):
         return idx
 
     def linearize(self, dims, feature_map="prf", chunk_size=64):
-        """The student: every weight shared with the teacher, layer l's core a LinearAttention of
-        dims[l] features a head."""
+        """The student: the teacher, layer l's core a LinearAttention of dims[l] features a head."""
         c = self.config
         # deepcopy's memo: every parameter and buffer stays the teacher's; only the cores are new
         shared = {id(t): t for t in (*self.parameters(), *self.buffers())}

@@ -5,6 +5,8 @@ import json
 import math
 import sys
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,12 +41,14 @@ def print_start(cfg, teacher, data, dims, device, trains=True):
           f"{cfg.feature_map} features, loss {cfg.loss}, {batch}, device {device}")
 
 
-def log_step(t, losses, step, n, t0, direct):
-    """distill.py's log line: the losses of the n steps up to `step` (every process's mean; direct:
-    the next-token loss), checked, kept in t.metrics with their time since t0 (taken once they
-    reach the host), and printed with the learning rate, ms/step and tokens/s."""
+def log_step(t, losses, step, n, t0, loss):
+    """distill.py's log line: the losses of the n steps up to `step` (every process's mean; the
+    next-token loss where the last step's loss is "direct"), checked, kept in t.metrics with their
+    time since t0 (taken once they reach the host), and printed with the learning rate, ms/step
+    and tokens/s."""
     devices.all_mean([losses])
     losses = losses.tolist()
+    direct = loss == "direct"
     seconds = time.perf_counter() - t0
     ms = seconds * 1e3 / n
     cfg = t.cfg
@@ -58,8 +62,13 @@ def log_step(t, losses, step, n, t0, direct):
                f"{ms:.1f} ms/step | {tokens * 1e3 / ms:,.0f} tok/s")
 
 
-def val_line(v):
-    """One validation line: the student's held-out loss and each layer group's attention KL."""
+def val_line(t, v):
+    """distill.py's validation v: checked (before its checkpoint is saved), kept in t.metrics, and
+    one line: the student's held-out loss and each layer group's attention KL."""
+    door.check_finite(t.cfg, v["step"], [v["student_loss"]] + v["attn_kl"],
+                      lambda i: f"layer {i - 1}'s held-out attention KL" if i else
+                      "the student's held-out loss")
+    t.metrics["val"].append(v)
     tqdm.write(f"val step {v['step']}: student loss {v['student_loss']:.4f} | "
                f"attention KL {fmt(v['attn_kl'])}")
 
@@ -107,8 +116,12 @@ def print_table(cfg, per_head, dims):
               "layer the budget, as fix does; lower --lam", file=sys.stderr)
 
 
-def write_json(path, result):
-    """dof.py's result, written whole (its folder made), and a line naming it."""
+def write_json(cfg, per_head, layer, dims, seconds):
+    """dof.py's --out/dof.json (settings, every head's and layer's DoF, each rule's dims, seconds),
+    written whole (its folder made), and a line naming it."""
+    result = {"settings": asdict(cfg), "per_head_dof": per_head.tolist(),
+              "layer_dof": layer, "dims": dims, "seconds": seconds}
+    path = Path(cfg.out) / "dof.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     files.write_text_atomic(path, json.dumps(result, indent=1))
     print(f"wrote {path} ({result['seconds']:.1f}s)")

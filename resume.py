@@ -47,6 +47,14 @@ def starting_point(cfg):
     return cfg.updated(**settings), Checkpoint(path, prev, sd)
 
 
+def student_from(prev, teacher, cfg):
+    """make_student's student of Checkpoint prev (--init-from, --resume): the teacher linearised
+    with its dims, its features loaded -> (student, dims, layer DoF or None)."""
+    student = teacher.linearize(prev.config["dims"], cfg.feature_map, cfg.chunk_size)
+    checkpoint.load_features(student, prev.features, prev.path)
+    return student, prev.config["dims"], prev.config.get("dof")
+
+
 def check_resume(cfg, path, prev):
     """--resume: the script and fork that wrote the checkpoint, RESUMED's flags as it was started
     with, the schedule's length, torchrun's process count and the token files it was trained on."""
@@ -148,7 +156,10 @@ def check_same_files(cfg, path, prev):
 
 def save_checkpoint(cfg, student, optim, gen, config, metrics):
     """The checkpoint's files (files.CHECKPOINT_FILES) into --out-dir, each whole, config.json last:
-    all of this save or all of the one before; each records the step (the features in metadata)."""
+    all of this save or all of the one before; each records the step (the features in metadata).
+    Rank 0 saves; the other processes return at once."""
+    if not devices.is_main():
+        return
     state = {"optimizer": optim.state_dict() if optim else None, "step": config["step"],
              "train_rng": gen.get_state(), "torch_rng": torch.get_rng_state()}
     # a link stays, and its target is written

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,8 @@ TEXT = WIKITEXT
 
 
 TOKENIZER = DATA / "gpt2-tokenizer"
+# datafiles.calibration_batches's settings, as a DistillConfig or DofConfig holds them
+Calib = namedtuple("Calib", "calib_batches batch_size block_size seed")
 
 
 # Small and fast: 64-token samples, 4 per batch, one validation batch, a 256-point DoF sample per head.

@@ -25,7 +25,7 @@ import evaluate
 import forks
 import model
 import tasks
-from conftest import EVAL, N_POS, ROOT, cli, distill_args, load_script, script_env
+from conftest import EVAL, N_POS, ROOT, Calib, cli, distill_args, load_script, script_env
 from model import GPT, LinearAttention, repeat_kv
 
 # ==================================================================================================================
@@ -594,7 +594,7 @@ def test_allocation_fork_trains_resumes_and_predicts_with_a_rule_beyond_the_core
     flags = ["--rule", "dof-raw", "--center-keys", "--budget", "8", "--decay-steps", "4"]
     allocation.main(distill_args(ckpt, data, tmp_path / "raw", *flags, "--max-steps", "2"))
     teacher = GPT.from_pretrained(ckpt)
-    calib = dof.calibration_batches(datafiles.read_tokens(data / "train.bin"), 2, 4, 64, 0, "cpu")
+    calib = datafiles.calibration_batches(datafiles.read_tokens(data / "train.bin"), Calib(2, 4, 64, 0), "cpu")
     settings = distill.DistillConfig(budget=8, J=256, out_dir="x")
     want, raw, _ = dof.choose_dims(teacher, calib, settings)                        # no key means: uncentred
     cfg = json.loads((tmp_path / "raw" / "config.json").read_text())
@@ -673,7 +673,7 @@ def test_allocation_predictors_are_the_teachers_entropy_and_the_centred_untraine
     d, ckpt, data = setup
     teacher = GPT.from_pretrained(ckpt)
     L, H = teacher.config.n_layer, teacher.config.n_head
-    calib = dof.calibration_batches(datafiles.read_tokens(data / "train.bin"), 2, 2, 64, 0, "cpu")
+    calib = datafiles.calibration_batches(datafiles.read_tokens(data / "train.bin"), Calib(2, 2, 64, 0), "cpu")
     with forks.replaced(allocation.REPLACE):
         cfg = door.parse_config(distill.DistillConfig, ["--model", ckpt, "--data", data, "--budget", "4", "--J", "64"])
     assert type(cfg) is allocation.AllocationConfig and distill.DistillConfig is not allocation.AllocationConfig

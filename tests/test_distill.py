@@ -1584,7 +1584,7 @@ def test_make_student_draws_the_initial_features_from_seed():
 
 def test_seed_draws_the_training_windows_and_seed_plus_one_the_held_out_ones(setup, tmp_path, monkeypatch):
     """--seed s: training windows from a generator seeded s, validation windows from s + 1 (and the calibration
-    windows from s + 2, dof.calibration_batches), so that runs of other seeds train on other windows."""
+    windows from s + 2, datafiles.calibration_batches), so that runs of other seeds train on other windows."""
     d, ckpt, data = setup
     drawn, real = [], datafiles.get_batch
     monkeypatch.setattr(datafiles, "get_batch", lambda tokens, B, T, gen, *a: drawn.append(
@@ -1638,7 +1638,7 @@ STEP_MEMORY = """if True:
     cfg = distill.DistillConfig(loss=kind, batch_size=2, block_size=512, budget=32, out_dir="x")
     said = {}
     devices.check_free_memory = lambda nbytes, *a: said.setdefault("bytes", nbytes)
-    datafiles.check_memory(cfg, shape, "cpu", [32] * 12, kind == "direct")
+    datafiles.check_memory(cfg, shape, "cpu", [32] * 12, kind)
     t = distill.Trainer(cfg, teacher, student, distill.make_optimizer(student, cfg), None, None, "cpu")
     batch = torch.randint(0, 8192, (2, 512)), torch.randint(0, 8192, (2, 512))
     t.next_batch = lambda: batch

@@ -18,6 +18,7 @@ import torch
 
 import checkpoint
 import compiled
+import datafiles
 import devices
 import direct_finetune
 import distill
@@ -31,7 +32,7 @@ import leverage
 import model
 import per_head
 import tasks
-from conftest import FAST, cli, distill_args, edit_json, features
+from conftest import FAST, Calib, cli, distill_args, edit_json, features
 from model import LinearAttention, causal_linear_attention, linear_attention_reference, repeat_kv
 from test_dof import qkv, rel  # the method's test helpers
 from test_loading import nudge
@@ -387,7 +388,7 @@ def test_core_and_forks_start_every_process_from_rank_0s_dims_and_features(setup
     0's dims by common.broadcast, and every feature tensor of its student handed to it to be filled with rank 0's."""
     d, ckpt, data = setup
     teacher = model.GPT.from_pretrained(ckpt)
-    calib = dof.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), 2, 2, 64, 0, "cpu")
+    calib = datafiles.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), Calib(2, 2, 64, 0), "cpu")
     L, H = teacher.config.n_layer, teacher.config.n_head
     heads = ([[3] + [5] * (H - 1)] * L, [[1.0] * H] * L)                            # per-head dims and DoF
     layers = ([3] + [5] * (L - 1), [1.0] * L)
@@ -566,7 +567,7 @@ def test_fork_students_centre_each_head_by_its_own_key_mean_and_draw_leverage_fe
     by layer and head by head."""
     d, ckpt, data = setup
     teacher = model.GPT.from_pretrained(ckpt)
-    calib = dof.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), 2, 2, 64, 0, "cpu")
+    calib = datafiles.calibration_batches(np.memmap(data / "train.bin", dtype=np.uint16, mode="r"), Calib(2, 2, 64, 0), "cpu")
     mu = dof.key_means(teacher, calib)                                                    # (L, H, D)
     monkeypatch.setattr(per_head, "per_head_dims", lambda *a: ([[5, 3, 5, 3]] * 4, [[1.0] * 4] * 4))   # heads 1, 3
     with forks.replaced(per_head.REPLACE):
