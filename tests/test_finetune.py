@@ -170,7 +170,7 @@ def test_each_epoch_draws_a_new_order_of_the_training_documents(ckpt, enc, monke
     def step(ft, lm, optim, docs, golds):
         seen.extend(tokenized.index(doc) for doc in docs)
         return 1.0
-    monkeypatch.setattr(evaluate, "train_step", step)
+    monkeypatch.setattr(evaluate, "finetune_step", step)
     monkeypatch.setattr(evaluate, "score_epoch", lambda ft, lm, epoch, *a: {"epoch": epoch, "eval": {"acc": 0.5}})
     evaluate.finetune(fine_tune(ckpt, enc, prompts, 3, 3), torch.nn.Linear(1, 1), 1e-3)
     orders = [tuple(seen[i:i + 8]) for i in (0, 8, 16)]
