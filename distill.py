@@ -333,8 +333,8 @@ def step_loss(cfg, step):
 
 
 def train_step(t, step):
-    """Optimizer step step + 1, over --grad-accum micro-batches -> its float64 losses, (L,) per
-    layer or (1,) next-token, left on the device (the host reads them at log lines only)."""
+    """Optimizer step step + 1 (`step` steps are done), over --grad-accum micro-batches -> its
+    float64 losses, (L,) per layer or (1,) next-token, left on the device (read at log lines)."""
     cfg, optim = t.cfg, t.optim
     for g in optim.param_groups:
         g["lr"] = g["peak"] * lr_factor(step, cfg)

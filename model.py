@@ -276,7 +276,7 @@ class LinearAttention(nn.Module):
         y_i = phi(q_i) S_i / phi(q_i) s_i,
         S_i = sum_{j<=i} phi(k_j - mu) v_j^T,   s_i = sum_{j<=i} phi(k_j - mu).
     q (B, H, T, D), k, v (B, Hkv, T, D) -> y (B, H, T, D); M features a head; key_mean mu (H, D)
-    (softmax ignores it). Decoding keeps S (B, H, M, D) and s (B, H, M) in the cache."""
+    (softmax ignores it: q.mu is one constant a row). Decoding keeps S (B, H, M, D), s (B, H, M)."""
     def __init__(self, n_head, n_kv_head, head_dim, M, feature_map="prf", chunk_size=64):
         super().__init__()
         self.n_head = n_head
