@@ -111,11 +111,13 @@ def _take(x, idx):
     return x
 
 
-def run_shared(lm, docs: list[list[Row]], scores: Scores, batch_size: int, device):
-    """Documents whose rows share at least P tokens (P = the smallest shareable): those P tokens
-    of every document in one forward pass filling a cache, then the rows' remainders in batches of
-    similar length, each continuing from a copy of its document's part of the cache."""
-    P = min(map(shareable, docs))
+def run_shared(lm, docs: list[tuple[int, list[Row]]], scores: Scores, batch_size: int, device):
+    """Documents (shareable length, rows) whose rows share at least P tokens (P = the smallest
+    shareable): those P tokens of every document in one forward pass filling a cache, then the
+    rows' remainders in batches of similar length, each continuing from a copy of its document's
+    part of the cache."""
+    P = min(n for n, _ in docs)
+    docs = [rows for _, rows in docs]
     cache = model.Cache(lm.config.n_layer)
     prefixes = torch.tensor([doc[0].tokens[:P] for doc in docs], device=device)
     h = lm.hidden(prefixes, cache)                                                  # (docs, P, C)
@@ -138,15 +140,15 @@ def run_shared(lm, docs: list[list[Row]], scores: Scores, batch_size: int, devic
 PREFIX_WINDOW = 4096
 
 
-def prefix_groups(shared: list[list[Row]], batch_size: int):
-    """Documents sorted by shareable length, in groups of up to 4 x batch_size rows; a group shares
-    the smallest shareable length of its documents, so a document joins only if its own is at
-    most 25% longer."""
-    def fits(group, rows):
-        P = shareable(group[0])
-        rows_fit = sum(map(len, group)) + len(rows) <= 4 * batch_size
-        return rows_fit and (len(group) + 1) * P <= PREFIX_WINDOW and shareable(rows) <= 1.25 * P
-    return grouped(sorted(shared, key=shareable), fits)
+def prefix_groups(shared: list[tuple[int, list[Row]]], batch_size: int):
+    """Documents (shareable length, rows) sorted by that length, in groups of up to 4 x batch_size
+    rows; a group shares the smallest shareable length of its documents, so a document joins only
+    if its own is at most 25% longer."""
+    def fits(group, doc):
+        P = group[0][0]
+        rows_fit = sum(len(rows) for _, rows in group) + len(doc[1]) <= 4 * batch_size
+        return rows_fit and (len(group) + 1) * P <= PREFIX_WINDOW and doc[0] <= 1.25 * P
+    return grouped(sorted(shared, key=lambda doc: doc[0]), fits)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,16 +168,18 @@ def score_windows(lm, windows, batch_size: int = 16, device="cpu", desc: str | N
     and all get every score (gather): exactly what one process computes."""
     alone, shared = [], []
     for rows in plan_rows(windows):
-        if share_prefix and shareable(rows):
-            shared.append(rows)
+        P = shareable(rows) if share_prefix else 0
+        if P:
+            shared.append((P, rows))
         else:
             alone += rows
     scores = Scores(sum(len(doc) for doc in windows))
     # rows that share nothing (and MMLU's), then documents with a shared prefix, by its length
     passes = [(partial(forward_rows, lm, batch, scores, device), requests(batch))
               for batch in batches(alone, lambda r: len(r.tokens), batch_size)]
-    passes += [(partial(run_shared, lm, docs, scores, batch_size, device), sum(map(requests, docs)))
-               for docs in prefix_groups(shared, batch_size)]
+    for docs in prefix_groups(shared, batch_size):
+        n = sum(requests(rows) for _, rows in docs)
+        passes.append((partial(run_shared, lm, docs, scores, batch_size, device), n))
     passes = devices.shard(passes)
     total = sum(n for _, n in passes)
     with tqdm(total=total, desc=desc, disable=desc is None, unit="req", leave=False) as pbar:
