@@ -259,6 +259,7 @@ def perplexity(lm, tokens: np.ndarray, context=None, device="cpu", batch_size=8)
     L = context or lm.config.block_size
     n_pred = len(tokens) - 1
     starts = list(range(0, n_pred, L))
+    # batches of whole windows, then the last window alone: it may be shorter
     groups = [starts[:-1][i:i + batch_size] for i in range(0, len(starts) - 1, batch_size)]
     groups.append(starts[-1:])
     nll = [[None] * len(group) for group in groups]  # each window's loss; None: another process's

@@ -48,7 +48,7 @@ class LongConfig(door.Config):
     tokens: int = door.opt(8192, "first tokens of --data scored", min=2)
     contexts: str = door.opt("256,1024,2048", "window lengths of the loss")
     passkey: str = door.opt("", "passkey prompt lengths ('': none)",
-                            check=lambda cfg: passkey.check_lengths(cfg.passkey or None))
+                            check=lambda cfg: passkey.check_lengths(cfg.passkey))
     passkey_trials: int = door.opt(20, "passkey trials a length", min=1)
     offsets: str = door.opt("", "position offsets of 256-token windows ('': none)")
     seed: int = door.opt(0, "seed of the passkey trials")
