@@ -184,7 +184,8 @@ def load_training(cfg, prompts: dict, prompt_of: dict) -> dict:
 
 
 def finetune_settings(cfg, family: str, name: str) -> tuple[list[float], int, int]:
-    """A task's learning rates, epochs and documents a step: the flags', else the paper's."""
+    """A task's learning rates, epochs and documents a step: the flags', else the paper's Tables 8
+    and 9's (MMLU: one epoch, as the paper's)."""
     lr, docs_per_step = PAPER_FINETUNE.get(family, {}).get(name, OUR_FINETUNE)
     epochs = 1 if name == "mmlu" else cfg.finetune_epochs
     return parse_lrs(cfg.finetune_lr) or [lr], epochs, cfg.finetune_batch_size or docs_per_step
