@@ -275,6 +275,18 @@ def test_read_tokens_refuses_an_id_the_model_has_no_embedding_for(tmp_path):
     assert datafiles.read_tokens(tmp_path / "t.bin", vocab_size=50258).tolist() == [1, 50257, 3]
 
 
+def test_read_tokens_refuses_a_path_that_is_no_token_file_saying_how_to_make_one(tmp_path, enc):
+    (tmp_path / "t.txt").write_text("text")
+    todo = "make it with data/\\*/prepare.py, whose --out is the folder to pass"
+    with pytest.raises(door.ModelError, match=rf"^\S+t.txt is not a .bin token file; {todo}$"):
+        datafiles.read_tokens(tmp_path / "t.txt")                     # text needs a tokenizer
+    with pytest.raises(door.ModelError, match=rf"^\S+ is a directory; {todo}$"):
+        datafiles.read_tokens(tmp_path)
+    with pytest.raises(door.ModelError, match=rf"^\S+gone.txt does not exist; {todo}, or pass a text file$"):
+        datafiles.read_tokens(tmp_path / "gone.txt", enc)
+    assert datafiles.read_tokens(tmp_path / "t.txt", enc).tolist() == enc.encode_ordinary("text")
+
+
 def test_atomic_path_leaves_the_old_file_and_no_tmp_when_the_writer_fails(tmp_path):
     path = tmp_path / "out"
     path.write_text("whole")

@@ -422,6 +422,9 @@ def test_token_files_of_a_tokenizer_of_the_same_size_are_refused_by_the_probe(en
         with pytest.raises(door.ModelError, match=r"^\S+ was tokenized with the tokenizer of other \(50257 tokens\), not "
                                              r"gpt2's \(50257\); prepare them again$"):
             datafiles.check_tokenizer(path, enc, "gpt2", "prepare them again")
+    (data / "meta.json").write_text(json.dumps({"tokenizer": "gpt2"}))          # a name, not prepare.py's record
+    with pytest.raises(door.ModelError, match=r"^\S+ was tokenized with the tokenizer of \? \(None tokens\), not gpt2's"):
+        datafiles.check_tokenizer(data, enc, "gpt2")
 
 
 def test_ppl_refuses_token_files_of_another_tokenizer(ckpt, enc, tmp_path, capsys):
@@ -774,7 +777,9 @@ def test_tasks_from_an_unreachable_hub_come_from_the_cache_at_once(monkeypatch):
         load_task("piqa")
     with pytest.raises(door.ModelError, match=r"^could not load arc_easy from the hub"):
         load_task("arc_easy")
-    assert asked == [True, True] and probes == [1]                    # one connection test, not one per task
+    with pytest.raises(door.ModelError, match=r"'train'\)\); pass --train-dir DIR holding arc_easy_train.jsonl$"):
+        tasks.hub_documents("arc_easy", "train")                     # a training split: --train-dir is the way
+    assert asked == [True, True, True] and probes == [1]              # one connection test, not one per task
 
 
 def test_bad_documents_name_their_file_and_line(tmp_path):
@@ -816,6 +821,22 @@ def test_bad_documents_name_their_file_and_line(tmp_path):
     (bad / "wsc273.jsonl").write_text("\n\n")
     with pytest.raises(door.ModelError, match=r"wsc273.jsonl holds no documents"):
         load_task("wsc273", bad)
+
+
+@pytest.mark.parametrize("name, edit, why", [
+    ("arc_easy", lambda d: d["choices"]["label"].append("E"), r"choices has 4 texts but 5 labels"),
+    ("mmlu", lambda d: d["choices"].pop(), r"choices has 3 entries, MMLU's prompt needs 4"),
+    ("winogrande", lambda d: d.update(sentence=d["sentence"].replace("_", "it")), r"sentence has no '_' blank"),
+    ("wsc273", lambda d: d["options"].append("the police"), r"options has 3 entries, WSC273 needs 2"),
+])
+def test_a_document_its_prompt_would_misread_is_refused_by_what_it_lacks(tmp_path, name, edit, why):
+    """Shapes a prompt function takes for granted: without the check, an extra arc label or wsc273 option is scored
+    silently (a gold index past the requests, a third request), the others fail with Python's bare words."""
+    doc = json.loads((EVAL / f"{name}.jsonl").read_text().splitlines()[0])
+    edit(doc)
+    (tmp_path / f"{name}.jsonl").write_text(json.dumps(doc) + "\n")
+    with pytest.raises(door.ModelError, match=rf"^{tmp_path}/{name}.jsonl line 1: malformed {name} document \({why}\)$"):
+        load_task(name, tmp_path)
 
 
 def test_bad_input_in_library_raises_model_error():

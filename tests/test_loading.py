@@ -138,6 +138,12 @@ DAMAGED_TEACHERS = {   # name -> (teacher, what is done to its folder, the sente
                                           r"the config\.json saved with these weights"),
     "config.json sizes not its qkv": ("neox", lambda d: edit_json(d / "config.json", hidden_size=96),
                                       r"its tensors do not fit its config\.json \(.*\); use the config\.json saved"),
+    "config.json heads not its qkv": ("neox", lambda d: edit_json(d / "config.json", num_attention_heads=6),
+                                      r"its tensors do not fit its config\.json \(shape '\[6, 3, 10, 64\]' is invalid "
+                                      r"for input of size 12288\); use the config\.json saved with these weights$"),
+    "config.json without biases": ("neox", lambda d: edit_json(d / "config.json", attention_bias=False),
+                                   r"its tensors do not fit its config\.json \(unexpected keys for the model its "
+                                   r"config\.json describes: \['h\.0\.attn\.proj\.bias', .*\]\); use the config"),
     "weights of integers": ("gpt2", lambda d: int_weights(d / "model.safetensors"),      # had been cut mid-word
                             r": tensor h\.0\.\S+ holds torch\.int64, not floating-point weights; use the model's own "
                             r"weights file$"),
