@@ -451,4 +451,3 @@ class GPT(nn.Module):
             gpt = cls(GPTConfig(**checkpoint.config_from_hf(hf_config, name)))  # no memory yet
         checkpoint.load_weights(gpt, sd, name)
         return gpt.to(device=device, dtype=dtype).eval()
-

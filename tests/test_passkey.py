@@ -269,4 +269,3 @@ def test_a_length_too_short_for_the_prompt_says_the_shortest_that_works(ckpt, en
         trials = passkey.make_trials(enc, [least], settings(20, seed), N_POS)[least]
         assert max(len(t["tokens"]) for t in trials) <= least
     assert passkey.fit(enc, 99999, 0.5, least - 8) is None                 # and it is not far above it
-
