@@ -80,7 +80,7 @@ def write_text_atomic(path, text):
 
 
 def check_out(out, names=(), flag="--out", file=False):
-    """A ModelError, before any work, unless `out` (a directory for `files`, or a file) is writable."""
+    """A ModelError, before any work, unless `out` (a directory for `names`, or a file) is writable."""
     # a link: where its target is written
     p = Path(out).resolve()
     base = p.parent if file else p
