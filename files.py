@@ -4,7 +4,6 @@ sentence for a damaged one, and the run directory (--out-dir) claimed under a lo
 import fcntl
 import json
 import os
-import shutil
 import signal
 import tempfile
 import threading
@@ -60,11 +59,9 @@ def atomic_files(paths):
 
 
 def remove(path):
-    """Remove a file, a link or a folder with its content; nothing where there is none."""
+    """Remove a temp file or a link; a folder stays (check_out refuses one where a temp file goes)."""
     path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
+    if path.is_symlink() or not path.is_dir():
         path.unlink(missing_ok=True)
 
 
@@ -109,6 +106,17 @@ def check_out(out, names=(), flag="--out", file=False):
         else:
             continue
         raise door.ModelError(f"cannot write {out if file else t}: it {why}; pass another {flag}")
+    check_temp_files(targets, flag)
+
+
+def check_temp_files(paths, flag):
+    """A ModelError where the temp file <path>.tmp that a write of path goes to first is a folder: the
+    user's, not a temp file that a save cut short left."""
+    for path in paths:
+        tmp = path.with_name(path.name + ".tmp")
+        if tmp.is_dir() and not tmp.is_symlink():
+            raise door.ModelError(f"cannot write {path}: its temporary file {tmp.name} would replace a "
+                                  f"folder; move that folder or pass another {flag}")
 
 
 def is_checkpoint(folder):
@@ -122,6 +130,7 @@ def claim_out_dir(out_dir, resuming=False, overwrite=False):
     """Check --out-dir before any work (with --resume, --overwrite); hold <out_dir>.lock for the run."""
     out = Path(out_dir).resolve()
     check_out(out_dir, flag="--out-dir")
+    check_temp_files([out / name for name in CHECKPOINT_FILES], "--out-dir")
     ckpt = is_checkpoint(out)
     # a save cut short leaves only its temp files
     stale = {name + ".tmp" for name in CHECKPOINT_FILES}

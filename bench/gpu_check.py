@@ -232,7 +232,7 @@ def distill_run(cfg, work, kind, loss, batch, device, left):
     1024-token sample, peak memory in MiB, wall seconds; "timeout" keeps the intervals logged before it."""
     name, is_per_head = kind.split("-")[0], kind.endswith("per-head")            # gpt2-per-head: the fork
     ckpt, data, out = work / f"{name}-checkpoint", work / f"{name}-tokens", work / f"{kind}-{loss}"
-    files.remove(out)
+    shutil.rmtree(out, ignore_errors=True)
     flags = ["--model", str(ckpt), "--data", str(data), "--out-dir", str(out), "--alloc",
              "dof" if is_per_head else "fix", "--J", str(cfg.J), "--budget", str(BUDGET[name]), "--loss", loss,
              "--batch-size", str(batch),
@@ -285,8 +285,8 @@ def distill_section(cfg, shapes, work, device, left, runs):
             continue
         try:
             if not have:                                        # built again, not another shape's reused
-                files.remove(ckpt)
-                files.remove(tokens)
+                shutil.rmtree(ckpt, ignore_errors=True)
+                shutil.rmtree(tokens, ignore_errors=True)
                 random_checkpoint(ckpt, shapes[name], TOKENIZER_FILES[name], device)
                 random_tokens(tokens, ckpt, cfg.block_size)
             out.append(distill_run(cfg, work, kind, loss, batch, device, left()))

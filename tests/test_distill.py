@@ -1371,6 +1371,26 @@ def test_output_through_a_link_replaces_its_target_and_a_pipe_is_refused(tmp_pat
             pass
 
 
+def test_a_folder_where_a_write_puts_its_temp_file_is_refused_before_any_work_and_kept(tmp_path):
+    """A write goes to <name>.tmp first; a folder of that name is the user's, not a temp file left by a save cut
+    short: --output and --out-dir refuse it before any work, and a write that meets one anyway leaves it whole."""
+    for folder in (tmp_path / "out.json.tmp", tmp_path / "run" / "config.json.tmp"):
+        folder.mkdir(parents=True)
+        (folder / "mine.txt").write_text("mine")
+    with pytest.raises(door.ModelError, match=r"cannot write .*out.json: its temporary file out.json.tmp would "
+                                              r"replace a folder; move that folder or pass another --out$"):
+        files.check_out(tmp_path / "out.json", file=True)
+    with pytest.raises(door.ModelError, match=r"cannot write .*run/config.json: its temporary file config.json.tmp "
+                                              r"would replace a folder; move that folder or pass another --out-dir$"):
+        with files.claim_out_dir(tmp_path / "run"):
+            pass
+    with pytest.raises(door.ModelError, match=r"cannot write .*out.json \(Is a directory\)"):
+        files.write_text_atomic(tmp_path / "out.json", "x")
+    assert (tmp_path / "out.json.tmp" / "mine.txt").read_text() == "mine"
+    assert (tmp_path / "run" / "config.json.tmp" / "mine.txt").read_text() == "mine"
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_a_run_stopped_before_its_first_checkpoint_names_none(tmp_path, capsys):
     """Ctrl-C before the first save: exit 130 and no claim of a checkpoint that is not there; a second signal while
     it stops is ignored (a second Ctrl-C had printed a traceback from threading's shutdown after the line)."""

@@ -654,6 +654,8 @@ BAD_OPTIONS = [  # flags (after --model --data-dir --tasks piqa --output), and t
                                      r"file path"),
     (["--output", "folder"], r"cannot write \S+folder: it is a directory; pass another --output"),
     (["--output", "new/"], r"cannot write \S*new/: it ends in /, as a directory does; pass another --output"),
+    (["--output", "kept.json"], r"cannot write \S+kept.json: its temporary file kept.json.tmp would replace a "
+                                r"folder; move that folder or pass another --output"),   # had been deleted, content too
     (["--ckpt", ""], r"--ckpt is empty; pass a value, or drop the flag"),
     (["--output", ""], r"--output is empty; pass a value, or drop the flag"),                 # had written nothing
     (["--ppl", ""], r"--ppl is empty; pass a value, or drop the flag"),
@@ -667,6 +669,8 @@ def test_bad_option_is_one_sentence_before_any_work(flags, sentence, ckpt, tmp_p
     sentence, and nothing written (the folders as they were, no results.json, no .tmp)."""
     import re
     (tmp_path / "folder").mkdir()
+    (tmp_path / "kept.json.tmp").mkdir()
+    (tmp_path / "kept.json.tmp" / "mine.txt").write_text("mine")
     (tmp_path / "empty.bin").touch()
     (tmp_path / "empty.txt").touch()
     np.arange(10, dtype=np.uint16).tofile(tmp_path / "val.bin")
