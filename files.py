@@ -166,6 +166,10 @@ def exclusive(lock, what, flag):
     except OSError as e:
         raise door.ModelError(f"cannot write {lock} ({e.strerror}); pass another {flag}") from None
     with open(fd, "w"):
+        # a lock holds no data: a file that does is the user's, which the unlink at the end would delete
+        if os.fstat(fd).st_size:
+            raise door.ModelError(f"{lock} holds data, so it is no run's lock; move it or pass another "
+                                  f"{flag}")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             # opened as a finishing run unlinked it: that lock is no one's

@@ -1391,6 +1391,17 @@ def test_a_folder_where_a_write_puts_its_temp_file_is_refused_before_any_work_an
     assert not (tmp_path / "out.json").exists()
 
 
+def test_a_file_of_the_users_where_a_run_puts_its_lock_is_refused_and_kept(tmp_path):
+    """<out-dir>.lock is a run's empty lock file, unlinked when the run ends; one that holds data is the user's: the
+    run refuses it before any work and leaves it as it was (it had been deleted at the end of the run)."""
+    (tmp_path / "run.lock").write_text("mine")
+    with pytest.raises(door.ModelError, match=r"^\S+run.lock holds data, so it is no run's lock; move it or pass "
+                                              r"another --out-dir$"):
+        with files.claim_out_dir(tmp_path / "run"):
+            pass
+    assert (tmp_path / "run.lock").read_text() == "mine" and not (tmp_path / "run").exists()
+
+
 def test_a_run_stopped_before_its_first_checkpoint_names_none(tmp_path, capsys):
     """Ctrl-C before the first save: exit 130 and no claim of a checkpoint that is not there; a second signal while
     it stops is ignored (a second Ctrl-C had printed a traceback from threading's shutdown after the line)."""
