@@ -41,7 +41,8 @@ class EvalConfig(door.Config):
                                           "the hub's")
     output: str | None = door.opt(None, "write results and per-document samples to this JSON file",
                                   check=lambda cfg: tasks.check_output(
-                                      cfg.output, cfg.model, cfg.ckpt, cfg.data_dir, cfg.ppl))
+                                      cfg.output, cfg.model, cfg.ckpt,
+                                      (cfg.data_dir, cfg.train_dir), cfg.ppl))
     # how
     batch_size: int = door.opt(16, "sequences per forward pass", min=1)
     device: str = door.opt("auto", "auto (cuda if there is one, else cpu), cpu, cuda:1",

@@ -282,14 +282,17 @@ def check_train_dir(cfg) -> str | None:
     return None
 
 
-def check_output(output, teacher, ckpt, data_dir, ppl=None, flag="--output"):
-    """A ModelError where `output` cannot be written or would replace a file this run reads."""
+def check_output(output, teacher, ckpt, folders=(), ppl=None, flag="--output"):
+    """A ModelError where `output` cannot be written or would replace a file this run reads or a
+    file of the checkpoint; every file in the teacher's and `folders` counts as read."""
     files.check_out(output, flag=flag, file=True)
     out = Path(output).resolve()
     reads = {Path(p).resolve() for p in (ppl, teacher) if p}
+    if ppl:
+        reads.add(Path(ppl).resolve().with_name("meta.json"))
     if ckpt:
-        reads |= {Path(ckpt, f).resolve() for f in ("config.json", "features.safetensors")}
-    folders = {Path(d).resolve() for d in (teacher, data_dir) if d}
+        reads |= {Path(ckpt, f).resolve() for f in files.CHECKPOINT_FILES}
+    folders = {Path(d).resolve() for d in (teacher, *folders) if d}
     if out.is_file() and (out in reads or out.parent in folders):
         raise door.ModelError(f"{flag} {output} would replace a file this run reads (the "
                               "checkpoint's, the teacher's, its data or tasks); pass another path")

@@ -155,7 +155,7 @@ class AllocationConfig(distill.DistillConfig):
         if self.predict and (self.resume or self.init_from):
             raise door.ModelError("--predict computes the predictors of a fresh run; drop --resume and --init-from")
         if self.predict:
-            tasks.check_output(self.predict, self.model, None, self.data, flag="--predict")
+            tasks.check_output(self.predict, self.model, None, [self.data], flag="--predict")
 
 
 def rule_dims(cfg, teacher, calib):

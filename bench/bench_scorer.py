@@ -44,7 +44,7 @@ class BenchConfig(door.Config):
         super().__post_init__()
         devices.pick_device(self.device, "float32")
         if self.output:
-            tasks.check_output(self.output, self.model, self.ckpt, self.data_dir)
+            tasks.check_output(self.output, self.model, self.ckpt, [self.data_dir])
 
 
 def harness_tokens(tokenized, max_len: int) -> int:

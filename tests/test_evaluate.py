@@ -685,14 +685,26 @@ def test_bad_option_is_one_sentence_before_any_work(flags, sentence, ckpt, tmp_p
 
 
 def test_output_that_would_replace_a_file_the_run_reads_is_refused(ckpt, tmp_path, capsys):
-    """--output on a task file, the checkpoint's config.json or a teacher file had replaced it with the results."""
+    """--output on a task file, a checkpoint's file, a teacher file, a training file or the meta.json beside --ppl had
+    replaced it with the results (a checkpoint's metrics.json too: its --resume then failed)."""
     shutil.copytree(EVAL, data := tmp_path / "eval")
     (student := tmp_path / "student").mkdir()
     (student / "config.json").write_text("[1, 2]")
+    for name in ("metrics.json", "optim.pt"):
+        (student / name).write_text("{}")
+    (train := tmp_path / "train").mkdir()
+    (train / "piqa_train.jsonl").write_text("{}")
+    (tokens := tmp_path / "tokens").mkdir()
+    np.arange(10, dtype=np.uint16).tofile(tokens / "val.bin")
+    (tokens / "meta.json").write_text("{}")
+    finetune = ["--finetune-epochs", 1, "--train-dir", train]
+    cases = [(data / "piqa.jsonl", []), (student / "config.json", []), (student / "metrics.json", []),
+             (student / "optim.pt", []), (Path(ckpt) / "config.json", []), (train / "piqa_train.jsonl", finetune),
+             (tokens / "meta.json", ["--ppl", tokens / "val.bin"])]
     before = snapshot(tmp_path)
-    for out in (data / "piqa.jsonl", student / "config.json", Path(ckpt) / "config.json"):
+    for out, flags in cases:
         code, err = evaluate_exit(capsys, "--model", ckpt, "--ckpt", student, "--data-dir", data, "--tasks", "piqa",
-                                  "--output", out)
+                                  "--output", out, *flags)
         assert code == 2 and re.fullmatch(rf"error: --output {out} would replace a file this run reads [^\n]+\n", err)
     code, err = evaluate_exit(capsys, "--model", ckpt, "--ckpt", student, "--data-dir", data, "--tasks", "piqa")
     assert code == 2 and "config.json holds a JSON list, not an object" in err                  # had been a traceback
