@@ -8,7 +8,7 @@ import signal
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import devices
@@ -158,7 +158,9 @@ def claim_out_dir(out_dir, resuming=False, overwrite=False):
 
 @contextmanager
 def exclusive(lock, what, flag):
-    """Hold an flock on the file `lock` (freed even on a crash), or a ModelError naming `flag`."""
+    """Hold an flock on the file `lock` (freed even on a crash), or a ModelError naming `flag`; the
+    folders made for it go with it where the run left them empty."""
+    made = [folder for folder in Path(lock).parents if not folder.exists()]
     try:
         Path(lock).parent.mkdir(parents=True, exist_ok=True)
         # O_NONBLOCK: a fifo is ENXIO, not a hang
@@ -182,6 +184,9 @@ def exclusive(lock, what, flag):
             yield
         finally:
             Path(lock).unlink(missing_ok=True)
+            for folder in made:
+                with suppress(OSError):
+                    folder.rmdir()
 
 
 def read_file(path, todo, reader):

@@ -1402,6 +1402,18 @@ def test_a_file_of_the_users_where_a_run_puts_its_lock_is_refused_and_kept(tmp_p
     assert (tmp_path / "run.lock").read_text() == "mine" and not (tmp_path / "run").exists()
 
 
+def test_a_run_refused_after_its_claim_leaves_no_folder_its_lock_made(tmp_path):
+    """The folders made for <out-dir>.lock go with it where the run left them empty (a run refused once its teacher
+    was read had left them), and stay where it wrote its checkpoint."""
+    with pytest.raises(door.ModelError):
+        with files.claim_out_dir(tmp_path / "a" / "b" / "run"):
+            raise door.ModelError("refused")
+    assert list(tmp_path.iterdir()) == []
+    with files.claim_out_dir(tmp_path / "a" / "b" / "run"):
+        (tmp_path / "a" / "b" / "run").mkdir()
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == ["run"]
+
+
 def test_a_run_stopped_before_its_first_checkpoint_names_none(tmp_path, capsys):
     """Ctrl-C before the first save: exit 130 and no claim of a checkpoint that is not there; a second signal while
     it stops is ignored (a second Ctrl-C had printed a traceback from threading's shutdown after the line)."""
