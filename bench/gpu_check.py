@@ -70,6 +70,7 @@ from model import GPT, PRF, GPTConfig, causal_linear_attention  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 TOKENIZERS = ROOT / "tests" / "data"
+WORK_MARK = "gpu_check.work"    # in a --work-dir: what is there is this script's
 
 
 @dataclass
@@ -103,6 +104,10 @@ class CheckConfig(door.Config):
         files.check_out(self.out, file=True)                            # before the run, not after it
         if self.work_dir:
             files.check_out(self.work_dir, flag="--work-dir")
+            work = Path(self.work_dir)
+            if work.is_dir() and any(work.iterdir()) and not (work / WORK_MARK).is_file():
+                raise door.ModelError(f"--work-dir {self.work_dir} holds files that gpu_check.py did not "
+                                      "write, and it deletes its own there; pass an empty or new folder")
 
 
 TINY = dict(steps=4, batch_size=2, block_size=64, pythia_batch_size=1, scan_T=[64, 256], decode_ctx=[16, 64],
@@ -548,6 +553,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(cfg.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
+        (work / WORK_MARK).touch()                  # its folders: a later check may replace them
         # in order of importance: what the numbers to reach need first, Pythia-1B if time is left
         res["distill"] = distill_section(cfg, shapes, work, device, left, [("gpt2", "softmax")])
         scan = lambda T: scan_row(T, H, D, BUDGET["gpt2"], device, cfg.repeats)

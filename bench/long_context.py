@@ -55,6 +55,15 @@ class LongConfig(door.Config):
     batch_size: int = door.opt(1, "passkey prompts of one length decoded at once", min=1)
     out: str = door.opt("long.json", "the JSON to write")
 
+    def __post_init__(self):
+        super().__post_init__()
+        out = Path(self.out)
+        files.check_out(out.parent, [out.name])                     # before the work, not after it
+        reads = [self.data, self.model, *(Path(self.what, f) for f in files.CHECKPOINT_FILES)]
+        if out.resolve() in {Path(r).resolve() for r in reads}:     # --data had been replaced
+            raise door.ModelError(f"--out {self.out} would replace a file this run reads; pass "
+                                  "another --out")
+
 
 def load(cfg):
     """-> (the model, its decoding cache bytes a sequence (None: the teacher's grows with the

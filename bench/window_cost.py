@@ -39,6 +39,8 @@ import forks  # noqa: E402
 import model  # noqa: E402
 import window  # noqa: E402
 
+COMMITTED = "docs/results/window-cost/smollm2.json"   # SmolLM2-135M's tables, in git
+
 
 @dataclass
 class CostConfig(door.Config):
@@ -56,13 +58,22 @@ class CostConfig(door.Config):
     T: list[int] = door.opt([1024, 2048, 4096, 8192, 16384], "sequence lengths of the forward table")
     repeats: int = door.opt(5, "timed calls per forward measurement", min=1)
     threads: int = door.opt(1, "torch threads", min=1)
-    out: str = door.opt("docs/results/window-cost/smollm2.json", "result file")
+    out: str = door.opt(COMMITTED, "result file")
 
     def __post_init__(self):
         super().__post_init__()
         if set(self.what) - {"mass", "decode", "forward"}:
             got = " ".join(self.what)
             raise door.ModelError(f"--what takes mass, decode and forward, got {got}")
+        out = Path(self.out)
+        files.check_out(out.parent, [out.name])                     # before the work, not after it
+        if out.resolve() == (Path(self.data) / "val.bin").resolve():
+            raise door.ModelError(f"--out {self.out} is the val.bin this run reads; pass another --out")
+        # only a run of all three on SmolLM2-135M replaces its committed numbers
+        whole = self.model == "smollm2-135m" and set(self.what) == {"mass", "decode", "forward"}
+        if out.resolve() == ROOT / COMMITTED and not whole:
+            raise door.ModelError(f"--out {self.out} holds SmolLM2-135M's committed tables of mass, "
+                                  "decode and forward; pass another --out for this run's")
 
 
 @torch.no_grad()
