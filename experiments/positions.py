@@ -50,7 +50,7 @@ def student_losses(t, x, kind, scale=None):
 class PositionsConfig(window.WindowConfig):
     """experiments/window.py trained at later positions."""
     positions: int = door.opt(0, "train on windows whose rotary positions start at an offset below "
-                              "N - --block-size (0: from 0, as distill.py)", min=0)
+                              "N - --block-size (0: from 0, as distill.py)", min=0, context=True)
 
     RESUMED = window.WindowConfig.RESUMED + ("positions",)
 

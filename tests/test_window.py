@@ -214,6 +214,18 @@ def test_window_fork_trains_resumes_and_scores_and_the_core_refuses_its_checkpoi
         assert r.returncode == 2 and r.stderr == f"error: {said}\n" and not (tmp_path / "bad").exists(), r.stderr
 
 
+def test_positions_fork_refuses_positions_beyond_the_teachers_context_before_any_work(setup, tmp_path):
+    """experiments/positions.py --positions beyond the teacher's context (here GPT-2's 128 learned positions) is
+    refused once the teacher is read, before any work (it had stopped with an IndexError in wpe after its first
+    checkpoint)."""
+    import positions
+    d, ckpt, data = setup
+    with pytest.raises(door.ModelError, match=r"^--positions 1000 is more than the model's context of 128 tokens; "
+                                              r"pass at most --positions 128$"), forked("positions", positions.REPLACE):
+        distill.main(distill_args(ckpt, data, tmp_path / "run", "--window", 4, "--positions", 1000))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_window_fork_scores_tasks_from_a_cache_as_the_plain_scorer_does(setup, tmp_path):
     """`window.py evaluate` on tasks: the default scorer (a shared prefix prefilled, each row continued from a copy of
     the ring buffer and state) writes the log-likelihoods of --plain (one full forward pass per request), and --speed
