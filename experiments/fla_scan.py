@@ -7,7 +7,7 @@ prefixes keep model.py's scan from a state.
     python experiments/fla_scan.py evaluate --model gpt2 --ckpt out-distill --ppl data/wikipedia/val.bin
 
 How it forks the core: REPLACE sets model.causal_linear_attention, the scan LinearAttention calls,
-and evaluate.EvalConfig, whose checks now also ask for CUDA and FLA.
+and the configs of evaluate.py and distill.py, whose checks now also ask for CUDA and FLA.
 """
 
 import importlib.util
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import distill  # noqa: E402
 import door  # noqa: E402
 import evaluate  # noqa: E402
 import forks  # noqa: E402
@@ -48,18 +49,35 @@ def scan(phi_q, phi_k, v, chunk_size=64, state=None, return_state=False):
     return core_scan(phi_q, phi_k, v, chunk_size, state, return_state)
 
 
+def cuda_fla(device):
+    """Whether --device is a CUDA device and flash-linear-attention is installed."""
+    cuda = device.startswith(("auto", "cuda")) and torch.cuda.is_available()
+    return cuda and importlib.util.find_spec("fla") is not None
+
+
 @dataclass
 class FlaEvalConfig(evaluate.EvalConfig):
     def __post_init__(self):
         super().__post_init__()
-        cuda = self.device.startswith(("auto", "cuda")) and torch.cuda.is_available()
-        if not (self.ckpt and cuda and importlib.util.find_spec("fla")):
+        if not (self.ckpt and cuda_fla(self.device)):
             raise door.ModelError("experiments/fla_scan.py runs a student's scan on CUDA: it needs "
-                                 "--ckpt, a CUDA --device and flash-linear-attention "
-                                 "(pip install flash-linear-attention)")
+                                  "--ckpt, a CUDA --device and flash-linear-attention "
+                                  "(pip install flash-linear-attention)")
 
 
-REPLACE = {(model, "causal_linear_attention"): scan, (evaluate, "EvalConfig"): FlaEvalConfig}
+@dataclass
+class FlaDistillConfig(distill.DistillConfig):
+    def __post_init__(self):
+        super().__post_init__()
+        # the first validation runs the student's scan (had been a ModuleNotFoundError there)
+        if not cuda_fla(self.device):
+            raise door.ModelError("experiments/fla_scan.py runs the student's scan on CUDA: it needs "
+                                  "a CUDA --device and flash-linear-attention "
+                                  "(pip install flash-linear-attention)")
+
+
+REPLACE = {(model, "causal_linear_attention"): scan, (evaluate, "EvalConfig"): FlaEvalConfig,
+           (distill, "DistillConfig"): FlaDistillConfig}
 
 if __name__ == "__main__":
     forks.fork(__file__, REPLACE)

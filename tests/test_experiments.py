@@ -529,9 +529,15 @@ def test_direct_finetune_fork_trains_the_direct_loss_in_the_last_steps(setup, tm
         distill.main(plain + ["--max-steps", "4", "--direct-steps", "1", "--resume"])   # a tail it never had
 
 
-def test_fla_scan_needs_a_student_on_cuda(ckpt, monkeypatch):
+def test_fla_scan_needs_a_student_on_cuda(ckpt, tmp_path, monkeypatch):
     """experiments/fla_scan.py refuses, before any work (its EvalConfig's checks), a run whose student scan FLA's
-    CUDA kernel cannot take; so does its command line, with one sentence."""
+    CUDA kernel cannot take; so does its command line, with one sentence; and its distill.py on the CPU (it had
+    stopped with a traceback at its first validation)."""
+    with pytest.raises(door.ModelError, match=r"^experiments/fla_scan.py runs the student's scan on CUDA: it needs a "
+                                              r"CUDA --device and flash-linear-attention"), \
+            forks.replaced(fla_scan.REPLACE):
+        distill.main(["--model", str(ckpt), "--device", "cpu", "--out-dir", str(tmp_path / "run")])
+    assert list(tmp_path.iterdir()) == []
     monkeypatch.setattr(tasks, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
     for flags in (["--ckpt", "some-run", "--device", "cpu"], ["--device", "auto"]):     # the CPU; no student
         with pytest.raises(door.ModelError, match=r"^experiments/fla_scan.py runs a student's scan on CUDA: it needs"), \
