@@ -19,7 +19,6 @@ Run from the repository root; matplotlib draws them (pip install matplotlib). Un
 import json
 import math
 import sys
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +64,13 @@ class FigConfig(door.Config):
     def __post_init__(self):
         super().__post_init__()
         files.check_out(self.out, OUTPUTS)
+        written = {(Path(self.out) / f).resolve() for f in OUTPUTS}
+        if Path(self.text).resolve() in written:
+            raise door.ModelError(f"--text {self.text} is a file this run writes; pass another --out")
+        # the README's figures are SmolLM2-135M's, drawn with its trained student (--ckpt)
+        if Path(self.out).resolve() == ROOT / "docs" and not (self.model.lower() == "smollm2-135m" and self.ckpt):
+            raise door.ModelError(f"--out {self.out} holds the README's figures of SmolLM2-135M and its student "
+                                  "(--ckpt); pass another --out for these")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -288,8 +294,8 @@ def main(argv=None):
 
     out.mkdir(parents=True, exist_ok=True)
     try:
-        with ExitStack() as stack:                                # each figure into its .tmp, all four replaced at the
-            tmp = {f: stack.enter_context(files.atomic_path(out / f)) for f in OUTPUTS}     # end: all new, or none
+        with files.atomic_files([out / f for f in OUTPUTS]) as tmps:  # each into its .tmp, all replaced at the end
+            tmp = dict(zip(OUTPUTS, tmps))                        # (Ctrl-C held until the last): all new, or none
             fig_spectrum(plt, tmp["fig-spectrum.png"], x, N, shown, cfg)
             errors = fig_kernel_error(plt, tmp["fig-kernel-error.png"], layer_qk(teacher, held_out), x, N, shown, cfg)
             if not cfg.ckpt:

@@ -186,6 +186,25 @@ def test_figures_script_writes_valid_pngs_and_needs_matplotlib(figures_run, tmp_
     assert capsys.readouterr().err == "error: the figures need matplotlib, which is not installed; pip install matplotlib\n"
 
 
+def test_figures_keep_the_readmes_figures_and_their_own_text(figures_run, tmp_path):
+    """--out docs, the README's figures of SmolLM2-135M and its student, is refused for another model and without
+    --ckpt; so is a --text that is a file the run writes; each before any work (each had been replaced)."""
+    figures, args, docs = figures_run.figures, figures_run.args, ROOT / "docs"
+    committed = {f: (docs / f).read_bytes() for f in figures.OUTPUTS}
+    docs_refused = r"--out \S+ holds the README's figures of SmolLM2-135M and its student \(--ckpt\)"
+    (tmp_path / "figs").mkdir()
+    text = tmp_path / "figs" / "figures.json"
+    text.write_text(figures_run.data.joinpath("text.txt").read_text())
+    cases = [(["--ckpt", str(figures_run.student), "--out", str(docs)], docs_refused),
+             (["--model", "smollm2-135m", "--out", str(docs)], docs_refused),
+             (["--text", str(text), "--out", str(tmp_path / "figs")], r"--text \S+ is a file this run writes")]
+    for flags, sentence in cases:
+        with pytest.raises(door.ModelError, match=f"^{sentence}; pass another --out"):
+            figures.main(args + flags)
+    assert {f: (docs / f).read_bytes() for f in figures.OUTPUTS} == committed
+    assert [p.name for p in (tmp_path / "figs").iterdir()] == ["figures.json"]
+
+
 def test_figures_refuse_a_checkpoint_distilled_from_another_teacher(figures_run, tmp_path):
     """--ckpt of a student of another teacher of the same config (here a copy of it elsewhere): one sentence, as
     evaluate.py says it, before any figure; it had drawn the student of the other teacher."""
