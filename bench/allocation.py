@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 import distill  # noqa: E402
 import dof  # noqa: E402
 import door  # noqa: E402
@@ -156,6 +157,26 @@ class AllocationConfig(distill.DistillConfig):
             raise door.ModelError("--predict computes the predictors of a fresh run; drop --resume and --init-from")
         if self.predict:
             tasks.check_output(self.predict, self.model, None, [self.data], flag="--predict")
+            self.check_committed(Path(self.predict).resolve())
+
+    def check_committed(self, made):
+        """A committed file of predictors is replaced only by a run of its PREDICTOR_SETTINGS (other settings had
+        replaced it)."""
+        if not (made.is_relative_to(ROOT / "docs") and made.is_file()):
+            return
+        theirs = files.read_json(made, "restore it with git checkout").get("settings", {})
+
+        def same(k):  # a path is recorded relative to the repository
+            a, b = theirs.get(k), getattr(self, k)
+            return a == b or isinstance(a, str) and Path(ROOT, a).resolve() == Path(b).resolve()
+        if k := next((k for k in PREDICTOR_SETTINGS if not same(k)), None):
+            raise door.ModelError(f"--predict {self.predict} holds the committed predictors of a run with "
+                                  f"{door.flag(k)} {theirs.get(k)}, not {getattr(self, k)}; pass another --predict")
+
+
+# what the predictors depend on: a committed file of them is replaced only by a run of these settings
+PREDICTOR_SETTINGS = ("model", "data", "val_fraction", "block_size", "calib_batches", "J", "seed", "lam",
+                      "lam_relative", "budget", "chunk_size")
 
 
 def rule_dims(cfg, teacher, calib):

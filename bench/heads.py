@@ -79,6 +79,13 @@ class HeadsConfig(door.Config):
         if self.model != "smollm2-135m" and not self.synthetic and Path(self.out).resolve() == committed:
             raise door.ModelError(f"--out {self.out} holds SmolLM2-135M's committed numbers (smollm2.json); pass another "
                              f"--out for {self.model}'s")
+        made = committed / "smollm2.json"
+        if Path(self.out).resolve() == committed and made.is_file():   # other settings had replaced them
+            theirs = files.read_json(made, "restore it with git checkout")["settings"]
+            ours = {k: v for k, v in asdict(self).items() if k not in ("out", "synthetic")}
+            if k := next((k for k, v in ours.items() if k in theirs and theirs[k] != v), None):
+                raise door.ModelError(f"--out {self.out} holds the committed numbers of a run with "
+                                      f"{door.flag(k)} {theirs[k]}, not {ours[k]}; pass another --out")
 
 
 def sequences(path, n, T, seed, vocab_size):

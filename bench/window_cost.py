@@ -69,11 +69,12 @@ class CostConfig(door.Config):
         files.check_out(out.parent, [out.name])                     # before the work, not after it
         if out.resolve() == (Path(self.data) / "val.bin").resolve():
             raise door.ModelError(f"--out {self.out} is the val.bin this run reads; pass another --out")
-        # only a run of all three on SmolLM2-135M replaces its committed numbers
-        whole = self.model == "smollm2-135m" and set(self.what) == {"mass", "decode", "forward"}
-        if out.resolve() == ROOT / COMMITTED and not whole:
-            raise door.ModelError(f"--out {self.out} holds SmolLM2-135M's committed tables of mass, "
-                                  "decode and forward; pass another --out for this run's")
+        if out.resolve() == ROOT / COMMITTED and out.is_file():     # other settings had replaced them
+            theirs = files.read_json(out, "restore it with git checkout")["config"]
+            ours = {k: v for k, v in vars(self).items() if k != "out"}
+            if k := next((k for k, v in ours.items() if k in theirs and theirs[k] != v), None):
+                raise door.ModelError(f"--out {self.out} holds the committed numbers of a run with "
+                                      f"{door.flag(k)} {theirs[k]}, not {ours[k]}; pass another --out")
 
 
 @torch.no_grad()

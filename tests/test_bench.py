@@ -793,30 +793,41 @@ def test_window_cost_measures_mass_decoding_and_forward_and_tabulates_them(setup
 
 def test_the_instruments_refuse_an_output_that_is_the_users_before_any_work(setup, tmp_path):
     """long_context.py's and window_cost.py's --out is checked before the work: a folder, the token file they read
-    (each had been replaced at the end: val.bin by JSON) and, for window_cost.py, SmolLM2-135M's committed tables on
-    another model (they had been replaced by its numbers); gpu_check.py's --work-dir that holds files it did not write
-    (it had deleted the user's folders of the names it uses)."""
-    import gpu_check  # bench/gpu_check.py
+    (each had been replaced at the end: val.bin by JSON); the committed numbers of window_cost.py, heads.py and
+    allocation.py --predict are replaced only by a run of the settings they record (another model's or --lam's had
+    replaced them); gpu_check.py's --work-dir that holds files it did not write (it had deleted the user's folders
+    of the names it uses)."""
+    import allocation  # bench/allocation.py
+    import gpu_check
+    import heads
     import long_context
     d, ckpt, data = setup
     cost = load_script("bench/window_cost.py")
     (tmp_path / "folder").mkdir()
     (tmp_path / "work" / "gpt2-softmax").mkdir(parents=True)
     (tmp_path / "work" / "gpt2-softmax" / "notes.txt").write_text("mine")
-    committed = ROOT / cost.COMMITTED
-    disk = {p: p.read_bytes() for p in (data / "val.bin", committed)}
+    committed, kl = ROOT / cost.COMMITTED, ROOT / "docs" / "results" / "heads-kl"
+    predictors = ROOT / "docs" / "results" / "allocation" / "predictors-s0.json"
+    disk = {p: p.read_bytes() for p in (data / "val.bin", committed, predictors, *kl.iterdir())}
     long_flags = ["--model", ckpt, "--data", data / "val.bin", "--tokens", 300, "--contexts", "32", "--out"]
     cost_flags = ["--model", ckpt, "--data", data, "--what", "mass", "--W", "16", "--windows", "1", "--out"]
     cases = [(long_context.main, [*long_flags, data / "val.bin"], r"--out \S+ would replace a file this run reads"),
              (long_context.main, [*long_flags, tmp_path / "folder"], r"cannot write \S+folder: it is a directory"),
              (cost.main, [*cost_flags, data / "val.bin"], r"--out \S+ is the val.bin this run reads"),
-             (cost.main, [*cost_flags, committed], r"--out \S+ holds SmolLM2-135M's committed tables"),
+             (cost.main, [*cost_flags, committed], rf"--out \S+ holds the committed numbers of a run with --model "
+                                                   rf"smollm2-135m, not {ckpt}; pass another --out$"),
+             (heads.main, ["--synthetic", "--lam", "0.5", "--out", kl],
+              r"--out \S+ holds the committed numbers of a run with --lam 0.001, not 0.5; pass another --out$"),
+             (allocation.main, distill_args(ckpt, data, tmp_path / "run", "--predict", predictors),
+              rf"--predict \S+ holds the committed predictors of a run with --model smollm2-135m, not {ckpt}; "),
              (gpu_check.main, ["--tiny", "--device", "cpu", "--out", tmp_path / "c.json", "--work-dir",
                                tmp_path / "work"], r"--work-dir \S+ holds files that gpu_check.py did not write")]
     for main, flags, sentence in cases:
         with pytest.raises(door.ModelError, match=sentence):
             main([str(a) for a in flags])
     assert {p: p.read_bytes() for p in disk} == disk
+    for config, out in ((heads.HeadsConfig, kl), (cost.CostConfig, committed)):     # the defaults: the committed run's
+        assert door.parse_config(config, ["--out", str(out)]).out == str(out)
     assert (tmp_path / "work" / "gpt2-softmax" / "notes.txt").read_text() == "mine"
     (tmp_path / "work" / gpu_check.WORK_MARK).touch()                        # a folder an earlier check wrote
     assert door.parse_config(gpu_check.CheckConfig, ["--work-dir", str(tmp_path / "work")]).work_dir
