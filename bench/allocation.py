@@ -135,6 +135,11 @@ def slopes(Ms, KL):
 # ----------------------------------------------------------------------------------------------------------------
 # The fork of distill.py
 
+# what the predictors depend on: a committed file of them is replaced only by a run of these settings
+PREDICTOR_SETTINGS = ("model", "data", "val_fraction", "block_size", "calib_batches", "J", "seed", "lam",
+                      "lam_relative", "budget", "chunk_size")
+
+
 @dataclass
 class AllocationConfig(distill.DistillConfig):
     """distill.py with the dims of an allocation rule beyond the core's (bench/allocation.py)."""
@@ -172,11 +177,6 @@ class AllocationConfig(distill.DistillConfig):
         if k := next((k for k in PREDICTOR_SETTINGS if not same(k)), None):
             raise door.ModelError(f"--predict {self.predict} holds the committed predictors of a run with "
                                   f"{door.flag(k)} {theirs.get(k)}, not {getattr(self, k)}; pass another --predict")
-
-
-# what the predictors depend on: a committed file of them is replaced only by a run of these settings
-PREDICTOR_SETTINGS = ("model", "data", "val_fraction", "block_size", "calib_batches", "J", "seed", "lam",
-                      "lam_relative", "budget", "chunk_size")
 
 
 def rule_dims(cfg, teacher, calib):
