@@ -28,14 +28,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distill  # noqa: E402
 import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
 import forks  # noqa: E402
 import tasks  # noqa: E402
+from committed import check_committed  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------------------
 # Error curves and the measured allocation
@@ -162,21 +162,8 @@ class AllocationConfig(distill.DistillConfig):
             raise door.ModelError("--predict computes the predictors of a fresh run; drop --resume and --init-from")
         if self.predict:
             tasks.check_output(self.predict, self.model, None, [self.data], flag="--predict")
-            self.check_committed(Path(self.predict).resolve())
-
-    def check_committed(self, made):
-        """A committed file of predictors is replaced only by a run of its PREDICTOR_SETTINGS (other settings had
-        replaced it)."""
-        if not (made.is_relative_to(ROOT / "docs") and made.is_file()):
-            return
-        theirs = files.read_json(made, "restore it with git checkout").get("settings", {})
-
-        def same(k):  # a path is recorded relative to the repository
-            a, b = theirs.get(k), getattr(self, k)
-            return a == b or isinstance(a, str) and Path(ROOT, a).resolve() == Path(b).resolve()
-        if k := next((k for k in PREDICTOR_SETTINGS if not same(k)), None):
-            raise door.ModelError(f"--predict {self.predict} holds the committed predictors of a run with "
-                                  f"{door.flag(k)} {theirs.get(k)}, not {getattr(self, k)}; pass another --predict")
+            ours = {k: getattr(self, k) for k in PREDICTOR_SETTINGS}    # other settings had replaced them
+            check_committed(self.predict, ours, "settings", "--predict", what="predictors", keys=PREDICTOR_SETTINGS)
 
 
 def rule_dims(cfg, teacher, calib):

@@ -40,6 +40,7 @@ import dof  # noqa: E402
 import door  # noqa: E402
 import files  # noqa: E402
 import model  # noqa: E402
+from committed import check_committed  # noqa: E402
 from leverage import init_leverage, leverage_features, prf_log  # noqa: E402
 from per_head import GroupedLinearAttention, layer_losses  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
@@ -79,13 +80,8 @@ class HeadsConfig(door.Config):
         if self.model != "smollm2-135m" and not self.synthetic and Path(self.out).resolve() == committed:
             raise door.ModelError(f"--out {self.out} holds SmolLM2-135M's committed numbers (smollm2.json); pass another "
                              f"--out for {self.model}'s")
-        made = committed / "smollm2.json"
-        if Path(self.out).resolve() == committed and made.is_file():   # other settings had replaced them
-            theirs = files.read_json(made, "restore it with git checkout")["settings"]
-            ours = {k: v for k, v in asdict(self).items() if k not in ("out", "synthetic")}
-            if k := next((k for k, v in ours.items() if k in theirs and theirs[k] != v), None):
-                raise door.ModelError(f"--out {self.out} holds the committed numbers of a run with "
-                                      f"{door.flag(k)} {theirs[k]}, not {ours[k]}; pass another --out")
+        ours = {k: v for k, v in asdict(self).items() if k not in ("out", "synthetic")}
+        check_committed(self.out, ours, "settings", file="smollm2.json")   # other settings had replaced them
 
 
 def sequences(path, n, T, seed, vocab_size):

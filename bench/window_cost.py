@@ -38,6 +38,7 @@ import files  # noqa: E402
 import forks  # noqa: E402
 import model  # noqa: E402
 import window  # noqa: E402
+from committed import check_committed  # noqa: E402
 
 COMMITTED = "docs/results/window-cost/smollm2.json"   # SmolLM2-135M's tables, in git
 
@@ -69,12 +70,8 @@ class CostConfig(door.Config):
         files.check_out(out.parent, [out.name])                     # before the work, not after it
         if out.resolve() == (Path(self.data) / "val.bin").resolve():
             raise door.ModelError(f"--out {self.out} is the val.bin this run reads; pass another --out")
-        if out.resolve() == ROOT / COMMITTED and out.is_file():     # other settings had replaced them
-            theirs = files.read_json(out, "restore it with git checkout")["config"]
-            ours = {k: v for k, v in vars(self).items() if k != "out"}
-            if k := next((k for k, v in ours.items() if k in theirs and theirs[k] != v), None):
-                raise door.ModelError(f"--out {self.out} holds the committed numbers of a run with "
-                                      f"{door.flag(k)} {theirs[k]}, not {ours[k]}; pass another --out")
+        ours = {k: v for k, v in vars(self).items() if k != "out"}
+        check_committed(self.out, ours, "config")                   # other settings had replaced them
 
 
 @torch.no_grad()
